@@ -1,0 +1,1 @@
+"""burncoll: backend-agnostic collective operations."""

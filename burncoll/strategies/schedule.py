@@ -1,0 +1,69 @@
+"""Schedules: what a strategy produces and what the executors walk.
+
+Theory of operation
+-------------------
+A collective runs among ``world`` participants, numbered ``0 .. world-1`` (their rank at the
+level being scheduled: local peers of one node, or nodes). Every participant holds a buffer cut
+into ``num_chunks`` chunks; the executor decides where each chunk starts and stops.
+
+A :class:`Schedule` is a sequence of rounds. A round is a tuple of :class:`Step` s. A step moves
+chunk ``chunk`` from ``src`` to ``dst`` and either combines it into what ``dst`` holds
+(:attr:`Action.REDUCE`: ``dst[c] = dst[c] (op) src[c]``) or replaces it (:attr:`Action.COPY`).
+
+Within a round all steps read the values their sources held *at the start of the round*. A
+valid schedule guarantees that no (participant, chunk) is both read and written in the same
+round, so executors may run a round's steps in any interleaving across participants. Steps with
+the same destination run in the order listed (that fixes the order of floating-point
+reductions, so results are reproducible). Executors may synchronise between rounds (threads)
+or not at all (the network executor matches messages by round).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = ["Action", "Round", "Schedule", "Step"]
+
+
+class Action(enum.IntEnum):
+    """What the destination does with the chunk it receives."""
+
+    REDUCE = 1
+    COPY = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """Move chunk ``chunk`` from participant ``src`` to participant ``dst``."""
+
+    src: int
+    dst: int
+    chunk: int
+    action: Action
+
+
+Round = tuple[Step, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """Rounds of steps among ``world`` participants over ``num_chunks`` chunks."""
+
+    world: int
+    num_chunks: int
+    rounds: tuple[Round, ...]
+
+    def steps_into(self, participant: int, round_index: int) -> tuple[Step, ...]:
+        """The steps of round ``round_index`` whose destination is ``participant``."""
+        return tuple(s for s in self.rounds[round_index] if s.dst == participant)
+
+    def steps_from(self, participant: int, round_index: int) -> tuple[Step, ...]:
+        """The steps of round ``round_index`` whose source is ``participant``."""
+        return tuple(s for s in self.rounds[round_index] if s.src == participant)
+
+    def then(self, other: Schedule) -> Schedule:
+        """This schedule followed by ``other`` (same world and chunks)."""
+        if (other.world, other.num_chunks) != (self.world, self.num_chunks):
+            raise ValueError("can only chain schedules of the same world and chunk count")
+        return Schedule(self.world, self.num_chunks, self.rounds + other.rounds)

@@ -1,0 +1,96 @@
+"""The transport interface: message-oriented, authenticated connections between nodes.
+
+A transport moves whole *messages* (a burncoll frame: header plus payload) between two
+endpoints, in order, reliably, or fails loudly. It knows nothing of arrays or collectives.
+Implementations map their library's exceptions to :class:`~burncoll.TransportError` at this
+boundary (``raise TransportError(...) from exc``), so callers never see a
+``websockets`` or ``aioquic`` exception.
+
+Connections are used from one asyncio event loop (the node's I/O loop).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Connection", "Handler", "Listener", "TlsSettings", "Transport", "Buffer"]
+
+#: Anything ``bytes(...)`` accepts without copying semantics surprises.
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class TlsSettings:
+    """Certificate paths; all ``None`` means: make an ephemeral self-signed certificate."""
+
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+
+
+class Connection(abc.ABC):
+    """One bidirectional, ordered, reliable message channel."""
+
+    #: ``"host:port"`` of the other end, for messages and logs.
+    remote: str
+
+    @abc.abstractmethod
+    async def send(self, parts: Sequence[Buffer]) -> None:
+        """Send one message made of ``parts`` joined end to end.
+
+        Returns once the bytes are handed to the operating system or the library's buffer:
+        the caller may then modify the memory ``parts`` refer to. Raises
+        :class:`~burncoll.TransportError` when the connection is closed or broken.
+        """
+
+    @abc.abstractmethod
+    async def recv(self) -> Buffer:
+        """Receive the next whole message.
+
+        Raises :class:`~burncoll.TransportError` when the connection closes (cleanly or not)
+        before a message arrives, and :class:`~burncoll.ProtocolError` for a message over the
+        size limit.
+        """
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Close the connection; idempotent. Pending ``recv`` calls raise TransportError."""
+
+
+#: Called once per accepted connection; the connection is closed when it returns.
+Handler = Callable[[Connection], Awaitable[None]]
+
+
+class Listener(abc.ABC):
+    """A bound server socket accepting connections."""
+
+    #: The bound ``(host, port)``; the port is the real one when 0 was asked for.
+    host: str
+    port: int
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop accepting and close every accepted connection; idempotent."""
+
+
+class Transport(abc.ABC):
+    """A way to listen and connect (WebSocket, QUIC, ...)."""
+
+    #: The config spelling: ``"websocket"`` or ``"quic"``.
+    name: str
+
+    @abc.abstractmethod
+    async def listen(self, host: str, port: int, handler: Handler) -> Listener:
+        """Bind ``host:port`` (0 = ephemeral) and serve ``handler`` per connection.
+
+        Raises :class:`~burncoll.TransportError` naming the port when it cannot be bound.
+        """
+
+    @abc.abstractmethod
+    async def connect(self, host: str, port: int) -> Connection:
+        """Open a connection to ``host:port``.
+
+        Raises :class:`~burncoll.TransportError` when nothing answers (callers retry).
+        """
