@@ -1,1 +1,49 @@
-"""burncoll: backend-agnostic collective operations."""
+"""burncoll: collective operations over arrays of any backend, on one node and across nodes.
+
+Thread per device, process per node: every peer thread calls :func:`register` and then the
+collectives of its :class:`Communicator`. See the README for the tour.
+"""
+
+from burncoll.api import Communicator, register
+from burncoll.backends import get_backend
+from burncoll.config import CollectiveConfig
+from burncoll.errors import (
+    AuthenticationError,
+    BackendUnavailable,
+    CollectiveAborted,
+    CollectiveError,
+    CollectiveTimeout,
+    ConfigError,
+    MismatchError,
+    PeerLost,
+    ProtocolError,
+    TransportError,
+    UsageError,
+)
+from burncoll.ops import ReduceOp
+from burncoll.strategies import Centralized, Ring, Strategy, Tree
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AuthenticationError",
+    "BackendUnavailable",
+    "Centralized",
+    "CollectiveAborted",
+    "CollectiveConfig",
+    "CollectiveError",
+    "CollectiveTimeout",
+    "Communicator",
+    "ConfigError",
+    "MismatchError",
+    "PeerLost",
+    "ProtocolError",
+    "ReduceOp",
+    "Ring",
+    "Strategy",
+    "TransportError",
+    "Tree",
+    "UsageError",
+    "get_backend",
+    "register",
+]

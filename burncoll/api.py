@@ -1,0 +1,276 @@
+"""The public entry points: :func:`register` and the per-peer :class:`Communicator`."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from burncoll.backends import get_backend
+from burncoll.backends.base import Array, Backend, Device
+from burncoll.config import CollectiveConfig
+from burncoll.errors import CollectiveTimeout, UsageError
+from burncoll.local import compose
+from burncoll.local.calls import Call
+from burncoll.local.server import LocalServer
+from burncoll.ops import OpKind, ReduceOp, parse_reduce_op
+from burncoll.transport.wire import DTYPE_CODES
+
+__all__ = ["Communicator", "register"]
+
+
+class Communicator:
+    """One peer's handle on the collective; use it from the thread that registered it.
+
+    Every method blocks until the operation is done for this peer, or raises a
+    :class:`~burncoll.CollectiveError` within ``config.timeout`` seconds. Inputs are never
+    modified; results are new arrays of the same backend on this peer's device.
+    """
+
+    def __init__(self, server: LocalServer, index: int, device: Device) -> None:
+        self._server = server
+        self._index = index
+        self._backend: Backend = server.backend
+        #: This peer's id, as passed to :func:`register`.
+        self.peer_id: int = server.peer_ids[index]
+        #: The device this peer's results live on.
+        self.device: Device = device
+        #: Position of ``peer_id`` among all peer ids of the collective, sorted.
+        self.rank: int = server.rank_of[self.peer_id]
+        #: Number of peers in the whole collective (all nodes).
+        self.world_size: int = server.world_size
+
+    def __repr__(self) -> str:
+        return (
+            f"Communicator(peer_id={self.peer_id}, rank={self.rank}, "
+            f"world_size={self.world_size}, device={self.device!r})"
+        )
+
+    @property
+    def peer_ids(self) -> tuple[int, ...]:
+        """Every peer id of the collective, sorted (index = rank)."""
+        return self._server.world_peer_ids
+
+    @property
+    def config(self) -> CollectiveConfig:
+        """The configuration this peer registered with."""
+        return self._server.config
+
+    # -- operations -------------------------------------------------------------------------
+    def all_reduce(self, x: Array, op: ReduceOp | str = "sum") -> Array:
+        """``x`` reduced element-wise over every peer; bitwise identical on every peer."""
+        result = self._run(OpKind.ALL_REDUCE, x, parse_reduce_op(op), None)
+        return _not_none(result)
+
+    def reduce(self, x: Array, root: int, op: ReduceOp | str = "sum") -> Array | None:
+        """``x`` reduced over every peer, returned on peer ``root``; ``None`` elsewhere."""
+        return self._run(OpKind.REDUCE, x, parse_reduce_op(op), self._check_root(root))
+
+    def broadcast(self, x: Array | None, root: int) -> Array:
+        """Peer ``root``'s ``x`` on every peer (others may pass ``None``)."""
+        root = self._check_root(root)
+        if root == self.peer_id and x is None:
+            raise UsageError(f"broadcast: the root (peer {root}) must pass an array, not None")
+        return _not_none(self._run(OpKind.BROADCAST, x, None, root, allow_none=True))
+
+    def reduce_scatter(self, x: Array, op: ReduceOp | str = "sum") -> Array:
+        """This rank's block of ``x`` reduced over every peer.
+
+        The reduced array is split along axis 0 as ``numpy.array_split(x, world_size)`` splits
+        it; rank ``r`` gets block ``r``.
+        """
+        if self._is_array(x) and len(self._backend.shape(x)) == 0:
+            raise UsageError("reduce_scatter needs an array with at least one dimension")
+        return _not_none(self._run(OpKind.REDUCE_SCATTER, x, parse_reduce_op(op), None))
+
+    def all_gather(self, x: Array) -> Array:
+        """Every peer's ``x`` concatenated along axis 0 in rank order.
+
+        Peers may pass different lengths along axis 0; dtype and trailing shape must agree.
+        """
+        if self._is_array(x) and len(self._backend.shape(x)) == 0:
+            raise UsageError("all_gather needs an array with at least one dimension")
+        return _not_none(self._run(OpKind.ALL_GATHER, x, None, None))
+
+    def barrier(self) -> None:
+        """Return once every peer of the collective has called ``barrier``."""
+        self._run(OpKind.BARRIER, None, None, None, allow_none=True)
+
+    def finish(self) -> None:
+        """Leave the collective. The node closes its connections once every local peer has
+        called it; later calls on this communicator raise :class:`~burncoll.UsageError`."""
+        if self._server.finish(self._index):
+            _close_node(self._server)
+
+    # -- validation ---------------------------------------------------------------------------
+    def _is_array(self, x: object) -> bool:
+        return self._backend.is_array(x)
+
+    def _check_root(self, root: int) -> int:
+        if isinstance(root, bool) or not isinstance(root, int):
+            raise UsageError(f"root must be a peer id (an int), got {root!r}")
+        if root not in self._server.rank_of:
+            raise UsageError(
+                f"root={root} is not a peer of this collective; peer ids are "
+                f"{list(self._server.world_peer_ids)}"
+            )
+        return root
+
+    def _run(
+        self, kind: OpKind, x: Array | None, op: ReduceOp | None, root: int | None,
+        allow_none: bool = False,
+    ) -> Array | None:
+        self._server.check_usable(self._index)
+        dtype: str | None = None
+        shape: tuple[int, ...] | None = None
+        if x is not None or not allow_none:
+            x = self._accept(kind, x)
+            dtype = self._backend.dtype_name(x)
+            shape = tuple(self._backend.shape(x))
+        call = Call(self.peer_id, kind, op, root, x, dtype, shape)
+        return self._server.run(self._index, call, compose.prepare, compose.execute)
+
+    def _accept(self, kind: OpKind, x: Array | None) -> Array:
+        backend = self._backend
+        if not backend.is_array(x):
+            raise UsageError(
+                f"{kind.label}: expected an array of backend {backend.name!r}, got "
+                f"{type(x).__name__}; convert it first (the backend is set in CollectiveConfig)"
+            )
+        dtype = backend.dtype_name(x)
+        if dtype not in DTYPE_CODES:
+            raise UsageError(
+                f"{kind.label}: dtype {dtype} is not supported; use one of "
+                f"{', '.join(DTYPE_CODES)}"
+            )
+        if not backend.same_device(backend.device_of(x), self.device):
+            x = backend.to_device(x, self.device)
+        return x
+
+
+def _not_none(x: Array | None) -> Array:
+    if x is None:  # pragma: no cover - the schedules guarantee a result
+        raise RuntimeError("operation produced no result")
+    return x
+
+
+# -- registration -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Group:
+    """The peers of one node registering with one config, until the node is built."""
+
+    config: CollectiveConfig
+    devices: dict[int, Device] = field(default_factory=dict)
+    server: LocalServer | None = None
+    error: BaseException | None = None
+
+
+class _Registry:
+    """The groups being registered in this process, keyed by config.
+
+    ``register(peer_id, device, config)`` takes no handle, so the peers of a node find each
+    other here; one registry per process, guarded by one lock.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._groups: dict[CollectiveConfig, _Group] = {}
+
+    def join(self, peer_id: int, device: Device, config: CollectiveConfig) -> Communicator:
+        deadline = time.monotonic() + config.timeout
+        with self._cond:
+            group = self._groups.get(config)
+            if group is None or group.server is not None or group.error is not None:
+                # none yet, or a complete (possibly aborted) one: this registration starts anew
+                group = self._groups[config] = _Group(config)
+            if peer_id in group.devices:
+                raise UsageError(
+                    f"peer id {peer_id} is already registering on this node; peer ids must be "
+                    "unique across the collective"
+                )
+            group.devices[peer_id] = device
+            builder = len(group.devices) == config.num_devices
+        if builder:
+            self._build(group)
+        with self._cond:
+            while group.server is None and group.error is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    group.error = CollectiveTimeout(
+                        f"register timed out after {config.timeout:g} s: "
+                        f"{len(group.devices)} of num_devices={config.num_devices} local peers "
+                        f"registered (peer ids {sorted(group.devices)}); every local peer must "
+                        "call register() with the same config"
+                    )
+                    self._groups.pop(config, None)
+                    self._cond.notify_all()
+                    break
+                self._cond.wait(remaining)
+            if group.error is not None:
+                raise group.error
+            server = group.server
+        if server is None:  # pragma: no cover - the loop exits only when set
+            raise RuntimeError("registration ended without a server")
+        return Communicator(server, server.index_of[peer_id], device)
+
+    def _build(self, group: _Group) -> None:
+        config = group.config
+        try:
+            backend = get_backend(config.backend)
+            peer_ids = sorted(group.devices)
+            devices = [group.devices[p] for p in peer_ids]
+            link = None
+            if config.is_multi_node:
+                from burncoll.node import join_collective
+
+                link = join_collective(config, peer_ids)
+            server = LocalServer(backend, peer_ids, devices, config, link)
+            if link is not None:
+                link.attach(server)
+        except BaseException as exc:
+            with self._cond:
+                group.error = exc
+                self._groups.pop(config, None)
+                self._cond.notify_all()
+            return
+        with self._cond:
+            group.server = server
+            self._cond.notify_all()
+
+    def forget(self, server: LocalServer) -> None:
+        with self._cond:
+            group = self._groups.get(server.config)
+            if group is not None and group.server is server:
+                del self._groups[server.config]
+
+
+_REGISTRY = _Registry()
+
+
+def _close_node(server: LocalServer) -> None:
+    _REGISTRY.forget(server)
+    if server.link is not None:
+        server.link.close(time.monotonic() + server.config.timeout)
+
+
+def register(peer_id: int, device: Device | int, config: CollectiveConfig) -> Communicator:
+    """Join the collective as peer ``peer_id`` on ``device``; returns this peer's handle.
+
+    Blocks until all ``config.num_devices`` local peers have registered (and, with several
+    nodes, until every node has joined through the orchestrator), or raises
+    :class:`~burncoll.CollectiveTimeout` after ``config.timeout`` seconds. ``peer_id`` is an
+    int unique across the whole collective. ``device`` is one of the backend's devices
+    (``burncoll.get_backend(name).devices(n)[i]``) or its index. Call it from the thread that
+    will use the communicator; after a failure, call it again on every peer to start over.
+    """
+    if isinstance(peer_id, bool) or not isinstance(peer_id, int) or peer_id < 0:
+        raise UsageError(f"peer_id must be a non-negative int, got {peer_id!r}")
+    if not isinstance(config, CollectiveConfig):
+        raise UsageError(f"config must be a burncoll.CollectiveConfig, got {type(config).__name__}")
+    if isinstance(device, int) and not isinstance(device, bool):
+        backend = get_backend(config.backend)
+        devices = backend.devices(max(device + 1, config.num_devices))
+        device = devices[device]
+    return _REGISTRY.join(peer_id, device, config)

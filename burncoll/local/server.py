@@ -1,0 +1,299 @@
+"""The node's local server: the rendezvous of its peer threads, and failure handling.
+
+Theory of operation
+-------------------
+Every peer numbers its calls 0, 1, 2, ... (the operation's *sequence number*). A call
+*arrives*: it is stored in the :class:`OpState` of its sequence number and the peer waits until
+all local peers have arrived. The last to arrive compares the calls (a difference is a
+:class:`~burncoll.MismatchError` for everyone) and prepares the peers' buffers; then every peer
+thread walks its part of the operation (:mod:`burncoll.local.compose`), meeting the others at a
+barrier between rounds.
+
+Every wait ends by the operation's deadline (arrival + ``config.timeout``). Any failure -- a
+timeout, a mismatch, an error from another node -- *aborts* the server: the error is raised on
+every peer taking part in the operation, the barrier is broken so no thread stays blocked,
+other nodes are told, and every later call raises :class:`~burncoll.CollectiveAborted` at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from burncoll.backends.base import Array, Backend, Device
+from burncoll.config import CollectiveConfig
+from burncoll.errors import (
+    CollectiveAborted,
+    CollectiveError,
+    CollectiveTimeout,
+    MismatchError,
+    UsageError,
+)
+from burncoll.local.calls import Call, describe_calls, find_mismatch
+from burncoll.local.link import GlobalLink
+from burncoll.strategies import Schedule, Step
+
+__all__ = ["LocalServer", "OpState", "Plan"]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A schedule with each participant's incoming steps indexed by round."""
+
+    schedule: Schedule
+    steps_into: tuple[tuple[tuple[Step, ...], ...], ...]
+
+    @classmethod
+    def of(cls, schedule: Schedule) -> Plan:
+        per: list[list[list[Step]]] = [
+            [[] for _ in schedule.rounds] for _ in range(schedule.world)
+        ]
+        for r, round_ in enumerate(schedule.rounds):
+            for step in round_:
+                per[step.dst][r].append(step)
+        return cls(schedule, tuple(tuple(tuple(s) for s in p) for p in per))
+
+
+@dataclass
+class OpState:
+    """Everything the local peers share for one operation."""
+
+    seq: int
+    calls: list[Call | None]
+    arrived: int = 0
+    left: int = 0
+    ready: bool = False
+    error: BaseException | None = None
+    started: float = field(default_factory=time.monotonic)
+    #: Where each peer is, for timeout messages.
+    progress: list[str] = field(default_factory=list)
+    #: Scratch space for the composition (buffers, plans, global results).
+    shared: dict[str, Any] = field(default_factory=dict)
+
+    def complete_calls(self) -> list[Call]:
+        return [c for c in self.calls if c is not None]
+
+
+def copy_error(error: BaseException) -> BaseException:
+    """A fresh exception of the same type and message (one per raising thread)."""
+    try:
+        fresh = type(error)(*error.args)
+    except Exception:  # pragma: no cover - exotic constructors
+        return error
+    fresh.__cause__ = error.__cause__
+    return fresh
+
+
+class LocalServer:
+    """The peers of one node, their rendezvous, and the node's failure state."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        peer_ids: Sequence[int],
+        devices: Sequence[Device],
+        config: CollectiveConfig,
+        link: GlobalLink | None,
+    ) -> None:
+        self.backend = backend
+        self.config = config
+        self.link = link
+        self.peer_ids = tuple(peer_ids)
+        self.devices = tuple(devices)
+        self.size = len(self.peer_ids)
+        self.index_of = {pid: i for i, pid in enumerate(self.peer_ids)}
+        self.world_peer_ids = link.peer_ids if link is not None else self.peer_ids
+        self.world_size = len(self.world_peer_ids)
+        self.rank_of = {pid: r for r, pid in enumerate(self.world_peer_ids)}
+        self._cond = threading.Condition()
+        self._ops: dict[int, OpState] = {}
+        self._next_seq = [0] * self.size
+        self._barrier = threading.Barrier(self.size)
+        self._failure: BaseException | None = None
+        self._finished: set[int] = set()
+        self._closed = False
+        self._plans: dict[tuple[object, ...], Plan] = {}
+        self._plans_lock = threading.Lock()
+
+    # -- plans ------------------------------------------------------------------------------
+    def plan(self, key: tuple[object, ...], make: Callable[[], Schedule]) -> Plan:
+        """The cached :class:`Plan` for ``key`` (schedules are pure, so caching is safe)."""
+        with self._plans_lock:
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plans[key] = Plan.of(make())
+            return plan
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failure
+
+    def check_usable(self, index: int) -> None:
+        """Raise at once if the collective is aborted or this peer has finished."""
+        if index in self._finished:
+            raise UsageError(
+                f"peer {self.peer_ids[index]} called an operation after finish(); "
+                "register it again to start a new collective"
+            )
+        failure = self._failure
+        if failure is not None:
+            raise CollectiveAborted(
+                f"the collective was aborted by an earlier failure "
+                f"({type(failure).__name__}: {failure}); call burncoll.register(...) again "
+                "on every peer to start over"
+            ) from failure
+
+    # -- one operation ----------------------------------------------------------------------
+    def run(
+        self,
+        index: int,
+        call: Call,
+        prepare: Callable[[LocalServer, OpState], None],
+        execute: Callable[[LocalServer, OpState, int, float], Array | None],
+    ) -> Array | None:
+        """Arrive with ``call``, then execute this peer's part; the result or an error."""
+        self.check_usable(index)
+        started = time.monotonic()
+        deadline = started + self.config.timeout
+        state = self._arrive(index, call, started, deadline, prepare)
+        try:
+            return execute(self, state, index, deadline)
+        finally:
+            self._leave(state)
+
+    def _arrive(
+        self,
+        index: int,
+        call: Call,
+        started: float,
+        deadline: float,
+        prepare: Callable[[LocalServer, OpState], None],
+    ) -> OpState:
+        with self._cond:
+            self.check_usable(index)
+            seq = self._next_seq[index]
+            self._next_seq[index] += 1
+            state = self._ops.get(seq)
+            if state is None:
+                state = OpState(seq, [None] * self.size, progress=["arrived"] * self.size)
+                self._ops[seq] = state
+            state.calls[index] = call
+            state.arrived += 1
+            last = state.arrived == self.size
+            if last:
+                mismatch = find_mismatch(state.complete_calls())
+                if mismatch is not None:
+                    state.error = MismatchError(f"{call.kind.label} #{seq}: {mismatch}")
+        if last:
+            if state.error is None:
+                try:
+                    prepare(self, state)
+                except CollectiveError as exc:
+                    state.error = exc
+            with self._cond:
+                state.ready = True
+                self._cond.notify_all()
+            if state.error is not None:
+                self.fail(state.error)
+                raise copy_error(state.error)
+            return state
+        with self._cond:
+            while not state.ready and self._failure is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            if state.ready and state.error is None:
+                return state
+            failure = state.error or self._failure
+        if failure is None:
+            failure = self._arrival_timeout(call, state, started)
+            self.fail(failure)
+        raise copy_error(failure)
+
+    def _arrival_timeout(self, call: Call, state: OpState, started: float) -> CollectiveTimeout:
+        missing = [pid for pid, c in zip(self.peer_ids, state.calls, strict=True) if c is None]
+        arrived = state.complete_calls()
+        elapsed = time.monotonic() - started
+        return CollectiveTimeout(
+            f"{call.kind.label} #{state.seq} timed out after {elapsed:.1f} s "
+            f"(timeout {self.config.timeout:g} s): local peer(s) {missing} never called it; "
+            f"arrived: {describe_calls(arrived)}. Hint: every peer must call the same "
+            "operations in the same order."
+        )
+
+    def _leave(self, state: OpState) -> None:
+        with self._cond:
+            state.left += 1
+            if state.left == self.size:
+                self._ops.pop(state.seq, None)
+
+    def sync(self, state: OpState, index: int, deadline: float, where: str) -> None:
+        """Wait until every local peer has reached the same point of the same operation."""
+        state.progress[index] = f"done with {where}"
+        remaining = deadline - time.monotonic()
+        try:
+            self._barrier.wait(max(remaining, 0.0))
+        except threading.BrokenBarrierError:
+            failure = self._failure
+            if failure is None:
+                late = [
+                    f"peer {pid} ({state.progress[i]})"
+                    for i, pid in enumerate(self.peer_ids)
+                    if state.progress[i] != f"done with {where}"
+                ]
+                calls = state.complete_calls()
+                kind = calls[0].kind.label if calls else "operation"
+                failure = CollectiveTimeout(
+                    f"{kind} #{state.seq} timed out (timeout {self.config.timeout:g} s) "
+                    f"waiting for local peers to finish {where}: late: {', '.join(late)}"
+                )
+                self.fail(failure)
+                failure = self._failure or failure
+            raise copy_error(failure) from None
+
+    # -- failure ----------------------------------------------------------------------------
+    def fail(self, error: BaseException, *, remote: bool = False) -> None:
+        """Abort: wake and fail every waiting peer; tell other nodes unless ``remote``."""
+        with self._cond:
+            if self._failure is not None:
+                return
+            self._failure = error
+            self._cond.notify_all()
+        self._barrier.abort()
+        if self.link is not None and not remote:
+            self.link.abort(error)
+
+    # -- finish -----------------------------------------------------------------------------
+    def finish(self, index: int) -> bool:
+        """Mark peer ``index`` finished; True for the peer that must close the node.
+
+        A healthy collective waits for every local peer to finish so the node leaves the
+        collective once: up to twice the timeout, since other peers may still be inside an
+        operation bounded by the timeout. An aborted one lets each peer go at once.
+        """
+        deadline = time.monotonic() + 2 * self.config.timeout
+        with self._cond:
+            if index in self._finished:
+                return False
+            self._finished.add(index)
+            self._cond.notify_all()
+            while len(self._finished) < self.size and self._failure is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = [
+                        pid for i, pid in enumerate(self.peer_ids) if i not in self._finished
+                    ]
+                    raise CollectiveTimeout(
+                        f"finish timed out after {2 * self.config.timeout:g} s: local peer(s) "
+                        f"{missing} never called finish()"
+                    )
+                self._cond.wait(remaining)
+            if self._closed:
+                return False
+            self._closed = True
+            return True
