@@ -1,0 +1,1 @@
+"""Tests of burncoll.strategies: a symbolic simulator plays every schedule."""
