@@ -1,0 +1,130 @@
+"""dtype names as users write them, shared by every backend.
+
+burncoll names dtypes the way users type them — ``"float32"``, ``"bfloat16"``, ``"int64"`` —
+never NumPy's type codes (``"<f4"``). :func:`dtype_from_name` turns such a name into a NumPy
+dtype; :func:`dtype_name` does the reverse. ``bfloat16`` comes from ``ml_dtypes`` (a JAX
+dependency) and is available only where that package is installed; it is imported on first use.
+
+:func:`host_view` is the host half of every backend's ``from_host``: it turns a received
+buffer into a NumPy array of the wanted dtype and shape without copying.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+from burncoll.errors import UsageError
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "dtype_from_name",
+    "dtype_name",
+    "host_view",
+    "is_inexact",
+]
+
+#: Every dtype a collective can carry, by the name users write (the wire has a code for each).
+SUPPORTED_DTYPES: tuple[str, ...] = (
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "complex64",
+    "complex128",
+    "bool",
+)
+
+_INEXACT = frozenset({"float16", "bfloat16", "float32", "float64", "complex64", "complex128"})
+
+
+@functools.cache
+def _bfloat16() -> np.dtype[Any]:
+    """The ``ml_dtypes`` bfloat16 dtype; :class:`UsageError` when ml_dtypes is missing."""
+    try:
+        import ml_dtypes
+    except ImportError as exc:
+        raise UsageError(
+            "dtype 'bfloat16' needs the ml_dtypes package (pip install ml_dtypes; "
+            "it comes with jax)"
+        ) from exc
+    bfloat16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+    return bfloat16
+
+
+def dtype_from_name(name: str) -> np.dtype[Any]:
+    """The NumPy dtype for ``name``, one of :data:`SUPPORTED_DTYPES`.
+
+    NumPy spellings of a supported dtype (``"f4"``, ``"<f4"``, ``"double"``) are accepted too.
+    Raises :class:`~burncoll.UsageError` for any other name, and for ``"bfloat16"`` when
+    ``ml_dtypes`` is not installed.
+    """
+    if name == "bfloat16":
+        return _bfloat16()
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.name not in SUPPORTED_DTYPES or not dtype.isnative:
+        accepted = ", ".join(SUPPORTED_DTYPES)
+        raise UsageError(f"unsupported dtype {name!r}; use one of {accepted}")
+    return dtype
+
+
+def dtype_name(dtype: np.dtype[Any]) -> str:
+    """The name users write for ``dtype``: ``"float32"``, not ``"<f4"``; ``"bfloat16"``.
+
+    Never raises: a dtype outside :data:`SUPPORTED_DTYPES` gets NumPy's own name, so that
+    error messages can still name it.
+    """
+    return np.dtype(dtype).name
+
+
+def is_inexact(dtype: np.dtype[Any]) -> bool:
+    """True for floating and complex dtypes (bfloat16 included, which NumPy cannot tell)."""
+    return dtype_name(dtype) in _INEXACT or np.issubdtype(dtype, np.inexact)
+
+
+def host_view(
+    buffer: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...]
+) -> np.ndarray[Any, Any]:
+    """``buffer`` as a C-ordered host array of ``dtype`` and ``shape``, without a copy if possible.
+
+    ``buffer`` holds either elements of ``dtype`` already, or their raw bytes as ``uint8``
+    (``np.frombuffer(payload, np.uint8)``). Values are never converted between dtypes. The
+    result may share memory with ``buffer`` and may be read-only when ``buffer`` is.
+
+    Raises :class:`~burncoll.UsageError` when the element count or byte size does not match
+    ``shape``, or ``buffer`` has another dtype that is not ``uint8``.
+    """
+    target = dtype_from_name(dtype)
+    if any(dim < 0 for dim in shape):
+        raise UsageError(f"invalid shape {shape}: dimensions must be non-negative")
+    count = math.prod(shape)
+    flat = np.ascontiguousarray(buffer).reshape(-1)
+    if flat.dtype != target:
+        if flat.dtype != np.uint8:
+            raise UsageError(
+                f"cannot read {dtype_name(target)} elements from a {dtype_name(flat.dtype)} "
+                "buffer; pass elements of that dtype or raw bytes as uint8"
+            )
+        if flat.size != count * target.itemsize:
+            raise UsageError(
+                f"buffer holds {flat.size} bytes but {count} {dtype_name(target)} elements "
+                f"of shape {shape} need {count * target.itemsize}"
+            )
+        flat = flat.view(target)
+    if flat.size != count:
+        raise UsageError(f"buffer holds {flat.size} elements but shape {shape} needs {count}")
+    return flat.reshape(shape)
