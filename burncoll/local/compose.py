@@ -84,6 +84,8 @@ def _finish_reduce(server: LocalServer, x: Array, op: ReduceOp | None) -> Array:
 
 def _global_op(server: LocalServer, state: OpState, deadline: float) -> GlobalOp:
     call = _first(state)
+    dtype: str | None
+    shape: tuple[int, ...]
     if call.kind is OpKind.BROADCAST:
         dtype, shape = None, ()
     elif call.kind is OpKind.ALL_GATHER:

@@ -256,6 +256,16 @@ class LocalServer:
                 failure = self._failure or failure
             raise copy_error(failure) from None
 
+    def status(self) -> dict[str, Any]:
+        """Which local peers have arrived at which operations (answers other nodes' queries)."""
+        with self._cond:
+            arrived = {
+                str(seq): [c.peer_id for c in state.complete_calls()]
+                for seq, state in self._ops.items()
+            }
+            return {"arrived": arrived, "next_seq": dict(zip(self.peer_ids, self._next_seq,
+                                                             strict=True))}
+
     # -- failure ----------------------------------------------------------------------------
     def fail(self, error: BaseException, *, remote: bool = False) -> None:
         """Abort: wake and fail every waiting peer; tell other nodes unless ``remote``."""
