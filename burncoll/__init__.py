@@ -21,6 +21,7 @@ from burncoll.errors import (
     UsageError,
 )
 from burncoll.ops import ReduceOp
+from burncoll.orchestrator import Orchestrator, start_orchestrator
 from burncoll.strategies import Centralized, Ring, Strategy, Tree
 
 __version__ = "0.1.0"
@@ -36,6 +37,7 @@ __all__ = [
     "Communicator",
     "ConfigError",
     "MismatchError",
+    "Orchestrator",
     "PeerLost",
     "ProtocolError",
     "ReduceOp",
@@ -46,4 +48,5 @@ __all__ = [
     "UsageError",
     "get_backend",
     "register",
+    "start_orchestrator",
 ]

@@ -1,0 +1,302 @@
+"""The data service: this node's listener and its connections to every other node.
+
+Each ordered pair of nodes has one connection, opened once at session start by the sender and
+reused for every operation: node *a* sends to node *b* only on its own connection to *b*, and
+receives from *b* only on *b*'s connection to it, so each connection has one writer. Every
+connection is authenticated (challenge-response on the shared token) before any frame is read.
+
+Incoming DATA frames go to the :class:`Mailbox`; CONTROL frames carry aborts (another node
+failed), ``bye`` (a node leaving cleanly) and status queries. A member connection that breaks
+without ``bye``, or that sends bytes that are not a valid frame, fails the session with
+:class:`~burncoll.PeerLost` / :class:`~burncoll.ProtocolError` on every node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from burncoll.errors import (
+    AuthenticationError,
+    CollectiveError,
+    CollectiveTimeout,
+    MismatchError,
+    PeerLost,
+    ProtocolError,
+    TransportError,
+)
+from burncoll.node.mailbox import Mailbox
+from burncoll.transport.auth import authenticate_client, authenticate_server
+from burncoll.transport.base import Buffer, Connection, Listener, Transport
+from burncoll.transport.wire import FrameType, decode, encode_control
+
+__all__ = ["DataService", "NodeInfo", "error_from_abort"]
+
+log = logging.getLogger("burncoll.node")
+
+_ERRORS_BY_NAME: dict[str, type[CollectiveError]] = {
+    cls.__name__: cls
+    for cls in (CollectiveError, MismatchError, CollectiveTimeout, PeerLost, ProtocolError)
+}
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """One node of the session, as the orchestrator announced it."""
+
+    index: int
+    host: str
+    port: int
+    peer_ids: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"node {self.index} (peers {list(self.peer_ids)}, {self.host}:{self.port})"
+
+
+def error_from_abort(message: dict[str, Any], nodes: Sequence[NodeInfo]) -> CollectiveError:
+    """The exception an ``abort`` CONTROL message stands for (never anything but ours)."""
+    cls = _ERRORS_BY_NAME.get(str(message.get("error")), CollectiveError)
+    origin = message.get("node")
+    text = str(message.get("message", "another node failed"))
+    if isinstance(origin, int) and 0 <= origin < len(nodes):
+        text = f"{text} (reported by {nodes[origin].describe()})"
+    return cls(text)
+
+
+class DataService:
+    """Listener plus outgoing connections of one node; lives on the node's event loop."""
+
+    def __init__(self, transport: Transport, host: str, port: int, token: str | None,
+                 timeout: float) -> None:
+        self.transport = transport
+        self.host = host
+        self.requested_port = port
+        self.token = token
+        self.timeout = timeout
+        self.mailbox = Mailbox()
+        self.session: int | None = None
+        self.node_index = -1
+        self.nodes: tuple[NodeInfo, ...] = ()
+        self._listener: Listener | None = None
+        self._out: dict[int, Connection] = {}
+        self._send_locks: dict[int, asyncio.Lock] = {}
+        self._incoming: set[Connection] = set()
+        self._leaving: set[int] = set()
+        self._known = asyncio.Event()
+        self._closing = False
+        self._statuses: dict[int, dict[str, Any]] = {}
+        self._status_event = asyncio.Event()
+        #: Called once when the session fails because of another node (set by the link).
+        self.on_failure: Callable[[BaseException], None] = lambda error: None
+        #: Answers a status query: what this node's peers are doing.
+        self.status: Callable[[], dict[str, Any]] = lambda: {}
+
+    @property
+    def port(self) -> int:
+        if self._listener is None:
+            raise RuntimeError("data service not started")
+        return self._listener.port
+
+    async def start(self) -> None:
+        """Bind the listener (port 0 picks a free one)."""
+        self._listener = await self.transport.listen(self.host, self.requested_port,
+                                                     self._serve)
+
+    def set_session(self, session: int, node_index: int, nodes: Sequence[NodeInfo]) -> None:
+        self.session = session
+        self.node_index = node_index
+        self.nodes = tuple(nodes)
+        self._known.set()
+
+    # -- outgoing ---------------------------------------------------------------------------
+    async def connect_all(self, deadline: float) -> None:
+        """Open this node's connection to every other node (retrying until ``deadline``)."""
+        others = [n for n in self.nodes if n.index != self.node_index]
+        await asyncio.gather(*(self._connect(n, deadline) for n in others))
+
+    async def _connect(self, node: NodeInfo, deadline: float) -> None:
+        delay = 0.02
+        while True:
+            try:
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.01)):
+                    conn = await self.transport.connect(node.host, node.port)
+                    await authenticate_client(conn, self.token, self.timeout)
+                    await conn.send([encode_control(
+                        {"type": "hello", "node": self.node_index}, self.session or 0)])
+                self._out[node.index] = conn
+                self._send_locks[node.index] = asyncio.Lock()
+                return
+            except AuthenticationError:
+                raise
+            except (TransportError, TimeoutError, OSError) as exc:
+                if time.monotonic() + delay >= deadline:
+                    raise TransportError(
+                        f"could not connect to {node.describe()} within {self.timeout:g} s: "
+                        f"{exc}"
+                    ) from exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    async def send(self, node: int, parts: Sequence[Buffer]) -> None:
+        """Send one frame to ``node``; a broken connection fails the session (PeerLost)."""
+        conn = self._out.get(node)
+        if conn is None:
+            raise PeerLost(f"no connection to {self.nodes[node].describe()}")
+        try:
+            async with self._send_locks[node]:
+                await conn.send(parts)
+        except TransportError as exc:
+            error = PeerLost(f"{self.nodes[node].describe()} is unreachable: {exc}")
+            self.fail(error)
+            raise error from exc
+
+    async def tell_all(self, message: dict[str, Any], timeout: float = 1.0) -> None:
+        """Best effort: send a CONTROL message to every other node, bounded in time."""
+        frame = encode_control(message, self.session or 0)
+
+        async def one(index: int, conn: Connection) -> None:
+            try:
+                async with asyncio.timeout(timeout), self._send_locks[index]:
+                    await conn.send([frame])
+            except (TransportError, TimeoutError):
+                pass
+
+        await asyncio.gather(*(one(i, c) for i, c in list(self._out.items())))
+
+    # -- incoming ---------------------------------------------------------------------------
+    async def _serve(self, conn: Connection) -> None:
+        try:
+            await authenticate_server(conn, self.token, self.timeout)
+        except (AuthenticationError, TransportError) as exc:
+            log.warning("data service: refused a connection from %s: %s", conn.remote, exc)
+            return
+        node = -1
+        try:
+            hello = decode(await asyncio.wait_for(conn.recv(), self.timeout))
+            async with asyncio.timeout(self.timeout):
+                await self._known.wait()
+            node = self._check_hello(hello.control, hello.frame_type)
+            self._incoming.add(conn)
+            await self._receive(conn, node)
+        except (TransportError, TimeoutError) as exc:
+            if node >= 0:
+                self._lost(node, exc)
+            else:
+                log.warning("data service: dropped %s before it said hello: %s",
+                            conn.remote, exc)
+        finally:
+            self._incoming.discard(conn)
+
+    def _check_hello(self, control: dict[str, Any] | None, frame_type: FrameType) -> int:
+        if frame_type != FrameType.CONTROL or control is None or control["type"] != "hello":
+            raise ProtocolError("expected a hello frame first")
+        node = control.get("node")
+        if not isinstance(node, int) or not 0 <= node < len(self.nodes) or (
+            node == self.node_index
+        ):
+            raise ProtocolError(f"hello from an unknown node {node!r}")
+        return node
+
+    async def _receive(self, conn: Connection, node: int) -> None:
+        while True:
+            message = await conn.recv()
+            try:
+                frame = decode(message)
+            except ProtocolError as exc:
+                self.fail(ProtocolError(
+                    f"{self.nodes[node].describe()} sent a malformed frame ({exc}); the "
+                    "connection between members is corrupted"
+                ))
+                return
+            if frame.frame_type == FrameType.DATA:
+                self.mailbox.put(frame)
+                continue
+            control = frame.control or {}
+            kind = control.get("type")
+            if kind == "bye":
+                self._leaving.add(node)
+                return
+            if kind == "abort":
+                self.fail(error_from_abort(control, self.nodes), tell=False)
+            elif kind == "status?":
+                await self._reply_status(node)
+            elif kind == "status":
+                self._statuses[node] = control
+                self._status_event.set()
+
+    def _lost(self, node: int, exc: BaseException) -> None:
+        if self._closing or node in self._leaving:
+            return
+        self.fail(PeerLost(
+            f"{self.nodes[node].describe()} disconnected ({exc}); its process may have died"
+        ))
+
+    # -- status queries (for timeout messages) -----------------------------------------------
+    async def _reply_status(self, node: int) -> None:
+        reply = {"type": "status", "node": self.node_index, **self.status()}
+        conn = self._out.get(node)
+        if conn is not None:
+            try:
+                async with asyncio.timeout(1.0), self._send_locks[node]:
+                    await conn.send([encode_control(reply, self.session or 0)])
+            except (TransportError, TimeoutError):
+                pass
+
+    async def query_status(self, nodes: Sequence[int], timeout: float) -> dict[int, dict[str, Any]]:
+        """Ask ``nodes`` what their peers are doing; whoever answers within ``timeout``."""
+        self._statuses = {}
+        self._status_event = asyncio.Event()
+        await self.tell_some(nodes, {"type": "status?", "node": self.node_index}, timeout)
+        deadline = time.monotonic() + timeout
+        while not all(n in self._statuses for n in nodes):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._status_event.clear()
+            try:
+                async with asyncio.timeout(remaining):
+                    await self._status_event.wait()
+            except TimeoutError:
+                break
+        return dict(self._statuses)
+
+    async def tell_some(self, nodes: Sequence[int], message: dict[str, Any],
+                        timeout: float) -> None:
+        frame = encode_control(message, self.session or 0)
+        for index in nodes:
+            conn = self._out.get(index)
+            if conn is None:
+                continue
+            try:
+                async with asyncio.timeout(timeout), self._send_locks[index]:
+                    await conn.send([frame])
+            except (TransportError, TimeoutError):
+                pass
+
+    # -- failure and shutdown -----------------------------------------------------------------
+    def fail(self, error: BaseException, tell: bool = True) -> None:
+        """Fail the session here; tell every other node unless the error came from one."""
+        if self.mailbox.error is not None:
+            return
+        self.mailbox.fail(error)
+        self.on_failure(error)
+        if tell and self._out:
+            asyncio.get_running_loop().create_task(self.tell_all({
+                "type": "abort", "node": self.node_index,
+                "error": type(error).__name__, "message": str(error),
+            }))
+
+    async def close(self) -> None:
+        """Say ``bye`` to every node, then close every connection and the listener."""
+        self._closing = True
+        await self.tell_all({"type": "bye", "node": self.node_index})
+        for conn in list(self._out.values()):
+            await conn.close()
+        for conn in list(self._incoming):
+            await conn.close()
+        if self._listener is not None:
+            await self._listener.close()

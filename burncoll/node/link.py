@@ -1,0 +1,263 @@
+"""``NodeLink``: the :class:`~burncoll.local.link.GlobalLink` of a real node.
+
+Peer threads call its blocking methods; the work runs on the node's event loop. It joins the
+collective (orchestrator, then a connection to every node), runs global schedules with the
+:class:`GlobalExecutor`, and turns failures anywhere into a failure of the local server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from burncoll.config import CollectiveConfig, parse_host_port
+from burncoll.errors import CollectiveError, CollectiveTimeout, PeerLost
+from burncoll.local.buffers import even_layout
+from burncoll.local.link import GlobalOp, HostArray
+from burncoll.node.data_service import DataService
+from burncoll.node.executor import GlobalExecutor
+from burncoll.node.loop import IoLoop
+from burncoll.node.orchestrator_client import OrchestratorClient
+from burncoll.strategies import Schedule
+from burncoll.transport import TlsSettings, get_transport
+
+if TYPE_CHECKING:
+    from burncoll.local.server import LocalServer
+
+__all__ = ["NodeLink", "join_collective"]
+
+log = logging.getLogger("burncoll.node")
+T = TypeVar("T")
+
+
+class NodeLink:
+    """This node's membership of a multi-node collective."""
+
+    def __init__(self, config: CollectiveConfig, io: IoLoop, service: DataService,
+                 orchestrator: OrchestratorClient) -> None:
+        self.config = config
+        self._io = io
+        self._service = service
+        self._orch = orchestrator
+        self._executor = GlobalExecutor(service)
+        self.node_index = orchestrator.index
+        self.nodes = orchestrator.nodes
+        self.num_nodes = len(self.nodes)
+        self.peer_ids = tuple(sorted(p for n in self.nodes for p in n.peer_ids))
+        self.node_of: Mapping[int, int] = {p: n.index for n in self.nodes for p in n.peer_ids}
+        self._server: LocalServer | None = None
+        self._closed = False
+        service.on_failure = self._on_failure
+        service.status = self._status
+        orchestrator.on_node_lost = self._on_node_lost
+
+    def attach(self, server: LocalServer) -> None:
+        """Route failures reported by other nodes to ``server``."""
+        self._server = server
+        error = self._service.mailbox.error
+        if error is not None:
+            server.fail(error, remote=True)
+
+    # -- failure ----------------------------------------------------------------------------------
+    def _on_failure(self, error: BaseException) -> None:
+        if self._server is not None:
+            self._server.fail(error, remote=True)
+
+    def _on_node_lost(self, node: int) -> None:
+        self._service.fail(PeerLost(
+            f"{self.nodes[node].describe()} was lost (reported by the orchestrator); its "
+            "process may have died"
+        ))
+
+    def _status(self) -> dict[str, Any]:
+        server = self._server
+        return {} if server is None else server.status()
+
+    def abort(self, error: BaseException) -> None:
+        if self._closed:
+            return
+        try:
+            self._io.submit(self._abort(error)).result(3.0)
+        except Exception:  # pragma: no cover - best effort
+            log.debug("abort notification failed", exc_info=True)
+
+    async def _abort(self, error: BaseException) -> None:
+        self._service.fail(error)
+        await asyncio.sleep(0)
+
+    # -- running schedules --------------------------------------------------------------------------
+    def _call(self, op: GlobalOp, coro: Coroutine[Any, Any, T]) -> T:
+        try:
+            return self._io.run(coro, op.deadline, op.label)
+        except CollectiveTimeout as exc:
+            raise self._explain_timeout(op, exc) from None
+
+    def _explain_timeout(self, op: GlobalOp, exc: CollectiveTimeout) -> CollectiveTimeout:
+        others = [n.index for n in self.nodes if n.index != self.node_index]
+        try:
+            statuses = self._io.submit(self._service.query_status(others, 0.5)).result(2.0)
+        except Exception:  # pragma: no cover - best effort
+            statuses = {}
+        never, late, silent = [], [], []
+        for index in others:
+            status = statuses.get(index)
+            peers = self.nodes[index].peer_ids
+            if status is None:
+                silent.append(f"node {index} (peers {list(peers)}) did not answer")
+                continue
+            next_seq = status.get("next_seq", {})
+            for p in peers:
+                if int(next_seq.get(str(p), 0)) > op.seq:
+                    late.append(p)
+                else:
+                    never.append(p)
+        parts = [str(exc)]
+        if never:
+            parts.append(f"peers that never called {op.label}: {never}")
+        if late:
+            parts.append(f"peers that called it but did not finish: {late}")
+        parts.extend(silent)
+        error = CollectiveTimeout("; ".join(parts))
+        self.abort(error)
+        return error
+
+    def _schedule(self, field: str, make: str, *args: Any) -> Schedule:
+        strategy = self.config.strategy(field)
+        methods: dict[str, Callable[..., Schedule]] = {
+            "all_reduce": strategy.all_reduce,
+            "reduce": strategy.reduce,
+            "broadcast": strategy.broadcast,
+            "reduce_scatter": strategy.reduce_scatter,
+            "all_gather": strategy.all_gather,
+        }
+        return methods[make](self.num_nodes, *args)
+
+    async def _run(self, op: GlobalOp, schedule: Schedule, chunks: list[HostArray | None],
+                   channel: int = 0) -> tuple[str | None, tuple[int, ...]]:
+        mailbox = self._service.mailbox
+        if mailbox.error is not None:
+            raise mailbox.error
+        mailbox.expect(op.seq, self._executor.checker(op))
+        try:
+            return await self._executor.run(op, schedule, chunks, channel)
+        finally:
+            mailbox.done(op.seq)
+
+    def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0) -> None:
+        schedule = self._schedule("global_all_reduce_strategy", "all_reduce")
+        chunks: list[HostArray | None] = [
+            buf[a:b] for a, b in even_layout(buf.size, schedule.num_chunks)]
+        self._call(op, self._run(op, schedule, chunks, channel))
+
+    def reduce(self, op: GlobalOp, buf: HostArray, root_node: int) -> None:
+        schedule = self._schedule("global_reduce_strategy", "reduce", root_node)
+        chunks: list[HostArray | None] = [
+            buf[a:b] for a, b in even_layout(buf.size, schedule.num_chunks)]
+        self._call(op, self._run(op, schedule, chunks))
+
+    def broadcast(self, op: GlobalOp, buf: HostArray | None, root_node: int) -> HostArray:
+        schedule = self._schedule("global_broadcast_strategy", "broadcast", root_node)
+        if buf is not None:
+            chunks: list[HostArray | None] = [
+                buf[a:b] for a, b in even_layout(buf.size, schedule.num_chunks)]
+        else:
+            chunks = [None] * schedule.num_chunks
+        dtype, shape = self._call(op, self._run(op, schedule, chunks))
+        if buf is not None:
+            return buf.reshape(op.shape)
+        parts = [c for c in chunks if c is not None]
+        if len(parts) != schedule.num_chunks:  # pragma: no cover - the schedule guarantees it
+            raise CollectiveError(f"{op.label}: broadcast did not deliver every chunk")
+        from burncoll.backends.dtypes import dtype_from_name
+
+        flat = np.concatenate(parts) if parts else np.empty(0, dtype_from_name(dtype or "uint8"))
+        return flat.view(dtype_from_name(dtype or "uint8")).reshape(shape)
+
+    def reduce_scatter(self, op: GlobalOp, buf: HostArray, layout: Sequence[tuple[int, int]],
+                       owners: Sequence[int]) -> None:
+        schedule = self._schedule("global_all_reduce_strategy", "reduce_scatter", tuple(owners))
+        chunks: list[HostArray | None] = [buf[a:b] for a, b in layout]
+        self._call(op, self._run(op, schedule, chunks))
+
+    def all_gather(self, op: GlobalOp, mine: Mapping[int, HostArray]) -> list[HostArray]:
+        owners = tuple(self.node_of[p] for p in self.peer_ids)
+        schedule = self._schedule("global_all_reduce_strategy", "all_gather", owners)
+        chunks: list[HostArray | None] = [mine.get(r) for r in range(len(self.peer_ids))]
+        self._call(op, self._run(op, schedule, chunks))
+        return [c if c is not None else np.empty(0) for c in chunks]
+
+    def barrier(self, op: GlobalOp) -> None:
+        schedule = self._schedule("global_all_reduce_strategy", "all_reduce")
+        chunks: list[HostArray | None] = [
+            np.empty(0, np.uint8) for _ in range(schedule.num_chunks)]
+        self._call(op, self._run(op, schedule, chunks))
+
+    # -- leaving ------------------------------------------------------------------------------------
+    def close(self, deadline: float) -> None:
+        """Finish with every node (through the orchestrator), then close everything."""
+        if self._closed:
+            return
+        self._closed = True
+        healthy = self._service.mailbox.error is None
+        error: BaseException | None = None
+        try:
+            if healthy:
+                self._io.run(self._orch.finish(deadline), deadline, "finish")
+        except CollectiveError as exc:
+            error = exc
+        finally:
+            try:
+                self._io.submit(self._shutdown()).result(5.0)
+            except Exception:  # pragma: no cover - best effort
+                log.debug("shutdown failed", exc_info=True)
+            self._io.stop()
+        if error is not None:
+            raise error
+
+    async def _shutdown(self) -> None:
+        await self._service.close()
+        await self._orch.close()
+
+
+def join_collective(config: CollectiveConfig, local_peer_ids: Sequence[int]) -> NodeLink:
+    """Join the multi-node collective of ``config`` with this node's peers (blocking)."""
+    deadline = time.monotonic() + config.timeout
+    node_host, node_port = parse_host_port(config.node_address or "127.0.0.1", "node_address",
+                                           default_port=0)
+    port = config.data_service_port or node_port
+    orch_host, orch_port = parse_host_port(config.global_address or "", "global_address")
+    tls = TlsSettings(config.tls_cert, config.tls_key, config.tls_ca)
+    transport = get_transport(config.transport, tls=tls)
+    io = IoLoop(f"burncoll-node-{min(local_peer_ids)}")
+    try:
+        service = DataService(transport, node_host, port, config.auth_token, config.timeout)
+        orch = OrchestratorClient(transport, orch_host, orch_port, config.auth_token,
+                                  config.timeout)
+        io.run(_join(service, orch, config, local_peer_ids, deadline), deadline, "register")
+    except BaseException:
+        io.stop()
+        raise
+    return NodeLink(config, io, service, orch)
+
+
+async def _join(service: DataService, orch: OrchestratorClient, config: CollectiveConfig,
+                local_peer_ids: Sequence[int], deadline: float) -> None:
+    await service.start()
+    try:
+        await orch.join({
+            "type": "join", "host": service.host, "port": service.port,
+            "peer_ids": list(local_peer_ids), "fingerprint": config.global_fingerprint(),
+            "pid": os.getpid(),
+        }, deadline)
+        service.set_session(orch.session, orch.index, orch.nodes)
+        await service.connect_all(deadline)
+    except BaseException:
+        await service.close()
+        await orch.close()
+        raise

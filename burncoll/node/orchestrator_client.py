@@ -1,0 +1,156 @@
+"""A node's side of the orchestrator protocol (see :mod:`burncoll.orchestrator`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from burncoll.errors import (
+    AuthenticationError,
+    CollectiveTimeout,
+    ConfigError,
+    ProtocolError,
+    TransportError,
+)
+from burncoll.node.data_service import NodeInfo
+from burncoll.transport.auth import authenticate_client
+from burncoll.transport.base import Connection, Transport
+from burncoll.transport.wire import decode, encode_control
+
+__all__ = ["OrchestratorClient"]
+
+
+class OrchestratorClient:
+    """The node's connection to the orchestrator, kept open after the rendezvous."""
+
+    def __init__(self, transport: Transport, host: str, port: int, token: str | None,
+                 timeout: float) -> None:
+        self.transport = transport
+        self.host = host
+        self.port = port
+        self.token = token
+        self.timeout = timeout
+        self.conn: Connection | None = None
+        self.session = 0
+        self.index = -1
+        self.nodes: tuple[NodeInfo, ...] = ()
+        self.gone: BaseException | None = None
+        self._finished = asyncio.Event()
+        self._reader: asyncio.Task[None] | None = None
+        #: Called with a node index when the orchestrator reports it lost.
+        self.on_node_lost: Callable[[int], None] = lambda node: None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def join(self, message: dict[str, Any], deadline: float) -> None:
+        """Register with the orchestrator and wait for the node table (until ``deadline``).
+
+        A not-yet-listening orchestrator is retried with backoff.
+        """
+        conn = await self._connect(deadline)
+        self.conn = conn
+        await conn.send([encode_control(message)])
+        try:
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                reply = decode(await conn.recv()).control or {}
+        except TimeoutError:
+            raise CollectiveTimeout(
+                f"register timed out after {self.timeout:g} s waiting at the orchestrator "
+                f"{self.address} for all {message['fingerprint'].get('num_nodes')} nodes "
+                "to join; start every node (or check num_nodes)"
+            ) from None
+        except TransportError as exc:
+            raise TransportError(
+                f"the orchestrator at {self.address} closed the connection during "
+                f"registration: {exc}"
+            ) from exc
+        if reply.get("type") == "refused":
+            raise ConfigError(f"the orchestrator refused this node: {reply.get('reason')}")
+        if reply.get("type") != "table":
+            raise ProtocolError(f"unexpected reply from the orchestrator: {reply.get('type')}")
+        self.session = int(reply["session"])
+        self.index = int(reply["index"])
+        self.nodes = tuple(
+            NodeInfo(int(n["index"]), str(n["host"]), int(n["port"]),
+                     tuple(int(p) for p in n["peer_ids"]))
+            for n in reply["nodes"]
+        )
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _connect(self, deadline: float) -> Connection:
+        delay = 0.05
+        last: BaseException | None = None
+        while time.monotonic() < deadline:
+            try:
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.01)):
+                    conn = await self.transport.connect(self.host, self.port)
+                    try:
+                        await authenticate_client(conn, self.token, self.timeout)
+                    except BaseException:
+                        await conn.close()
+                        raise
+                    return conn
+            except AuthenticationError:
+                raise
+            except (TransportError, TimeoutError, OSError) as exc:
+                last = exc
+                await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
+                delay = min(delay * 2, 1.0)
+        raise TransportError(
+            f"could not reach the orchestrator at {self.address} within {self.timeout:g} s "
+            f"({last}); start it with `burncoll orchestrator --port {self.port}` or check "
+            "global_address"
+        )
+
+    async def _read(self) -> None:
+        conn = self.conn
+        if conn is None:  # pragma: no cover
+            return
+        try:
+            while True:
+                message = decode(await conn.recv()).control or {}
+                kind = message.get("type")
+                if kind == "finished":
+                    self._finished.set()
+                elif kind == "node_lost" and isinstance(message.get("node"), int):
+                    self.on_node_lost(int(message["node"]))
+        except (TransportError, ProtocolError) as exc:
+            self.gone = exc
+            self._finished.set()
+
+    async def finish(self, deadline: float) -> None:
+        """Tell the orchestrator this node is done; wait until every node is.
+
+        Raises :class:`~burncoll.TransportError` when the orchestrator is gone.
+        """
+        conn = self.conn
+        if conn is None or self.gone is not None:
+            raise TransportError(
+                f"finish: the orchestrator at {self.address} is gone ({self.gone}); the other "
+                "nodes may not have finished"
+            )
+        try:
+            await conn.send([encode_control({"type": "finish"})])
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                await self._finished.wait()
+        except TransportError as exc:
+            raise TransportError(f"finish: lost the orchestrator at {self.address}: {exc}") from exc
+        except TimeoutError:
+            raise CollectiveTimeout(
+                f"finish timed out after {self.timeout:g} s: not every node called finish()"
+            ) from None
+        if self.gone is not None:
+            raise TransportError(
+                f"finish: the orchestrator at {self.address} went away ({self.gone}) before "
+                "every node finished"
+            )
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        if self.conn is not None:
+            await self.conn.close()
