@@ -36,7 +36,10 @@ from burncoll.local.calls import Call, describe_calls, find_mismatch
 from burncoll.local.link import GlobalLink
 from burncoll.strategies import Schedule, Step
 
-__all__ = ["LocalServer", "OpState", "Plan"]
+__all__ = ["SYNC_GRACE", "LocalServer", "OpState", "Plan"]
+
+#: Extra seconds a local peer waits at a barrier in a multi-node collective.
+SYNC_GRACE = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +165,12 @@ class LocalServer:
         state = self._arrive(index, call, started, deadline, prepare)
         try:
             return execute(self, state, index, deadline)
+        except BaseException as exc:
+            # whatever stopped this peer stops the others too, at once
+            self.fail(exc if isinstance(exc, CollectiveError) else CollectiveError(
+                f"{call.kind.label} #{state.seq} failed on peer {call.peer_id}: "
+                f"{type(exc).__name__}: {exc}"))
+            raise
         finally:
             self._leave(state)
 
@@ -235,7 +244,9 @@ class LocalServer:
     def sync(self, state: OpState, index: int, deadline: float, where: str) -> None:
         """Wait until every local peer has reached the same point of the same operation."""
         state.progress[index] = f"done with {where}"
-        remaining = deadline - time.monotonic()
+        # The grace lets a peer that is talking to other nodes report its own (better
+        # explained) timeout first; it is bounded, so this wait still ends.
+        remaining = deadline - time.monotonic() + (SYNC_GRACE if self.link is not None else 0.0)
         try:
             self._barrier.wait(max(remaining, 0.0))
         except threading.BrokenBarrierError:

@@ -78,6 +78,7 @@ class DataService:
         self.token = token
         self.timeout = timeout
         self.mailbox = Mailbox()
+        self.mailbox.on_error = self.fail
         self.session: int | None = None
         self.node_index = -1
         self.nodes: tuple[NodeInfo, ...] = ()

@@ -78,7 +78,7 @@ class GlobalExecutor:
             mine = describe_fingerprint(op.kind, op.reduce_op, op.dtype, op.shape, op.root)
             theirs = describe_fingerprint(h.op_kind, h.reduce_op, h.dtype, h.shape, h.root)
             return MismatchError(
-                f"{op.label}: peers called different operations: "
+                f"{op.label}: peers called it with different arguments: "
                 f"{nodes[self.me].describe()} called {mine}; "
                 f"{nodes[h.src].describe() if 0 <= h.src < len(nodes) else h.src} "
                 f"called {theirs}"

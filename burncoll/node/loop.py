@@ -50,6 +50,8 @@ class IoLoop:
         try:
             return future.result(max(deadline - time.monotonic(), 0.0) + 1.0)
         except concurrent.futures.TimeoutError:
+            if future.done():  # the coroutine itself raised a TimeoutError (CollectiveTimeout)
+                raise
             future.cancel()
             raise CollectiveTimeout(f"{what} did not complete before its deadline") from None
 

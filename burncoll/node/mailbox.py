@@ -33,6 +33,9 @@ class Mailbox:
         self._error: BaseException | None = None
         #: Checks a frame against the receiver's own call of ``seq``; returns an error or None.
         self._checks: dict[int, Callable[[DataHeader], CollectiveError | None]] = {}
+        #: Called with a mismatch found while checking frames (the data service fails the
+        #: whole session with it); defaults to failing only this mailbox.
+        self.on_error: Callable[[BaseException], None] = self.fail
 
     @property
     def error(self) -> BaseException | None:
@@ -41,10 +44,9 @@ class Mailbox:
     def expect(self, seq: int, check: Callable[[DataHeader], CollectiveError | None]) -> None:
         """Start checking frames of ``seq``; frames already here are checked now."""
         self._checks[seq] = check
-        for key, frames in self._frames.items():
-            if key[0] == seq:
-                for frame in frames:
-                    self._check(frame)
+        queued = [f for key, frames in self._frames.items() if key[0] == seq for f in frames]
+        for frame in queued:
+            self._check(frame)
 
     def done(self, seq: int) -> None:
         """Operation ``seq`` is over on this node."""
@@ -58,7 +60,7 @@ class Mailbox:
         if check is not None:
             error = check(header)
             if error is not None:
-                self.fail(error)
+                self.on_error(error)
 
     def put(self, frame: Frame) -> None:
         """Store a DATA frame and wake whoever waits for its key."""

@@ -23,7 +23,12 @@ Buffer = bytes | bytearray | memoryview
 
 @dataclass(frozen=True, slots=True)
 class TlsSettings:
-    """Certificate paths; all ``None`` means: make an ephemeral self-signed certificate."""
+    """Certificate paths (PEM); see :mod:`burncoll.transport.tls` for how they are used.
+
+    All ``None``: no TLS where it is optional (WebSocket), and an ephemeral self-signed
+    certificate, not verified by clients, where it is not (QUIC). ``ca`` set: clients verify
+    the listener's certificate against it.
+    """
 
     cert: str | None = None
     key: str | None = None

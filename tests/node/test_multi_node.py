@@ -1,0 +1,80 @@
+"""Every operation across real node processes, through a real orchestrator on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import burncoll
+
+WORKER = Path(__file__).with_name("node_worker.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_nodes(scenario: str, nodes: int, devices: int, local: str = "tree",
+              global_: str = "ring", transport: str = "websocket", timeout: float = 20.0,
+              ) -> list[dict[str, object]]:
+    """Start an orchestrator and ``nodes`` processes; return every peer's JSON record."""
+    env = dict(os.environ, TEST_TIMEOUT=str(timeout), PYTHONPATH=str(REPO))
+    with burncoll.start_orchestrator(transport=transport) as orch:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(WORKER), scenario, str(n), str(nodes), str(devices),
+                 orch.address, local, global_, transport],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            for n in range(nodes)
+        ]
+        records: list[dict[str, object]] = []
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout * 4 + 30)
+            records.extend(json.loads(line) for line in stdout.splitlines() if line.startswith("{"))
+            if p.returncode not in (0, 17):
+                raise AssertionError(f"node exited {p.returncode}: {stderr[-2000:]}")
+    return records
+
+
+COMBOS = [
+    (2, 1, "tree", "ring"),
+    (2, 3, "centralized", "tree"),
+    (3, 2, "ring", "centralized"),
+    (4, 1, "tree:3", "tree:3"),
+    (3, 2, "tree", "ring"),
+    (2, 2, "ring", "ring"),
+]
+
+
+@pytest.mark.parametrize(("nodes", "devices", "local", "global_"), COMBOS)
+def test_every_operation_across_nodes(nodes: int, devices: int, local: str, global_: str
+                                      ) -> None:
+    records = run_nodes("every_op", nodes, devices, local, global_)
+    assert len(records) == nodes * devices
+    for r in records:
+        assert r["ok"], r
+
+
+def test_two_hundred_mixed_operations_up_to_4_mib() -> None:
+    records = run_nodes("mixed", 3, 2, "tree", "ring", timeout=60)
+    assert len(records) == 6 and all(r["ok"] for r in records), records
+
+
+def test_mismatch_across_nodes_reaches_every_peer() -> None:
+    records = run_nodes("mismatch", 3, 2, timeout=10)
+    assert len(records) == 6
+    for r in records:
+        assert r["error"] == "MismatchError", r
+        assert "float64[5]" in str(r["message"]) and "float64[4]" in str(r["message"])
+
+
+def test_killed_node_makes_every_survivor_raise_peer_lost() -> None:
+    records = run_nodes("kill", 3, 2, timeout=5)
+    survivors = [r for r in records if r["peer"] not in (2, 3)]
+    assert len(survivors) == 4
+    for r in survivors:
+        assert r["error"] in ("PeerLost", "CollectiveTimeout"), r
+        assert "node 1" in str(r["message"])
+        assert float(str(r["elapsed"])) < 5 + 3
