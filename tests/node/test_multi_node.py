@@ -39,19 +39,21 @@ def run_nodes(scenario: str, nodes: int, devices: int, local: str = "tree",
 
 
 COMBOS = [
-    (2, 1, "tree", "ring"),
-    (2, 3, "centralized", "tree"),
-    (3, 2, "ring", "centralized"),
-    (4, 1, "tree:3", "tree:3"),
-    (3, 2, "tree", "ring"),
-    (2, 2, "ring", "ring"),
+    (2, 1, "tree", "ring", "websocket"),
+    (2, 3, "centralized", "tree", "websocket"),
+    (3, 2, "ring", "centralized", "websocket"),
+    (4, 1, "tree:3", "tree:3", "websocket"),
+    (3, 2, "tree", "ring", "websocket"),
+    (2, 2, "ring", "ring", "websocket"),
+    (2, 2, "tree", "ring", "quic"),
+    (3, 1, "centralized", "tree", "quic"),
 ]
 
 
-@pytest.mark.parametrize(("nodes", "devices", "local", "global_"), COMBOS)
-def test_every_operation_across_nodes(nodes: int, devices: int, local: str, global_: str
-                                      ) -> None:
-    records = run_nodes("every_op", nodes, devices, local, global_)
+@pytest.mark.parametrize(("nodes", "devices", "local", "global_", "transport"), COMBOS)
+def test_every_operation_across_nodes(nodes: int, devices: int, local: str, global_: str,
+                                      transport: str) -> None:
+    records = run_nodes("every_op", nodes, devices, local, global_, transport)
     assert len(records) == nodes * devices
     for r in records:
         assert r["ok"], r
@@ -70,8 +72,9 @@ def test_mismatch_across_nodes_reaches_every_peer() -> None:
         assert "float64[5]" in str(r["message"]) and "float64[4]" in str(r["message"])
 
 
-def test_killed_node_makes_every_survivor_raise_peer_lost() -> None:
-    records = run_nodes("kill", 3, 2, timeout=5)
+@pytest.mark.parametrize("transport", ["websocket", "quic"])
+def test_killed_node_makes_every_survivor_raise(transport: str) -> None:
+    records = run_nodes("kill", 3, 2, transport=transport, timeout=5)
     survivors = [r for r in records if r["peer"] not in (2, 3)]
     assert len(survivors) == 4
     for r in survivors:
