@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from burncoll.backends import get_backend
 from burncoll.backends.base import Array, Backend, Device
@@ -17,6 +18,8 @@ from burncoll.ops import OpKind, ReduceOp, parse_reduce_op
 from burncoll.transport.wire import DTYPE_CODES
 
 __all__ = ["Communicator", "register"]
+
+T = TypeVar("T")
 
 
 class Communicator:
@@ -91,6 +94,19 @@ class Communicator:
         if self._is_array(x) and len(self._backend.shape(x)) == 0:
             raise UsageError("all_gather needs an array with at least one dimension")
         return _not_none(self._run(OpKind.ALL_GATHER, x, None, None))
+
+    def all_reduce_tree(
+        self, tree: T, op: ReduceOp | str = "mean", bucket_bytes: int = 25 * 2**20
+    ) -> T:
+        """All-reduce every array leaf of a nested structure (dicts, lists, tuples, JAX
+        pytrees) in a few bucketed collectives, one per ``bucket_bytes`` of each dtype.
+
+        Returns the same structure; bitwise identical on every peer. ``op`` defaults to the
+        mean, for gradients.
+        """
+        from burncoll.train.buckets import all_reduce_tree
+
+        return all_reduce_tree(self, tree, op, bucket_bytes)
 
     def barrier(self) -> None:
         """Return once every peer of the collective has called ``barrier``."""

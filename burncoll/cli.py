@@ -39,8 +39,7 @@ def _launch(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from burncoll.train.demo import run_demo
 
-    return run_demo(num_devices=args.devices, steps=args.steps, nodes=args.nodes,
-                    transport=args.transport)
+    return run_demo(num_devices=args.devices, steps=args.steps, nodes=args.nodes)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -78,8 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="data-parallel training demo on the NumPy backend")
     demo.add_argument("--nodes", type=int, default=1)
     demo.add_argument("--devices", type=int, default=4)
-    demo.add_argument("--steps", type=int, default=60)
-    demo.add_argument("--transport", choices=("websocket", "quic"), default="websocket")
+    demo.add_argument("--steps", type=int, default=1000)
     demo.set_defaults(func=_demo)
 
     try:

@@ -1,0 +1,308 @@
+"""The data-parallel training loop behind :meth:`DataParallel.fit`.
+
+Every peer holds a replica of the parameters. Step by step, each peer takes its shard of the
+global batch, computes the loss and gradients on it with the user's ``grad_fn``, averages them
+over all peers with one bucketed all-reduce (:func:`~burncoll.train.buckets.all_reduce_tree`)
+and applies the user's update. Since the averaged gradients are bitwise identical everywhere
+and the update is deterministic, the replicas stay bitwise identical.
+
+With equal shards, the mean of the per-shard mean gradients is the full-batch mean gradient,
+so ``fit`` computes what single-device training on the whole batch computes, up to float
+rounding (``grad_fn`` must return the *mean* loss over its batch, and its gradient).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from burncoll.api import Communicator
+from burncoll.backends import get_backend
+from burncoll.backends.base import Array, Backend, Device
+from burncoll.backends.dtypes import dtype_from_name, dtype_name, is_inexact
+from burncoll.errors import UsageError
+from burncoll.train.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    all_reduce_tree,
+    broadcast_tree,
+    flatten_tree,
+)
+
+if TYPE_CHECKING:
+    from burncoll.train.ddp import DataParallel
+
+__all__ = ["FitResult", "GradFn", "GradientTransformation", "Update", "fit", "replicas_identical"]
+
+#: ``grad_fn(params, batch) -> (loss, grads)``: the mean loss over ``batch`` (a scalar or 0-d
+#: array) and its gradient, a tree shaped like ``params`` (``jax.value_and_grad`` fits).
+GradFn = Callable[[Any, Any], tuple[Any, Any]]
+
+
+@runtime_checkable
+class GradientTransformation(Protocol):
+    """An optax-style optimizer: ``init(params) -> state`` and
+    ``update(grads, state, params) -> (updates, state)``; updates are added to the params."""
+
+    def init(self, params: Any) -> Any: ...
+
+    def update(self, updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]: ...
+
+
+#: A plain ``update(params, grads) -> new_params``, or an optax ``GradientTransformation``.
+Update = Callable[[Any, Any], Any] | GradientTransformation
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """What :meth:`DataParallel.fit` returns."""
+
+    #: The final parameters: the replica of this node's first device.
+    params: Any
+    #: The loss of every step (before its update), averaged over the whole global batch.
+    losses: list[float]
+    #: True when every replica of the collective, on every node, ended bitwise identical.
+    identical: bool
+
+
+def fit(
+    dp: DataParallel,
+    params: Any,
+    data: Any,
+    grad_fn: GradFn,
+    update: Update,
+    *,
+    steps: int,
+    batch_size: int | None = None,
+    seed: int = 0,
+    bucket_bytes: int | None = None,
+    progress: bool = True,
+    desc: str = "ddp",
+    callback: Callable[[Communicator, int, Any], None] | None = None,
+) -> FitResult:
+    """Train ``params`` for ``steps`` steps on every device of ``dp``; the final state.
+
+    - ``params``: the initial tree of arrays. Rank 0's is broadcast, so every replica starts
+      alike even when the nodes initialised theirs differently.
+    - ``data``: an array, or a tuple/list of arrays (say ``(x, y)``), sharing their first
+      dimension (the examples): NumPy arrays or arrays of the config's backend. Every node must
+      hold the same data. ``grad_fn`` receives a shard in the same form (a tuple for a
+      list), on the peer's device.
+    - ``grad_fn(params, batch) -> (loss, grads)``: see :data:`GradFn`.
+    - ``update``: ``update(params, grads) -> params`` (a plain function; it may update NumPy
+      arrays in place, each replica is private), or an optax ``GradientTransformation``.
+    - ``batch_size``: the global batch, split evenly among all peers of all nodes. ``None``
+      takes every example each step (full-batch descent, shard ``r`` is the ``r``-th
+      contiguous block). Otherwise each epoch visits the examples in an order shuffled by
+      ``seed`` (the same on every peer), ``len(data) // batch_size`` steps per epoch; the
+      remainder of an epoch is not used. The global batch must divide evenly by the world
+      size: a :class:`~burncoll.UsageError` says so otherwise, rather than dropping examples.
+    - ``progress``: a tqdm bar with the loss on rank 0 (plain lines when tqdm is missing).
+    - ``callback(comm, step, params)``: called on every peer after every step.
+
+    Failures follow :meth:`DataParallel.run`: an error on one peer aborts all and is raised.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise UsageError(f"steps must be a non-negative int, got {steps!r}")
+    arrays, as_tuple = _split_data(data)
+    rows = arrays[0].shape[0]
+    world = dp.config.num_devices * (dp.config.num_nodes or 1)
+    batch = rows if batch_size is None else batch_size
+    if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= rows:
+        raise UsageError(f"batch_size must be an int in 1..{rows} (the examples), got {batch!r}")
+    if batch % world:
+        what = "the data set" if batch_size is None else "batch_size"
+        raise UsageError(
+            f"{what} has {batch} examples, which do not divide evenly among {world} replicas; "
+            f"use a multiple of {world} (each replica then gets batch // {world} examples)"
+        )
+    bucket = DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+
+    def train(comm: Communicator) -> tuple[Any, list[float], bool]:
+        backend = get_backend(comm.config.backend)
+        sampler = _Sampler(arrays, as_tuple, batch, batch_size is None, seed, comm, backend)
+        p = broadcast_tree(comm, params, comm.peer_ids[0], bucket)
+        state = update.init(p) if isinstance(update, GradientTransformation) else None
+        losses: list[float] = []
+        bar = _Progress(steps, desc, progress and comm.rank == 0)
+        try:
+            for step in range(steps):
+                loss, grads = grad_fn(p, sampler.batch(step))
+                loss_leaf = _loss_leaf(backend, loss, grads, comm.device)
+                loss_mean, grads = all_reduce_tree(comm, (loss_leaf, grads), "mean", bucket)
+                if isinstance(update, GradientTransformation):
+                    updates, state = update.update(grads, state, p)
+                    p = _apply_updates(p, updates)
+                else:
+                    p = update(p, grads)
+                losses.append(float(backend.to_host(loss_mean)))
+                bar.step(losses[-1])
+                if callback is not None:
+                    callback(comm, step, p)
+        finally:
+            bar.close()
+        return p, losses, replicas_identical(comm, p)
+
+    results = dp.run(train)
+    final, losses, _ = results[0]
+    return FitResult(final, losses, all(r[2] for r in results))
+
+
+def replicas_identical(comm: Communicator, tree: Any) -> bool:
+    """True when every peer's ``tree`` is bitwise identical (dtypes and shapes included).
+
+    A collective: every peer must call it. Each peer hashes its leaves (SHA-256) and the
+    digests are all-gathered, so the answer is the same on every peer, on every node.
+    """
+    backend = get_backend(comm.config.backend)
+    digest = hashlib.sha256()
+    leaves, _ = flatten_tree(tree)
+    for leaf in leaves:
+        host = np.ascontiguousarray(backend.to_host(leaf) if backend.is_array(leaf) else leaf)
+        digest.update(f"{dtype_name(host.dtype)}{host.shape};".encode())
+        digest.update(host.tobytes())
+    mine = np.frombuffer(digest.digest(), dtype=np.uint8).copy()
+    gathered = np.asarray(backend.to_host(comm.all_gather(_from_numpy(backend, mine, comm.device))))
+    rows = gathered.reshape(comm.world_size, mine.size)
+    return bool((rows == rows[0]).all())
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _split_data(data: Any) -> tuple[list[Any], bool]:
+    arrays = list(data) if isinstance(data, list | tuple) else [data]
+    if not arrays:
+        raise UsageError("data must be an array or a non-empty tuple of arrays")
+    rows: list[int] = []
+    for i, a in enumerate(arrays):
+        shape = getattr(a, "shape", None)
+        if shape is None or len(shape) == 0:
+            raise UsageError(f"data[{i}] must be an array with a first (examples) dimension")
+        rows.append(int(shape[0]))
+    if len(set(rows)) != 1:
+        raise UsageError(f"the data arrays must share their first dimension, got {rows}")
+    return arrays, isinstance(data, list | tuple)
+
+
+def _from_numpy(backend: Backend, host: np.ndarray[Any, Any], device: Device) -> Array:
+    """``host`` as an array of ``backend`` on ``device`` (itself for NumPy)."""
+    if backend.is_array(host):
+        return host
+    host = np.ascontiguousarray(host)
+    return backend.from_host(host, dtype_name(host.dtype), tuple(host.shape), device)
+
+
+class _Sampler:
+    """This peer's shard of each step's global batch; the same schedule on every peer."""
+
+    def __init__(
+        self,
+        arrays: Sequence[Any],
+        as_tuple: bool,
+        batch: int,
+        full: bool,
+        seed: int,
+        comm: Communicator,
+        backend: Backend,
+    ) -> None:
+        self._arrays = arrays
+        self._as_tuple = as_tuple
+        self._rows = int(arrays[0].shape[0])
+        self._batch = batch
+        self._full = full
+        self._seed = seed
+        self._shard = batch // comm.world_size
+        self._offset = comm.rank * self._shard
+        self._backend = backend
+        self._device = comm.device
+        self._epoch: tuple[int, np.ndarray[Any, Any]] | None = None
+        self._cached: Any = None
+
+    def batch(self, step: int) -> Any:
+        if self._full:
+            if self._cached is None:
+                self._cached = self._take(slice(self._offset, self._offset + self._shard))
+            return self._cached
+        epoch, k = divmod(step, self._rows // self._batch)
+        if self._epoch is None or self._epoch[0] != epoch:
+            order = np.random.default_rng([self._seed, epoch]).permutation(self._rows)
+            self._epoch = (epoch, order)
+        start = k * self._batch + self._offset
+        return self._take(self._epoch[1][start : start + self._shard])
+
+    def _take(self, index: slice | np.ndarray[Any, Any]) -> Any:
+        parts = [self._to_peer(a[index]) for a in self._arrays]
+        return tuple(parts) if self._as_tuple else parts[0]
+
+    def _to_peer(self, x: Any) -> Any:
+        if self._backend.is_array(x):
+            return self._backend.to_device(x, self._device)
+        return _from_numpy(self._backend, np.asarray(x), self._device)
+
+
+def _loss_leaf(backend: Backend, loss: Any, grads: Any, device: Device) -> Array:
+    """The loss as a 0-d array of ``backend``, in the grads' float dtype when it is not one."""
+    if backend.is_array(loss):
+        if backend.shape(loss) != ():
+            raise UsageError(f"grad_fn must return a scalar loss, got shape {backend.shape(loss)}")
+        return loss
+    like = "float64"
+    for leaf in flatten_tree(grads)[0]:
+        if backend.is_array(leaf) and is_inexact(dtype_from_name(backend.dtype_name(leaf))):
+            like = backend.dtype_name(leaf)
+            break
+    host = np.asarray(loss, dtype=dtype_from_name(like))
+    if host.shape != ():
+        raise UsageError(f"grad_fn must return a scalar loss, got shape {host.shape}")
+    return _from_numpy(backend, host, device)
+
+
+def _apply_updates(params: Any, updates: Any) -> Any:
+    """``params + updates`` leaf by leaf, in the params' dtypes, as ``optax.apply_updates``.
+
+    Written out rather than calling optax, which would turn NumPy leaves into JAX arrays.
+    """
+    p_leaves, unflatten = flatten_tree(params)
+    u_leaves, _ = flatten_tree(updates)
+    if len(p_leaves) != len(u_leaves):
+        raise UsageError(
+            f"the optimizer returned {len(u_leaves)} updates for {len(p_leaves)} parameters"
+        )
+    return unflatten([(p + u).astype(p.dtype) for p, u in zip(p_leaves, u_leaves, strict=True)])
+
+
+class _Progress:
+    """A tqdm bar with the loss; plain lines on stderr when tqdm is not installed."""
+
+    def __init__(self, total: int, desc: str, enabled: bool) -> None:
+        self._total = total
+        self._desc = desc
+        self._enabled = enabled
+        self._done = 0
+        self._bar: Any = None
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:
+                return
+            self._bar = tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True)
+
+    def step(self, loss: float) -> None:
+        if not self._enabled:
+            return
+        self._done += 1
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+            self._bar.update(1)
+        elif self._done % max(1, self._total // 10) == 0 or self._done == self._total:
+            print(f"{self._desc}: step {self._done}/{self._total} loss {loss:.4g}", file=sys.stderr)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
