@@ -40,6 +40,7 @@ from burncoll.ops import OpKind, ReduceOp
 
 __all__ = [
     "CONTROL_LIMIT",
+    "DEFAULT_MAX_MESSAGE_BYTES",
     "DTYPE_CODES",
     "DataHeader",
     "FrameType",
@@ -56,6 +57,9 @@ WIRE_VERSION = 1
 MAX_NDIM = 32
 #: Largest CONTROL payload accepted (JSON).
 CONTROL_LIMIT = 1 << 20
+#: Largest whole message (header + payload) a transport accepts unless configured otherwise:
+#: a 64 MiB payload and room for its header.
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20 + 4096
 
 _FIXED = struct.Struct("<2sBBQQBBBBqiHHIQQQ")
 FIXED_HEADER_BYTES = _FIXED.size  # 68
@@ -217,7 +221,9 @@ def decode_control(payload: memoryview) -> dict[str, Any]:
         raise ProtocolError(f"control message of {len(payload)} bytes exceeds {CONTROL_LIMIT}")
     try:
         message = json.loads(bytes(payload))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:
+        # ValueError covers JSONDecodeError, UnicodeDecodeError and over-long integers;
+        # RecursionError, deeply nested arrays.
         raise ProtocolError(f"control message is not valid JSON: {exc}") from exc
     if not isinstance(message, dict) or not isinstance(message.get("type"), str):
         raise ProtocolError("control message must be a JSON object with a string 'type'")
