@@ -210,7 +210,9 @@ class CollectiveConfig:
 # -- parsing and validation -------------------------------------------------------------------
 
 
-def parse_host_port(value: str, field_name: str, default_port: int | None = None) -> tuple[str, int]:
+def parse_host_port(
+    value: str, field_name: str, default_port: int | None = None
+) -> tuple[str, int]:
     """``"host:port"``, ``"ws://host:port/path"``, ``"quic://[::1]:5000"`` -> ``(host, port)``."""
     text = value.strip()
     split = urlsplit(text if "://" in text else "//" + text)

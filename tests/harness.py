@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -26,18 +27,16 @@ def run_peers(
     def worker(i: int) -> None:
         try:
             comm = burncoll.register(ids[i], i, config)
-        except Exception as exc:  # noqa: BLE001 - reported to the test
+        except Exception as exc:
             out[i] = exc
             return
         try:
             out[i] = fn(comm, i)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             out[i] = exc
         finally:
-            try:
+            with contextlib.suppress(burncoll.CollectiveError):
                 comm.finish()
-            except burncoll.CollectiveError:
-                pass
 
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(d)]
     for t in threads:

@@ -127,7 +127,7 @@ def prepare(server: LocalServer, state: OpState) -> None:
     kind = call.kind
     d = server.size
     cfg = server.config
-    if kind is OpKind.BARRIER or kind is OpKind.BROADCAST and server.link is not None:
+    if kind is OpKind.BARRIER or (kind is OpKind.BROADCAST and server.link is not None):
         return
     if kind is OpKind.BROADCAST:
         root_call = state.calls[server.index_of[call.root or 0]]

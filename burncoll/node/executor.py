@@ -114,7 +114,7 @@ class GlobalExecutor:
         data = chunks[step.chunk]
         if data is None:
             raise RuntimeError(f"chunk {step.chunk} sent before it was received")
-        raw = memoryview(np.ascontiguousarray(data).view(np.uint8))
+        raw = memoryview(np.ascontiguousarray(data).view(np.uint8))  # type: ignore[arg-type]
         total = raw.nbytes
         parts = max(1, math.ceil(total / PART_BYTES))
         for p in range(parts):

@@ -91,7 +91,7 @@ class NodeLink:
         self._service.fail(error)
         await asyncio.sleep(0)
 
-    # -- running schedules --------------------------------------------------------------------------
+    # -- running schedules ----------------------------------------------------------------
     def _call(self, op: GlobalOp, coro: Coroutine[Any, Any, T]) -> T:
         try:
             return self._io.run(coro, op.deadline, op.label)
@@ -198,7 +198,7 @@ class NodeLink:
             np.empty(0, np.uint8) for _ in range(schedule.num_chunks)]
         self._call(op, self._run(op, schedule, chunks))
 
-    # -- leaving ------------------------------------------------------------------------------------
+    # -- leaving --------------------------------------------------------------------------
     def close(self, deadline: float) -> None:
         """Finish with every node (through the orchestrator), then close everything."""
         if self._closed:

@@ -1,6 +1,7 @@
 """One node process for the multi-node tests: runs a scenario on the public API only.
 
-Usage: python node_worker.py SCENARIO NODE_RANK NUM_NODES DEVICES ORCH_ADDRESS LOCAL GLOBAL TRANSPORT
+Usage: python node_worker.py SCENARIO NODE_RANK NUM_NODES DEVICES ORCH_ADDRESS LOCAL GLOBAL
+TRANSPORT
 Prints one JSON line per peer: {"peer": id, "ok": bool, "error": type, "message": str}.
 """
 
@@ -47,7 +48,7 @@ def every_op(comm: burncoll.Communicator, world: int, rounds: int) -> None:
 
 def mixed_sizes(comm: burncoll.Communicator, world: int, count: int) -> None:
     rng = np.random.default_rng(1234)  # the same sequence on every peer
-    sizes = [1, 7, 1000, 65536, 1 << 20] + list(rng.integers(1, 1 << 20, size=count - 5))
+    sizes = [1, 7, 1000, 65536, 1 << 20, *list(rng.integers(1, 1 << 20, size=count - 5))]
     for k, size in enumerate(sizes):
         x = np.full(size, comm.peer_id + 1, dtype=np.float32) + (k % 5)
         ref = float(sum(p + 1 + (k % 5) for p in comm.peer_ids))
