@@ -1,0 +1,274 @@
+"""Peer baselines measured beside burncoll, one per worker; also ``python -m`` entry point.
+
+``python -m burncoll.bench.peers {gloo,mpi,tcp,numpy} --sizes 8,1024 [--rank R --world N
+--port P]`` runs one worker; the process of rank 0 prints one ``BURNCOLL_PEER_RESULT <json>``
+line with its rows. :mod:`burncoll.bench.peer_driver` starts these workers (N processes for
+Gloo, ``mpirun`` for MPI). Every worker times like burncoll's runner: a barrier before each
+iteration, ``time.perf_counter`` around the operation, the slowest participant's time per
+iteration, the median over iterations.
+
+* ``gloo``: ``torch.distributed.all_reduce`` (backend gloo) into a buffer refreshed from the
+  input before each iteration's barrier (all-reduce works in place).
+* ``mpi``: ``mpi4py`` ``Comm.Allreduce(send, recv)``, out of place.
+* ``tcp``: one loopback TCP connection, both ends sending and receiving ``size`` bytes at
+  once (a ring of 2 with both directions busy); GB/s each way.
+* ``numpy``: ``np.add(a, b, out=c)`` on one thread: the reduction kernel alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from burncoll.backends.dtypes import dtype_from_name
+from burncoll.bench.check import peer_input
+from burncoll.bench.results import PeerRow, busbw_factor, median
+
+__all__ = ["RESULT_MARKER", "gloo_worker", "main", "mpi_worker", "numpy_add", "tcp_loopback"]
+
+#: Prefix of the line that carries a worker's JSON result on stdout.
+RESULT_MARKER = "BURNCOLL_PEER_RESULT "
+
+_REDOPS = ("sum", "max", "min", "prod")
+#: Seconds a loopback transfer or barrier may block before the TCP baseline gives up.
+_TCP_TIMEOUT = 120.0
+
+
+def _row(requested: int, count: int, itemsize: int, seconds: float, factor: float) -> PeerRow:
+    size = count * itemsize
+    algbw = size / seconds / 1e9 if seconds > 0 else 0.0
+    return PeerRow(requested, size, count, seconds * 1e6, algbw, algbw * factor)
+
+
+def _counts(sizes: Sequence[int], itemsize: int) -> list[tuple[int, int]]:
+    """``(requested, count)`` for each size holding at least one element."""
+    return [(size, size // itemsize) for size in sizes if size // itemsize > 0]
+
+
+def gloo_worker(
+    rank: int,
+    world: int,
+    port: int,
+    sizes: Sequence[int],
+    dtype: str,
+    iters: int,
+    warmup: int,
+    redop: str = "sum",
+) -> list[PeerRow]:
+    """Time Gloo's all-reduce as rank ``rank`` of ``world``; rows are meaningful on rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # one process per device, as burncoll's one thread per device
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=300),
+    )
+    op = {
+        "sum": dist.ReduceOp.SUM,
+        "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN,
+        "prod": dist.ReduceOp.PRODUCT,
+    }[redop]
+    itemsize = dtype_from_name(dtype).itemsize
+    rows: list[PeerRow] = []
+    try:
+        for requested, count in _counts(sizes, itemsize):
+            source = torch.from_numpy(peer_input(rank, count, "float64")).to(getattr(torch, dtype))
+            buffer = source.clone()
+            times = []
+            for i in range(warmup + iters):
+                buffer.copy_(source)
+                dist.barrier()
+                start = time.perf_counter()
+                dist.all_reduce(buffer, op=op)
+                if i >= warmup:
+                    times.append(time.perf_counter() - start)
+            slowest = torch.tensor(times, dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            seconds = median([float(t) for t in slowest.tolist()])
+            rows.append(
+                _row(requested, count, itemsize, seconds, busbw_factor("all_reduce", world))
+            )
+    finally:
+        dist.destroy_process_group()
+    return rows
+
+
+def mpi_worker(
+    sizes: Sequence[int], dtype: str, iters: int, warmup: int, redop: str = "sum"
+) -> tuple[int, list[PeerRow], str]:
+    """Time MPI ``Allreduce`` in this ``mpirun`` job: ``(rank, rows, MPI library version)``."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    op = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[redop]
+    itemsize = dtype_from_name(dtype).itemsize
+    rows: list[PeerRow] = []
+    for requested, count in _counts(sizes, itemsize):
+        send = peer_input(rank, count, dtype)
+        recv = np.empty_like(send)
+        times = np.empty(iters, dtype=np.float64)
+        for i in range(warmup + iters):
+            comm.Barrier()
+            start = time.perf_counter()
+            comm.Allreduce(send, recv, op=op)
+            if i >= warmup:
+                times[i - warmup] = time.perf_counter() - start
+        slowest = np.empty_like(times)
+        comm.Allreduce(times, slowest, op=MPI.MAX)
+        seconds = median([float(t) for t in slowest])
+        rows.append(_row(requested, count, itemsize, seconds, busbw_factor("all_reduce", world)))
+    version = MPI.Get_library_version().replace("\0", "").strip().split(",")[0]
+    return rank, rows, version
+
+
+def tcp_loopback(sizes: Sequence[int], iters: int, warmup: int) -> list[PeerRow]:
+    """Both ends of one loopback TCP connection send and receive ``size`` bytes at once.
+
+    Four threads (each end's sender and receiver) meet at a barrier before each iteration;
+    the iteration's time is the slowest thread's. ``algbw`` is GB/s in each direction.
+    """
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        left = socket.create_connection(listener.getsockname()[:2])
+        right, _ = listener.accept()
+    ends = (left, right)
+    for end in ends:
+        end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        end.settimeout(_TCP_TIMEOUT)  # a failed thread must not leave the others blocked
+    rounds = warmup + iters
+    barrier = threading.Barrier(4, timeout=_TCP_TIMEOUT)
+    times: list[list[float]] = [[] for _ in range(4)]
+
+    def sender(end: socket.socket, out: list[float]) -> None:
+        for size in sizes:
+            payload = memoryview(bytearray(size))
+            for _ in range(rounds):
+                barrier.wait()
+                start = time.perf_counter()
+                end.sendall(payload)
+                out.append(time.perf_counter() - start)
+
+    def receiver(end: socket.socket, out: list[float]) -> None:
+        for size in sizes:
+            view = memoryview(bytearray(size))
+            for _ in range(rounds):
+                barrier.wait()
+                start = time.perf_counter()
+                got = 0
+                while got < size:
+                    n = end.recv_into(view[got:])
+                    if n == 0:
+                        raise ConnectionError("loopback connection closed")
+                    got += n
+                out.append(time.perf_counter() - start)
+
+    workers: list[tuple[Callable[[socket.socket, list[float]], None], socket.socket]] = [
+        (sender, left),
+        (receiver, left),
+        (sender, right),
+        (receiver, right),
+    ]
+    errors: list[BaseException] = []
+
+    def guarded(
+        fn: Callable[[socket.socket, list[float]], None], end: socket.socket, out: list[float]
+    ) -> None:
+        try:
+            fn(end, out)
+        except (OSError, threading.BrokenBarrierError) as exc:
+            errors.append(exc)
+            barrier.abort()  # release the other threads at once
+
+    threads = [
+        threading.Thread(target=guarded, args=(fn, end, times[i]), daemon=True)
+        for i, (fn, end) in enumerate(workers)
+    ]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        for end in ends:
+            end.close()
+    if errors:
+        raise RuntimeError(f"loopback transfer failed: {errors[0]!r}")
+    rows = []
+    for k, size in enumerate(sizes):
+        window = slice(k * rounds + warmup, (k + 1) * rounds)
+        slowest = [max(column) for column in zip(*(t[window] for t in times), strict=True)]
+        rows.append(_row(size, size, 1, median(slowest), 1.0))
+    return rows
+
+
+def numpy_add(sizes: Sequence[int], dtype: str, iters: int, warmup: int) -> list[PeerRow]:
+    """``np.add(a, b, out=c)`` on ``size``-byte arrays, one thread; ``algbw = size / time``."""
+    itemsize = dtype_from_name(dtype).itemsize
+    rows = []
+    for requested, count in _counts(sizes, itemsize):
+        a, b = peer_input(0, count, dtype), peer_input(1, count, dtype)
+        c = np.empty_like(a)
+        times = []
+        with np.errstate(over="ignore"):
+            for i in range(warmup + iters):
+                start = time.perf_counter()
+                np.add(a, b, out=c)
+                if i >= warmup:
+                    times.append(time.perf_counter() - start)
+        rows.append(_row(requested, count, itemsize, median(times), 1.0))
+    return rows
+
+
+def _emit(rows: list[PeerRow], extra: dict[str, Any] | None = None) -> None:
+    document = {"rows": [row.to_dict() for row in rows], **(extra or {})}
+    print(RESULT_MARKER + json.dumps(document), flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m burncoll.bench.peers", description="Run one peer-baseline worker."
+    )
+    parser.add_argument("peer", choices=("gloo", "mpi", "tcp", "numpy"))
+    parser.add_argument("--sizes", required=True, help="comma-separated sizes in bytes")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--redop", default="sum", choices=_REDOPS)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rank", type=int, default=0, help="gloo: this process's rank")
+    parser.add_argument("--world", type=int, default=1, help="gloo: number of processes")
+    parser.add_argument("--port", type=int, default=0, help="gloo: rendezvous port")
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    if args.peer == "gloo":
+        rows = gloo_worker(
+            args.rank, args.world, args.port, sizes, args.dtype, args.iters, args.warmup, args.redop
+        )
+        if args.rank == 0:
+            _emit(rows)
+    elif args.peer == "mpi":
+        rank, rows, version = mpi_worker(sizes, args.dtype, args.iters, args.warmup, args.redop)
+        if rank == 0:
+            _emit(rows, {"library": version})
+    elif args.peer == "tcp":
+        _emit(tcp_loopback(sizes, args.iters, args.warmup))
+    else:
+        _emit(numpy_add(sizes, args.dtype, args.iters, args.warmup))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
