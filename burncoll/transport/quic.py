@@ -45,9 +45,14 @@ from aioquic.quic.connection import QuicConnection
 from burncoll.errors import ConfigError, ProtocolError, TransportError
 from burncoll.transport.base import Buffer, Connection, Handler, Listener, TlsSettings, Transport
 from burncoll.transport.tls import configure_quic_client, configure_quic_server
-from burncoll.transport.wire import DEFAULT_MAX_MESSAGE_BYTES
+from burncoll.transport.wire import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    LENGTH_PREFIX_BYTES,
+    MessageAssembler,
+    MessageTooBig,
+)
 
-__all__ = ["ALPN", "MessageAssembler", "QuicListener", "QuicStreamConnection", "QuicTransport"]
+__all__ = ["ALPN", "QuicListener", "QuicStreamConnection", "QuicTransport"]
 
 logger = logging.getLogger("burncoll.transport")
 
@@ -61,75 +66,9 @@ ERR_PROTOCOL = 0x10A
 #: aioquic writes a STREAM frame's length as a 2-byte varint (at most 16383) and silently
 #: truncates longer ones, so a datagram must not carry more: larger ones lose data.
 MAX_DATAGRAM_SIZE = 16384
-_LENGTH_BYTES = 8
 _SOCKET_BUFFER = 8 * 1024 * 1024
 _HANDLER_GRACE = 1.0
 _ping_ids = itertools.count(1)
-
-
-class MessageAssembler:
-    """Sans-I/O: cuts a byte stream of length-prefixed messages back into whole messages.
-
-    ``feed`` accepts stream data in chunks of any size and returns the messages completed by
-    it, in order. A message's bytes are copied once, into a buffer allocated when its length
-    is read. Raises :class:`~burncoll.ProtocolError` when the stream does not start with
-    ``preamble`` or announces a message over ``max_message_bytes``; the assembler is then
-    unusable.
-    """
-
-    def __init__(self, max_message_bytes: int, preamble: bytes = b"") -> None:
-        self.max_message_bytes = max_message_bytes
-        self._preamble = preamble
-        self._head = bytearray()  # preamble or length bytes collected so far
-        self._message: bytearray | None = None
-        self._filled = 0
-
-    @property
-    def mid_message(self) -> bool:
-        """Whether part of a message (or of its length) has been fed but not completed."""
-        return bool(self._head) or self._message is not None
-
-    def feed(self, data: Buffer) -> list[bytearray]:
-        view = memoryview(data).cast("B")
-        done: list[bytearray] = []
-        while view:
-            if self._preamble:
-                take = len(self._preamble) - len(self._head)
-                self._head += view[:take]
-                view = view[take:]
-                if len(self._head) == len(self._preamble):
-                    if self._head != self._preamble:
-                        opened = bytes(self._head)
-                        raise ProtocolError(f"stream opened with {opened!r}: not a burncoll peer")
-                    self._preamble = b""
-                    self._head.clear()
-            elif self._message is None:
-                take = _LENGTH_BYTES - len(self._head)
-                self._head += view[:take]
-                view = view[take:]
-                if len(self._head) == _LENGTH_BYTES:
-                    size = int.from_bytes(self._head, "little")
-                    self._head.clear()
-                    if size > self.max_message_bytes:
-                        raise ProtocolError(
-                            f"message of {size} bytes exceeds the limit of "
-                            f"{self.max_message_bytes} bytes"
-                        )
-                    self._message, self._filled = bytearray(size), 0
-            else:
-                take = min(len(view), len(self._message) - self._filled)
-                self._message[self._filled : self._filled + take] = view[:take]
-                self._filled += take
-                view = view[take:]
-            if self._message is not None and self._filled == len(self._message):
-                done.append(self._message)
-                self._message = None
-        return done
-
-
-def _nbytes_view(part: Buffer) -> memoryview:
-    view = memoryview(part)
-    return view if view.c_contiguous else memoryview(view.tobytes())
 
 
 class QuicStreamConnection(Connection):
@@ -161,7 +100,7 @@ class QuicStreamConnection(Connection):
             messages = self._assembler.feed(data)
         except ProtocolError as exc:
             self._fail(exc)
-            code = ERR_MESSAGE_TOO_BIG if "exceeds" in str(exc) else ERR_PROTOCOL
+            code = ERR_MESSAGE_TOO_BIG if isinstance(exc, MessageTooBig) else ERR_PROTOCOL
             self._protocol.abort(self._stream_id, code, str(exc))
             return
         if messages:
@@ -182,18 +121,19 @@ class QuicStreamConnection(Connection):
     async def send(self, parts: Sequence[Buffer]) -> None:
         if self._error is not None:
             raise type(self._error)(str(self._error))
-        views = [_nbytes_view(p) for p in parts]
+        views = [memoryview(p) for p in parts]
+        views = [v if v.c_contiguous else memoryview(v.tobytes()) for v in views]
         total = sum(v.nbytes for v in views)
         quic = self._protocol._quic
         try:
             # No await in between: concurrent sends never interleave.
-            quic.send_stream_data(self._stream_id, total.to_bytes(_LENGTH_BYTES, "little"))
+            quic.send_stream_data(self._stream_id, total.to_bytes(LENGTH_PREFIX_BYTES, "little"))
             for view in views:
                 if view.nbytes:
                     # aioquic annotates bytes but only appends the data to a bytearray:
                     # passing the view saves copying the payload once more.
                     quic.send_stream_data(self._stream_id, cast(bytes, view.cast("B")))
-        except (ValueError, RuntimeError, AssertionError) as exc:
+        except (ValueError, RuntimeError) as exc:
             raise TransportError(f"sending to {self.remote} failed: {exc}") from exc
         self._protocol.transmit()
 
@@ -215,7 +155,7 @@ class QuicStreamConnection(Connection):
 
     async def _close(self) -> None:
         protocol = self._protocol
-        with contextlib.suppress(ValueError, RuntimeError, AssertionError):
+        with contextlib.suppress(ValueError, RuntimeError):  # already finished or reset
             protocol._quic.send_stream_data(self._stream_id, b"", end_stream=True)
         protocol.transmit()
         with contextlib.suppress(TimeoutError):
@@ -231,7 +171,6 @@ class _Protocol(QuicConnectionProtocol):
     def __init__(
         self,
         quic: QuicConnection,
-        stream_handler: Any = None,
         *,
         owns_transport: bool,
         keepalive: float,
@@ -284,11 +223,8 @@ class _Protocol(QuicConnectionProtocol):
     @property
     def usable(self) -> bool:
         """Whether the connection can still exchange packets."""
-        return (
-            not self.terminated
-            and self._transport is not None
-            and not (self._transport.is_closing())
-        )
+        udp = self._transport
+        return not self.terminated and udp is not None and not udp.is_closing()
 
     def _terminate(self, error: TransportError) -> None:
         self.terminated = True
@@ -320,6 +256,7 @@ class _Protocol(QuicConnectionProtocol):
         return f"[{host}]:{address[1]}" if ":" in host else f"{host}:{address[1]}"
 
     def transmit(self) -> None:
+        # A closed listener socket must not be written to by connections still closing.
         if self._transport is not None and not self._transport.is_closing():
             super().transmit()
 
@@ -332,7 +269,7 @@ class _Protocol(QuicConnectionProtocol):
     def abort(self, stream_id: int | None, code: int, reason: str) -> None:
         """Reset ``stream_id`` (when given) with ``code`` and close the connection."""
         if stream_id is not None:
-            with contextlib.suppress(ValueError, RuntimeError, AssertionError):
+            with contextlib.suppress(ValueError, RuntimeError):
                 self._quic.stop_stream(stream_id, code)
                 self._quic.reset_stream(stream_id, code)
             self.transmit()  # the reset leaves before the CONNECTION_CLOSE

@@ -8,22 +8,23 @@ One burncoll message is one binary WebSocket message. Choices, and why:
   1009 (RFC 6455 section 7.4.1); the receiver raises :class:`~burncoll.ProtocolError`, and so
   does the sender's next ``recv``. The limit applies to incoming messages only.
 * ``write_limit``: the socket's write buffer may hold 16 MiB before ``send`` waits
-  (the library default, 32 KiB, caps throughput on fast links).
+  (the library default, 32 KiB, caps throughput on fast links). ``max_queue``: a receiver
+  queues up to 1024 frames (sixteen 64 MiB messages) before it stops reading and the sender's
+  ``send`` waits; receive concurrently with sending when exchanging more than that.
 * No keepalive pings (``ping_interval=None``): a ping queued behind a 64 MiB message on a slow
   link would time out and kill a healthy connection. Liveness is the collective's business:
   every operation has a deadline, and a dead peer's kernel resets the TCP connection.
 * ``proxy=None``: nodes talk directly, whatever ``HTTPS_PROXY`` says.
-* A large message is sent as one fragmented message (RFC 6455 section 5.4) of 256 KiB frames
+* A large message is sent as one fragmented message (RFC 6455 section 5.4) of 1 MiB frames
   sliced from the parts: the payload is never concatenated with its header into a new buffer,
   and the event loop serves other connections between frames (one 64 MiB frame would block it
-  for a few hundred milliseconds while it is masked and copied). This measured faster than
+  for tens to hundreds of milliseconds while it is masked and copied). This measured faster than
   one frame per part. Small messages are joined and sent as a single frame.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import logging
 import ssl
@@ -48,9 +49,12 @@ __all__ = ["WebSocketConnection", "WebSocketListener", "WebSocketTransport"]
 logger = logging.getLogger("burncoll.transport")
 
 #: Messages up to this size go as one frame; larger ones as frames of about this size.
-_FRAGMENT_BYTES = 256 * 1024
+_FRAGMENT_BYTES = 1024 * 1024
 #: Most frames per message: the receiving library refuses more than 4096.
 _MAX_FRAGMENTS = 1024
+#: Frames a receiver queues before it stops reading the socket (and the sender then waits):
+#: sixteen 64 MiB messages, or a thousand small ones.
+_RECEIVE_QUEUE_FRAMES = 1024
 #: High-water mark of the socket write buffer.
 _WRITE_LIMIT = 16 * 1024 * 1024
 #: How long ``Listener.close`` lets handlers finish before cancelling them.
@@ -68,11 +72,9 @@ def format_address(address: Any) -> str:
 def _byte_view(part: Buffer) -> memoryview:
     """``part`` as a flat byte view: ``len`` is then its size in bytes."""
     view = memoryview(part)
-    if view.ndim == 1 and view.format in ("B", "b", "c"):
-        return view
     if not view.c_contiguous:
         return memoryview(view.tobytes())
-    return view.cast("B")
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
 
 
 def _fragments(views: list[memoryview], size: int) -> list[memoryview]:
@@ -126,9 +128,16 @@ class WebSocketConnection(Connection):
         return message
 
     async def close(self) -> None:
-        # The closing handshake is bounded by close_timeout; errors mean it is closed anyway.
-        with contextlib.suppress(OSError, WebSocketException):
-            await self._ws.close()
+        # The library bounds the closing handshake by close_timeout, but not the wait to
+        # write the close frame, which lasts forever when the peer stops reading: bound it.
+        deadline = 2 * (self._ws.close_timeout or 10.0)
+        try:
+            async with asyncio.timeout(deadline):
+                await self._ws.close()
+        except TimeoutError:
+            self._ws.transport.abort()
+        except (OSError, WebSocketException):
+            pass  # it is closed, one way or another
 
 
 class WebSocketListener(Listener):
@@ -139,6 +148,7 @@ class WebSocketListener(Listener):
         self.port = port
         self._server: Server | None = None
         self._handler_tasks: set[asyncio.Task[Any]] = set()
+        self._connections: set[WebSocketConnection] = set()
         self._closing: asyncio.Task[None] | None = None
 
     def _bind(self, server: Server) -> None:
@@ -151,6 +161,7 @@ class WebSocketListener(Listener):
         assert task is not None
         self._handler_tasks.add(task)
         conn = WebSocketConnection(ws)
+        self._connections.add(conn)
         try:
             await handler(conn)
         except TransportError as exc:
@@ -159,6 +170,7 @@ class WebSocketListener(Listener):
             logger.exception("handler for the connection from %s failed", conn.remote)
         finally:
             self._handler_tasks.discard(task)
+            self._connections.discard(conn)
             await conn.close()
 
     async def close(self) -> None:
@@ -169,14 +181,24 @@ class WebSocketListener(Listener):
         await asyncio.shield(self._closing)
 
     async def _close(self, server: Server) -> None:
-        server.close()
+        server.close(close_connections=False)  # stop accepting
+        # Close the connections ourselves: our close is bounded even when a peer stops reading.
+        connections = list(self._connections)
+        if connections:
+            await asyncio.gather(*(c.close() for c in connections))
         try:
             async with asyncio.timeout(_HANDLER_GRACE):
                 await server.wait_closed()
         except TimeoutError:
             for task in list(self._handler_tasks):
                 task.cancel()
-            await server.wait_closed()
+            try:
+                async with asyncio.timeout(_HANDLER_GRACE):
+                    await server.wait_closed()
+            except TimeoutError:
+                logger.warning(
+                    "listener %s:%s: a handler ignored cancellation", self.host, self.port
+                )
 
 
 class WebSocketTransport(Transport):
@@ -211,7 +233,7 @@ class WebSocketTransport(Transport):
         return {
             "compression": None,
             "max_size": self.max_message_bytes,
-            "max_queue": 16,
+            "max_queue": _RECEIVE_QUEUE_FRAMES,
             "write_limit": _WRITE_LIMIT,
             "ping_interval": None,
             "close_timeout": self.close_timeout,

@@ -25,6 +25,9 @@ Layout (all little-endian)::
 The header is the operation's fingerprint (op kind, reduce op, dtype, shape, root, sequence):
 a receiver compares it with its own call and reports a mismatch instead of mixing data.
 CONTROL frames carry a small JSON object (orchestrator messages, aborts, status queries).
+
+Transports without message boundaries (a QUIC stream) send each message behind its length, a
+u64 little-endian; :class:`MessageAssembler` cuts such a stream back into messages.
 """
 
 from __future__ import annotations
@@ -44,7 +47,10 @@ __all__ = [
     "DTYPE_CODES",
     "DataHeader",
     "FrameType",
+    "LENGTH_PREFIX_BYTES",
     "MAX_NDIM",
+    "MessageAssembler",
+    "MessageTooBig",
     "WIRE_VERSION",
     "decode",
     "decode_control",
@@ -60,6 +66,8 @@ CONTROL_LIMIT = 1 << 20
 #: Largest whole message (header + payload) a transport accepts unless configured otherwise:
 #: a 64 MiB payload and room for its header.
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20 + 4096
+#: Bytes of the length before each message on a byte stream.
+LENGTH_PREFIX_BYTES = 8
 
 _FIXED = struct.Struct("<2sBBQQBBBBqiHHIQQQ")
 FIXED_HEADER_BYTES = _FIXED.size  # 68
@@ -228,3 +236,67 @@ def decode_control(payload: memoryview) -> dict[str, Any]:
     if not isinstance(message, dict) or not isinstance(message.get("type"), str):
         raise ProtocolError("control message must be a JSON object with a string 'type'")
     return message
+
+
+class MessageTooBig(ProtocolError):
+    """A message announced on a stream is longer than the receiver accepts."""
+
+
+class MessageAssembler:
+    """Sans-I/O: cuts a byte stream of length-prefixed messages back into whole messages.
+
+    ``feed`` accepts stream data in chunks of any size and returns the messages completed by
+    it, in order. A message's bytes are copied once, into a buffer allocated when its length
+    is read. Raises :class:`~burncoll.ProtocolError` when the stream does not start with
+    ``preamble`` or announces a message over ``max_message_bytes``; the assembler is then
+    unusable.
+    """
+
+    def __init__(self, max_message_bytes: int, preamble: bytes = b"") -> None:
+        self.max_message_bytes = max_message_bytes
+        self._preamble = preamble
+        self._head = bytearray()  # preamble or length bytes collected so far
+        self._message: bytearray | None = None
+        self._filled = 0
+
+    @property
+    def mid_message(self) -> bool:
+        """Whether part of a message (or of its length) has been fed but not completed."""
+        return bool(self._head) or self._message is not None
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[bytearray]:
+        view = memoryview(data).cast("B")
+        done: list[bytearray] = []
+        while view:
+            if self._preamble:
+                take = len(self._preamble) - len(self._head)
+                self._head += view[:take]
+                view = view[take:]
+                if len(self._head) == len(self._preamble):
+                    if self._head != self._preamble:
+                        opened = bytes(self._head)
+                        raise ProtocolError(f"stream opened with {opened!r}: not a burncoll peer")
+                    self._preamble = b""
+                    self._head.clear()
+            elif self._message is None:
+                take = LENGTH_PREFIX_BYTES - len(self._head)
+                self._head += view[:take]
+                view = view[take:]
+                if len(self._head) == LENGTH_PREFIX_BYTES:
+                    size = int.from_bytes(self._head, "little")
+                    self._head.clear()
+                    if size > self.max_message_bytes:
+                        raise MessageTooBig(
+                            f"message of {size} bytes exceeds the limit of "
+                            f"{self.max_message_bytes} bytes"
+                        )
+                    self._message, self._filled = bytearray(size), 0
+            else:
+                take = min(len(view), len(self._message) - self._filled)
+                self._message[self._filled : self._filled + take] = view[:take]
+                self._filled += take
+                view = view[take:]
+            if self._message is not None and self._filled == len(self._message):
+                done.append(self._message)
+                self._message = None
+        return done

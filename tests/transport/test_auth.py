@@ -106,6 +106,7 @@ def test_garbage_instead_of_a_response_fails_the_server_quickly(make: MakeTransp
 
     server, client, elapsed = run(_exchange(make, _server("token"), garbage))
     assert isinstance(server, AuthenticationError) and "malformed" in str(server)
+    assert isinstance(client, bytes)
     denial = decode(client).control
     assert denial is not None and denial["type"] == "denied" and "malformed" in denial["reason"]
     assert elapsed < QUICK
@@ -191,6 +192,7 @@ def test_the_client_mac_follows_the_documented_formula(make: MakeTransport) -> N
         return response
 
     response, client, _ = run(_exchange(make, recorder, _client("token")))
+    assert isinstance(response, dict)
     client_nonce = bytes.fromhex(response["nonce"])
     expected = hmac.new(
         b"token", b"burncoll-auth-v1" + server_nonce + client_nonce, hashlib.sha256

@@ -1,4 +1,4 @@
-"""QUIC's stream framing (``MessageAssembler``) on arbitrary chunkings, and QUIC-only faults."""
+"""Stream framing (``wire.MessageAssembler``, used by QUIC) on any chunking; QUIC-only faults."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from burncoll.errors import ConfigError, ProtocolError, TransportError
-from burncoll.transport.quic import PREAMBLE, MessageAssembler, QuicTransport
+from burncoll.transport.quic import PREAMBLE, QuicTransport
+from burncoll.transport.wire import MessageAssembler
 
 from .support import connected, run
 

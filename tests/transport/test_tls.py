@@ -8,7 +8,7 @@ import ssl
 import pytest
 
 from burncoll.errors import ConfigError, TransportError
-from burncoll.transport.base import Connection, TlsSettings, Transport
+from burncoll.transport.base import Connection, TlsSettings
 from burncoll.transport.quic import QuicTransport
 from burncoll.transport.tls import client_ssl_context, make_self_signed, server_ssl_context
 from burncoll.transport.websocket import WebSocketTransport
@@ -25,6 +25,9 @@ def _other_ca() -> str:
     return make_self_signed("other.invalid")[0]  # a different key: does not sign ours
 
 
+TransportClass = type[WebSocketTransport] | type[QuicTransport]
+
+
 def test_self_signed_certificates_are_cached_and_self_verifying() -> None:
     assert make_self_signed(HOST) == make_self_signed(HOST)
     server = server_ssl_context(_verified())
@@ -34,7 +37,7 @@ def test_self_signed_certificates_are_cached_and_self_verifying() -> None:
 
 
 @pytest.mark.parametrize("kind", [WebSocketTransport, QuicTransport])
-def test_a_verified_certificate_connects(kind: type[Transport]) -> None:
+def test_a_verified_certificate_connects(kind: TransportClass) -> None:
     async def body() -> None:
         async with connected(kind(tls=_verified())) as (client, server, _):
             await client.send([b"over tls"])
@@ -44,7 +47,7 @@ def test_a_verified_certificate_connects(kind: type[Transport]) -> None:
 
 
 @pytest.mark.parametrize("kind", [WebSocketTransport, QuicTransport])
-def test_a_certificate_from_another_ca_is_refused(kind: type[Transport]) -> None:
+def test_a_certificate_from_another_ca_is_refused(kind: TransportClass) -> None:
     async def body() -> None:
         server = kind(tls=_verified())
         cert, key = make_self_signed(HOST)
@@ -81,7 +84,7 @@ def test_quic_without_certificates_uses_an_ephemeral_one() -> None:
 )
 @pytest.mark.parametrize("kind", [WebSocketTransport, QuicTransport])
 def test_unusable_tls_settings_raise_config_error(
-    kind: type[Transport], settings: TlsSettings
+    kind: TransportClass, settings: TlsSettings
 ) -> None:
     async def handler(conn: Connection) -> None:
         pass

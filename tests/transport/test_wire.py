@@ -31,7 +31,7 @@ def _header(
     values = {"session": 7, "seq": 2**40 + 3, "root": -1, "src": 3, "round": 9, "channel": 2}
     values |= {"chunk": 5, "offset": 128, "chunk_bytes": 4096} | fields
     reduce_op = ReduceOp.SUM if op_kind in (OpKind.ALL_REDUCE, OpKind.REDUCE) else None
-    return DataHeader(op_kind=op_kind, reduce_op=reduce_op, dtype=dtype, shape=shape, **values)  # type: ignore[arg-type]
+    return DataHeader(op_kind=op_kind, reduce_op=reduce_op, dtype=dtype, shape=shape, **values)
 
 
 def _frame(header: DataHeader, payload: bytes) -> bytes:
