@@ -2,7 +2,8 @@
 
 Protocol (CONTROL frames, JSON, after the token challenge):
 
-* node -> orchestrator ``{"type": "join", "host", "port", "peer_ids", "fingerprint"}``
+* node -> orchestrator ``{"type": "join", "host", "port", "peer_ids", "fingerprint", "meta"}``
+  (``meta``: facts about the node that the others need, passed through untouched)
 * orchestrator -> node ``{"type": "table", "session", "index", "nodes": [...]}`` once
   ``num_nodes`` consistent nodes have joined (nodes ordered by their lowest peer id), or
   ``{"type": "refused", "reason"}`` naming the difference with the nodes already waiting.
@@ -42,6 +43,7 @@ class _Member:
     port: int
     peer_ids: tuple[int, ...]
     fingerprint: dict[str, Any]
+    meta: dict[str, Any] = field(default_factory=dict)
     index: int = -1
     session: _Session | None = None
 
@@ -165,7 +167,7 @@ class Orchestrator:
             m.index = index
             m.session = session
             nodes.append({"index": index, "host": m.host, "port": m.port,
-                          "peer_ids": list(m.peer_ids)})
+                          "peer_ids": list(m.peer_ids), "meta": m.meta})
         log.info("orchestrator: session %x formed with %d nodes", session.sid, len(nodes))
         for m in session.members:
             await _tell(m, {"type": "table", "session": session.sid, "index": m.index,
@@ -212,7 +214,9 @@ def _member_from(conn: Connection, message: dict[str, Any]) -> _Member:
         isinstance(p, int) for p in peer_ids
     ):
         raise ConfigError("malformed join message")
-    return _Member(conn, host, port, tuple(sorted(peer_ids)), fingerprint)
+    meta = message.get("meta")
+    return _Member(conn, host, port, tuple(sorted(peer_ids)), fingerprint,
+                   meta if isinstance(meta, dict) else {})
 
 
 def start_orchestrator(

@@ -103,6 +103,13 @@ class ChunkBuffer:
             self._chunks[c] = other
         self._written[c] = True
 
+    def own(self, c: int) -> Array:
+        """Chunk ``c`` as this buffer's own memory (copied from the input if never written),
+        so that writing into it in place never touches the caller's input."""
+        if not self._written[c]:
+            self.assign(c, self.chunk(c))
+        return self.chunk(c)
+
     def result(self) -> Array:
         """The whole flat buffer; chunks never written are filled from the input."""
         for c in range(len(self.layout)):

@@ -169,6 +169,17 @@ def prepare(server: LocalServer, state: OpState) -> None:
             ("ar", cfg.local_all_reduce_strategy, d),
             lambda: cfg.strategy("local_all_reduce_strategy").all_reduce(d),
         )
+    elif kind is OpKind.ALL_REDUCE and server.link is not None and server.link.sharded:
+        # local reduce-scatter -> per-shard global all-reduce -> local all-gather
+        plan = server.plan(
+            ("rs", cfg.local_all_reduce_strategy, d),
+            lambda: cfg.strategy("local_all_reduce_strategy").reduce_scatter(
+                d, tuple(range(d))
+            ),
+        )
+        layout = even_layout(_count(shape), d)
+        state.shared.update(plan=plan, buffers=_new_buffers(server, state, dtype, layout, True))
+        return
     else:
         # REDUCE on one node, or the first (local reduce) phase of a multi-node operation.
         strategy_field = (
@@ -270,6 +281,8 @@ def _execute_multi_node(
         return _multi_broadcast(server, state, index, deadline, call, gop)
     if kind is OpKind.ALL_GATHER:
         return _multi_all_gather(server, state, index, deadline, call, gop)
+    if kind is OpKind.ALL_REDUCE and link.sharded:
+        return _sharded_all_reduce(server, state, index, deadline, call, gop)
     shared = state.shared
     buffers: list[ChunkBuffer] = shared["buffers"]
     run_local(server, state, index, deadline, shared["plan"], buffers, call.reduce_op,
@@ -313,6 +326,38 @@ def _execute_multi_node(
     server.sync(state, index, deadline, "global all_reduce")
     out = _local_broadcast(server, state, index, deadline, leader, shared["global"], dtype)
     return _finish_reduce(server, backend.reshape(out, shape), call.reduce_op)
+
+
+def _sharded_all_reduce(
+    server: LocalServer, state: OpState, index: int, deadline: float, call: Call, gop: GlobalOp
+) -> Array:
+    """Local reduce-scatter, every local peer all-reduces its shard with the same-index peer
+    of every other node (one channel per shard, concurrently), then a local all-gather."""
+    link = _link(server)
+    backend = server.backend
+    d = server.size
+    buffers: list[ChunkBuffer] = state.shared["buffers"]
+    run_local(server, state, index, deadline, state.shared["plan"], buffers, call.reduce_op,
+              "local reduce-scatter")
+    mine = buffers[index]
+    shard = mine.own(index)
+    host = backend.to_host(shard)
+    in_place = backend.mutable and host.flags.writeable and host.flags.c_contiguous
+    if not in_place:
+        host = np.array(host, copy=True, order="C")
+    link.all_reduce(gop, host, channel=index)
+    if not in_place:
+        mine.assign(index, backend.from_host(host, call.dtype or "float32", (host.size,),
+                                             mine.device))
+    cfg = server.config
+    plan = server.plan(
+        ("ag", cfg.local_all_reduce_strategy, d),
+        lambda: cfg.strategy("local_all_reduce_strategy").all_gather(d, tuple(range(d))),
+    )
+    server.sync(state, index, deadline, "global all_reduce of shards")
+    run_local(server, state, index, deadline, plan, buffers, None, "local all-gather")
+    result = backend.reshape(mine.result(), call.shape or ())
+    return _finish_reduce(server, result, call.reduce_op)
 
 
 def _local_broadcast(

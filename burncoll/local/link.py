@@ -48,6 +48,8 @@ class GlobalLink(Protocol):
     peer_ids: tuple[int, ...]
     #: The node index hosting each peer id.
     node_of: Mapping[int, int]
+    #: All-reduce shards across nodes: every node runs a local ring over as many devices.
+    sharded: bool
 
     def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0) -> None:
         """Reduce the flat ``buf`` over all nodes, in place, bitwise identical everywhere."""

@@ -52,6 +52,8 @@ class NodeInfo:
     host: str
     port: int
     peer_ids: tuple[int, ...]
+    #: The node runs its local all-reduce as a ring (it can shard across nodes).
+    local_ring: bool = False
 
     def describe(self) -> str:
         return f"node {self.index} (peers {list(self.peer_ids)}, {self.host}:{self.port})"

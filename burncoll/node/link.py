@@ -24,7 +24,7 @@ from burncoll.node.data_service import DataService
 from burncoll.node.executor import GlobalExecutor
 from burncoll.node.loop import IoLoop
 from burncoll.node.orchestrator_client import OrchestratorClient
-from burncoll.strategies import Schedule
+from burncoll.strategies import Ring, Schedule
 from burncoll.transport import TlsSettings, get_transport
 
 if TYPE_CHECKING:
@@ -51,6 +51,10 @@ class NodeLink:
         self.num_nodes = len(self.nodes)
         self.peer_ids = tuple(sorted(p for n in self.nodes for p in n.peer_ids))
         self.node_of: Mapping[int, int] = {p: n.index for n in self.nodes for p in n.peer_ids}
+        #: Every node runs a local ring over the same number of devices, so an all-reduce can
+        #: go local reduce-scatter -> per-shard global all-reduce -> local all-gather.
+        self.sharded = all(n.local_ring for n in self.nodes) and len(
+            {len(n.peer_ids) for n in self.nodes}) == 1
         self._server: LocalServer | None = None
         self._closed = False
         service.on_failure = self._on_failure
@@ -254,6 +258,8 @@ async def _join(service: DataService, orch: OrchestratorClient, config: Collecti
             "type": "join", "host": service.host, "port": service.port,
             "peer_ids": list(local_peer_ids), "fingerprint": config.global_fingerprint(),
             "pid": os.getpid(),
+            "meta": {"local_ring": isinstance(config.strategy("local_all_reduce_strategy"),
+                                              Ring)},
         }, deadline)
         service.set_session(orch.session, orch.index, orch.nodes)
         await service.connect_all(deadline)

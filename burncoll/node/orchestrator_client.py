@@ -76,7 +76,8 @@ class OrchestratorClient:
         self.index = int(reply["index"])
         self.nodes = tuple(
             NodeInfo(int(n["index"]), str(n["host"]), int(n["port"]),
-                     tuple(int(p) for p in n["peer_ids"]))
+                     tuple(int(p) for p in n["peer_ids"]),
+                     bool((n.get("meta") or {}).get("local_ring", False)))
             for n in reply["nodes"]
         )
         self._reader = asyncio.get_running_loop().create_task(self._read())

@@ -65,6 +65,12 @@ def run_peer(scenario: str, pid: int, local: int, cfg: burncoll.CollectiveConfig
         comm = burncoll.register(pid, local, cfg)
         if scenario == "every_op":
             every_op(comm, world, rounds=2)
+        elif scenario == "sharded":
+            link = comm._server.link  # internal: checks which composition runs
+            if link is None or not link.sharded:
+                raise AssertionError("a local ring on every node should shard")
+            every_op(comm, world, rounds=1)
+            mixed_sizes(comm, world, count=20)
         elif scenario == "mixed":
             mixed_sizes(comm, world, count=200)
         elif scenario == "mismatch":
@@ -89,6 +95,9 @@ def main() -> None:
     scenario, node, nodes, devices = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(
         sys.argv[4])
     address, local_s, global_s, transport = sys.argv[5:9]
+    if "|" in local_s:  # one local strategy per node: "ring|tree" -> node 0 ring, node 1 tree
+        choices = local_s.split("|")
+        local_s = choices[node % len(choices)]
     timeout = float(os.environ.get("TEST_TIMEOUT", "20"))
     cfg = burncoll.CollectiveConfig(
         num_devices=devices, num_nodes=nodes, global_address=address,

@@ -46,6 +46,8 @@ COMBOS = [
     (3, 2, "tree", "ring", "websocket"),
     (2, 2, "ring", "ring", "websocket"),
     (2, 2, "tree", "ring", "quic"),
+    (2, 2, "ring|tree", "ring", "websocket"),  # different local strategies per node
+    (3, 3, "ring", "tree", "quic"),
     (3, 1, "centralized", "tree", "quic"),
 ]
 
@@ -57,6 +59,11 @@ def test_every_operation_across_nodes(nodes: int, devices: int, local: str, glob
     assert len(records) == nodes * devices
     for r in records:
         assert r["ok"], r
+
+
+def test_local_ring_shards_the_global_all_reduce() -> None:
+    records = run_nodes("sharded", 2, 3, "ring", "ring")
+    assert len(records) == 6 and all(r["ok"] for r in records), records
 
 
 def test_two_hundred_mixed_operations_up_to_4_mib() -> None:
