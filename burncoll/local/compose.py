@@ -19,10 +19,11 @@ import numpy as np
 from burncoll.backends.base import Array
 from burncoll.local.buffers import ChunkBuffer, Layout, even_layout, row_layout, sizes_layout
 from burncoll.local.calls import Call
+from burncoll.local.inline import inline_results, wants_inline
 from burncoll.local.link import GlobalLink, GlobalOp, HostArray
 from burncoll.local.server import LocalServer, OpState, Plan
 from burncoll.ops import OpKind, ReduceOp
-from burncoll.strategies import Action
+from burncoll.strategies import Action, Strategy, resolve
 
 __all__ = ["execute", "prepare"]
 
@@ -82,6 +83,12 @@ def _finish_reduce(server: LocalServer, x: Array, op: ReduceOp | None) -> Array:
     return x
 
 
+def _s(server: LocalServer, state: OpState, field: str) -> Strategy:
+    """The local strategy of ``field`` for this operation (``auto`` resolved by its size)."""
+    return resolve(server.config.strategy(field), "local", state.shared.get("nbytes", 0),
+                   server.size)
+
+
 def _global_op(server: LocalServer, state: OpState, deadline: float) -> GlobalOp:
     call = _first(state)
     dtype: str | None
@@ -126,16 +133,24 @@ def prepare(server: LocalServer, state: OpState) -> None:
     call = _first(state)
     kind = call.kind
     d = server.size
-    cfg = server.config
+    calls = state.complete_calls()
+    state.shared["nbytes"] = max(
+        (_count(c.shape or ()) * c.array.dtype.itemsize if c.array is not None
+         and hasattr(c.array, "dtype") else 0) for c in calls)
+    if wants_inline(server, calls):
+        deadline = state.started + server.config.timeout
+        state.shared["results"] = inline_results(server, state, deadline)
+        return
     if kind is OpKind.BARRIER or (kind is OpKind.BROADCAST and server.link is not None):
         return
     if kind is OpKind.BROADCAST:
         root_call = state.calls[server.index_of[call.root or 0]]
         if root_call is None or root_call.array is None or root_call.dtype is None:
             raise RuntimeError("broadcast root has no array")  # validated in the API
+        root_index = server.index_of[call.root or 0]
         plan = server.plan(
-            ("bcast", cfg.local_broadcast_strategy, d, server.index_of[call.root or 0]),
-            lambda: cfg.strategy("local_broadcast_strategy").broadcast(
+            ("bcast", _s(server, state, "local_broadcast_strategy"), d, root_index),
+            lambda: _s(server, state, "local_broadcast_strategy").broadcast(
                 d, server.index_of[call.root or 0]
             ),
         )
@@ -156,8 +171,8 @@ def prepare(server: LocalServer, state: OpState) -> None:
         return
     if kind is OpKind.REDUCE_SCATTER and server.link is None:
         plan = server.plan(
-            ("rs", cfg.local_all_reduce_strategy, d),
-            lambda: cfg.strategy("local_all_reduce_strategy").reduce_scatter(
+            ("rs", _s(server, state, "local_all_reduce_strategy"), d),
+            lambda: _s(server, state, "local_all_reduce_strategy").reduce_scatter(
                 d, tuple(range(d))
             ),
         )
@@ -166,14 +181,14 @@ def prepare(server: LocalServer, state: OpState) -> None:
         return
     if kind is OpKind.ALL_REDUCE and server.link is None:
         plan = server.plan(
-            ("ar", cfg.local_all_reduce_strategy, d),
-            lambda: cfg.strategy("local_all_reduce_strategy").all_reduce(d),
+            ("ar", _s(server, state, "local_all_reduce_strategy"), d),
+            lambda: _s(server, state, "local_all_reduce_strategy").all_reduce(d),
         )
     elif kind is OpKind.ALL_REDUCE and server.link is not None and server.link.sharded:
         # local reduce-scatter -> per-shard global all-reduce -> local all-gather
         plan = server.plan(
-            ("rs", cfg.local_all_reduce_strategy, d),
-            lambda: cfg.strategy("local_all_reduce_strategy").reduce_scatter(
+            ("rs", _s(server, state, "local_all_reduce_strategy"), d),
+            lambda: _s(server, state, "local_all_reduce_strategy").reduce_scatter(
                 d, tuple(range(d))
             ),
         )
@@ -187,8 +202,8 @@ def prepare(server: LocalServer, state: OpState) -> None:
         )
         local_root = _leader(server, call.root if kind is OpKind.REDUCE else None)
         plan = server.plan(
-            ("reduce", getattr(cfg, strategy_field), d, local_root),
-            lambda: cfg.strategy(strategy_field).reduce(d, local_root),
+            ("reduce", _s(server, state, strategy_field), d, local_root),
+            lambda: _s(server, state, strategy_field).reduce(d, local_root),
         )
         state.shared["local_root"] = local_root
     layout = even_layout(_count(shape), plan.schedule.num_chunks)
@@ -208,10 +223,9 @@ def _prepare_all_gather(
     row = _count(shape[1:])
     sizes = [(c.shape or (0,))[0] * row for c in state.complete_calls()]
     layout = sizes_layout(sizes)
-    cfg = server.config
     plan = server.plan(
-        ("ag", cfg.local_all_reduce_strategy, d),
-        lambda: cfg.strategy("local_all_reduce_strategy").all_gather(d, tuple(range(d))),
+        ("ag", _s(server, state, "local_all_reduce_strategy"), d),
+        lambda: _s(server, state, "local_all_reduce_strategy").all_gather(d, tuple(range(d))),
     )
     buffers = _new_buffers(server, state, dtype, layout, False)
     for i, c in enumerate(state.complete_calls()):
@@ -229,6 +243,9 @@ def execute(server: LocalServer, state: OpState, index: int, deadline: float) ->
     call = state.calls[index]
     if call is None:  # pragma: no cover - the caller arrived with it
         raise RuntimeError("peer has no call")
+    results = state.shared.get("results")
+    if results is not None:
+        return results[index]
     if server.link is None:
         return _execute_single_node(server, state, index, deadline, call)
     return _execute_multi_node(server, state, index, deadline, call)
@@ -349,10 +366,9 @@ def _sharded_all_reduce(
     if not in_place:
         mine.assign(index, backend.from_host(host, call.dtype or "float32", (host.size,),
                                              mine.device))
-    cfg = server.config
     plan = server.plan(
-        ("ag", cfg.local_all_reduce_strategy, d),
-        lambda: cfg.strategy("local_all_reduce_strategy").all_gather(d, tuple(range(d))),
+        ("ag", _s(server, state, "local_all_reduce_strategy"), d),
+        lambda: _s(server, state, "local_all_reduce_strategy").all_gather(d, tuple(range(d))),
     )
     server.sync(state, index, deadline, "global all_reduce of shards")
     run_local(server, state, index, deadline, plan, buffers, None, "local all-gather")
@@ -365,11 +381,10 @@ def _local_broadcast(
     flat_on_root: Array | None, dtype: str,
 ) -> Array:
     """Broadcast a flat array held by local peer ``root`` (visible in ``state.shared``)."""
-    cfg = server.config
     d = server.size
     plan = server.plan(
-        ("bcast", cfg.local_broadcast_strategy, d, root),
-        lambda: cfg.strategy("local_broadcast_strategy").broadcast(d, root),
+        ("bcast", _s(server, state, "local_broadcast_strategy"), d, root),
+        lambda: _s(server, state, "local_broadcast_strategy").broadcast(d, root),
     )
     key = "bcast_buffers"
     if index == root:
@@ -408,6 +423,7 @@ def _multi_broadcast(
         dtype = _dtype_name(host)
         state.shared["dtype"] = dtype
         state.shared["shape"] = tuple(host.shape)
+        state.shared["nbytes"] = host.nbytes
         state.shared["global"] = backend.from_host(
             np.ascontiguousarray(host).reshape(-1), dtype, (host.size,), server.devices[index]
         )
@@ -436,6 +452,7 @@ def _multi_all_gather(
             (c.shape or (0,))[0] for c in state.complete_calls()
         )
         state.shared["shape"] = (rows, *trailing)
+        state.shared["nbytes"] = full.nbytes
         state.shared["global"] = backend.from_host(full, dtype, (full.size,),
                                                    server.devices[index])
     server.sync(state, index, deadline, "global all_gather")

@@ -211,8 +211,15 @@ class LocalServer:
                 raise copy_error(state.error)
             return state
         with self._cond:
+            extended = False
             while not state.ready and self._failure is None:
                 remaining = deadline - time.monotonic()
+                if remaining <= 0 and state.arrived == self.size and not extended:
+                    # everyone is here; the last peer is still preparing (maybe talking to
+                    # other nodes, with its own deadline): wait a bounded while longer
+                    deadline += SYNC_GRACE
+                    extended = True
+                    continue
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)

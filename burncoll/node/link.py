@@ -24,7 +24,7 @@ from burncoll.node.data_service import DataService
 from burncoll.node.executor import GlobalExecutor
 from burncoll.node.loop import IoLoop
 from burncoll.node.orchestrator_client import OrchestratorClient
-from burncoll.strategies import Ring, Schedule
+from burncoll.strategies import Ring, Schedule, resolve
 from burncoll.transport import TlsSettings, get_transport
 
 if TYPE_CHECKING:
@@ -131,8 +131,8 @@ class NodeLink:
         self.abort(error)
         return error
 
-    def _schedule(self, field: str, make: str, *args: Any) -> Schedule:
-        strategy = self.config.strategy(field)
+    def _schedule(self, field: str, make: str, *args: Any, nbytes: int = 0) -> Schedule:
+        strategy = resolve(self.config.strategy(field), "global", nbytes, self.num_nodes)
         methods: dict[str, Callable[..., Schedule]] = {
             "all_reduce": strategy.all_reduce,
             "reduce": strategy.reduce,
@@ -154,13 +154,14 @@ class NodeLink:
             mailbox.done(op.seq)
 
     def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0) -> None:
-        schedule = self._schedule("global_all_reduce_strategy", "all_reduce")
+        schedule = self._schedule("global_all_reduce_strategy", "all_reduce", nbytes=buf.nbytes)
         chunks: list[HostArray | None] = [
             buf[a:b] for a, b in even_layout(buf.size, schedule.num_chunks)]
         self._call(op, self._run(op, schedule, chunks, channel))
 
     def reduce(self, op: GlobalOp, buf: HostArray, root_node: int) -> None:
-        schedule = self._schedule("global_reduce_strategy", "reduce", root_node)
+        schedule = self._schedule("global_reduce_strategy", "reduce", root_node,
+                                  nbytes=buf.nbytes)
         chunks: list[HostArray | None] = [
             buf[a:b] for a, b in even_layout(buf.size, schedule.num_chunks)]
         self._call(op, self._run(op, schedule, chunks))
@@ -185,7 +186,8 @@ class NodeLink:
 
     def reduce_scatter(self, op: GlobalOp, buf: HostArray, layout: Sequence[tuple[int, int]],
                        owners: Sequence[int]) -> None:
-        schedule = self._schedule("global_all_reduce_strategy", "reduce_scatter", tuple(owners))
+        schedule = self._schedule("global_all_reduce_strategy", "reduce_scatter", tuple(owners),
+                                  nbytes=buf.nbytes)
         chunks: list[HostArray | None] = [buf[a:b] for a, b in layout]
         self._call(op, self._run(op, schedule, chunks))
 

@@ -8,6 +8,7 @@ no threading, asyncio, transport or array library; the executors walk the schedu
 from __future__ import annotations
 
 from burncoll.errors import ConfigError
+from burncoll.strategies.auto import Auto, resolve
 from burncoll.strategies.base import Strategy
 from burncoll.strategies.centralized import Centralized
 from burncoll.strategies.ring import Ring
@@ -16,6 +17,7 @@ from burncoll.strategies.tree import Tree
 
 __all__ = [
     "Action",
+    "Auto",
     "Centralized",
     "Ring",
     "Schedule",
@@ -23,9 +25,10 @@ __all__ = [
     "Strategy",
     "Tree",
     "parse_strategy",
+    "resolve",
 ]
 
-_ACCEPTED = "'centralized', 'tree', 'tree:K' (K >= 1), 'ring'"
+_ACCEPTED = "'centralized', 'tree', 'tree:K' (K >= 1), 'ring', 'auto'"
 
 
 def parse_strategy(value: Strategy | str) -> Strategy:
@@ -50,6 +53,8 @@ def parse_strategy(value: Strategy | str) -> Strategy:
         return Centralized()
     if text == "ring":
         return Ring()
+    if text == "auto":
+        return Auto()
     if text == "tree":
         return Tree(2)
     name, colon, arg = text.partition(":")

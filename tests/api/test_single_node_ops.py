@@ -8,7 +8,7 @@ import pytest
 import burncoll
 from tests.harness import run_peers
 
-STRATEGIES = ["centralized", "tree", "tree:3", "ring"]
+STRATEGIES = ["centralized", "tree", "tree:3", "ring", "auto"]
 REDUCERS = {
     "sum": lambda xs: np.sum(xs, axis=0),
     "mean": lambda xs: np.mean(xs, axis=0),
@@ -143,3 +143,21 @@ def test_many_back_to_back_operations() -> None:
         ref = sum(arrays[i][k] for i in range(n))
         for r in results:
             _close(r[k], ref, "float64")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_auto_above_the_inline_size_uses_schedules_correctly(n: int) -> None:
+    xs = _inputs(n, (50_000, 2), "float64", seed=5)  # 800 KB: above INLINE_BYTES
+    ref = np.sum(np.stack(xs), axis=0)
+
+    def work(c: burncoll.Communicator, i: int) -> list[np.ndarray | None]:
+        return [c.all_reduce(xs[i]), c.reduce(xs[i], root=n - 1), c.reduce_scatter(xs[i]),
+                c.broadcast(xs[i] if i == 0 else None, root=0), c.all_gather(xs[i])]
+
+    results = run_peers(_config(n, "auto"), work)
+    for i, (total, red, block, bcast, gathered) in enumerate(results):
+        _close(total, ref, "float64")
+        assert (red is None) == (i != n - 1)
+        _close(block, np.array_split(ref, n)[i], "float64")
+        np.testing.assert_array_equal(bcast, xs[0])
+        np.testing.assert_array_equal(gathered, np.concatenate(xs))

@@ -48,6 +48,7 @@ COMBOS = [
     (2, 2, "tree", "ring", "quic"),
     (2, 2, "ring|tree", "ring", "websocket"),  # different local strategies per node
     (3, 3, "ring", "tree", "quic"),
+    (3, 2, "auto", "auto", "websocket"),
     (3, 1, "centralized", "tree", "quic"),
 ]
 

@@ -1,0 +1,67 @@
+"""``Auto``: pick Centralized, Tree or Ring per operation from the array size and the world.
+
+The choice is data (:data:`CROSSOVERS`), measured with ``burncoll bench`` on a 2-core machine
+(see the README's crossover table); re-measure on other hardware. At the local level ``auto``
+also runs small operations *inline*: the last peer to arrive computes every peer's result in
+one pass (a centralized reduction without the thread barriers of a schedule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from burncoll.strategies.base import Strategy
+from burncoll.strategies.ring import Ring
+from burncoll.strategies.schedule import Schedule
+from burncoll.strategies.tree import Tree
+
+__all__ = ["CROSSOVERS", "INLINE_BYTES", "Auto", "resolve"]
+
+#: Local operations of at most this many bytes run inline in one thread under ``auto``.
+INLINE_BYTES = 256 << 10
+
+#: level -> ((largest size in bytes, strategy), ...): the first row whose size is >= the
+#: operation's wins; the last row has no limit.
+CROSSOVERS: dict[str, tuple[tuple[int | None, Strategy], ...]] = {
+    "local": ((None, Ring()),),
+    "global": ((64 << 10, Tree(2)), (None, Ring())),
+}
+
+
+@dataclass(frozen=True)
+class Auto(Strategy):
+    """Chooses per operation; as a plain schedule source it behaves as Ring (all-reduce,
+    reduce-scatter, all-gather) and Tree(2) (reduce, broadcast)."""
+
+    @property
+    def spec(self) -> str:
+        return "auto"
+
+    def choose(self, level: str, nbytes: int, world: int) -> Strategy:
+        """The concrete strategy for an operation of ``nbytes`` among ``world`` participants."""
+        for limit, strategy in CROSSOVERS[level]:
+            if limit is None or nbytes <= limit:
+                return strategy
+        return Ring()  # pragma: no cover - the last row has no limit
+
+    def reduce(self, world: int, root: int) -> Schedule:
+        return Tree(2).reduce(world, root)
+
+    def broadcast(self, world: int, root: int) -> Schedule:
+        return Tree(2).broadcast(world, root)
+
+    def all_reduce(self, world: int) -> Schedule:
+        return Ring().all_reduce(world)
+
+    def reduce_scatter(self, world: int, owners: tuple[int, ...]) -> Schedule:
+        return Ring().reduce_scatter(world, owners)
+
+    def all_gather(self, world: int, owners: tuple[int, ...]) -> Schedule:
+        return Ring().all_gather(world, owners)
+
+
+def resolve(strategy: Strategy, level: str, nbytes: int, world: int) -> Strategy:
+    """``strategy`` itself, or what :class:`Auto` picks for this operation."""
+    if isinstance(strategy, Auto):
+        return strategy.choose(level, nbytes, world)
+    return strategy
