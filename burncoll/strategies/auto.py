@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from burncoll.strategies.base import Strategy
+from burncoll.strategies.centralized import Centralized
 from burncoll.strategies.ring import Ring
 from burncoll.strategies.schedule import Schedule
 from burncoll.strategies.tree import Tree
@@ -18,12 +19,14 @@ from burncoll.strategies.tree import Tree
 __all__ = ["CROSSOVERS", "INLINE_BYTES", "Auto", "resolve"]
 
 #: Local operations of at most this many bytes run inline in one thread under ``auto``.
-INLINE_BYTES = 256 << 10
+INLINE_BYTES = 512 << 10
 
 #: level -> ((largest size in bytes, strategy), ...): the first row whose size is >= the
 #: operation's wins; the last row has no limit.
 CROSSOVERS: dict[str, tuple[tuple[int | None, Strategy], ...]] = {
-    "local": ((None, Ring()),),
+    # On 2 cores the threads of a schedule cannot run in parallel for long, and one
+    # reduction pass at the root beats the ring's 2(N-1) barrier rounds at every size.
+    "local": ((None, Centralized()),),
     "global": ((64 << 10, Tree(2)), (None, Ring())),
 }
 
