@@ -10,6 +10,8 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from burncoll.config import TRANSPORTS
+
 __all__ = ["main"]
 
 
@@ -58,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--host", default="127.0.0.1",
                       help="address to bind (default loopback; 0.0.0.0 to accept other machines)")
     orch.add_argument("--port", type=int, default=29400)
-    orch.add_argument("--transport", choices=("websocket", "quic"), default="websocket")
+    orch.add_argument("--transport", choices=TRANSPORTS, default="websocket")
     orch.add_argument("--auth-token", default=None,
                       help="shared secret (default: $BURNCOLL_AUTH_TOKEN)")
     orch.add_argument("--tls-cert", default=None)
@@ -68,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch = sub.add_parser("launch", help="run a script as N local node processes")
     launch.add_argument("--nodes", type=int, default=2)
     launch.add_argument("--devices", type=int, default=1)
-    launch.add_argument("--transport", choices=("websocket", "quic"), default="websocket")
+    launch.add_argument("--transport", choices=TRANSPORTS, default="websocket")
     launch.add_argument("--auth-token", default=None)
     launch.add_argument("script")
     launch.add_argument("script_args", nargs=argparse.REMAINDER)

@@ -23,7 +23,7 @@ from burncoll.strategies import Ring, Strategy, Tree, parse_strategy
 __all__ = ["BACKENDS", "TRANSPORTS", "CollectiveConfig", "parse_host_port"]
 
 BACKENDS = ("numpy", "jax", "cupy")
-TRANSPORTS = ("websocket", "quic")
+TRANSPORTS = ("websocket", "quic", "tcp")
 ENV_PREFIX = "BURNCOLL_"
 _STRATEGY_FIELDS = (
     "local_all_reduce_strategy",

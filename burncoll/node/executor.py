@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -96,57 +95,109 @@ class GlobalExecutor:
         COPY into a ``None`` chunk allocates it from the incoming size (all_gather,
         broadcast receivers). Returns the dtype and shape carried by the frames (the
         root's, for a broadcast receiver).
+
+        When every chunk this node holds fits in one part, rounds run one after the other
+        (sends, then receives: no task is created). Otherwise every step runs at once and is
+        ordered per part (:class:`_Pipeline`): a chunk received in one round is forwarded part
+        by part as its parts are reduced, instead of after the whole round.
         """
         learned: list[Any] = [dtype if dtype is not None else op.dtype,
                               shape if shape is not None else op.shape]
-        for r, round_ in enumerate(schedule.rounds):
-            sends = [s for s in round_ if s.src == self.me]
-            recvs = [s for s in round_ if s.dst == self.me]
-            if not sends and not recvs:
-                continue
-            tasks = [self._send(op, r, channel, s, chunks, learned) for s in sends]
-            tasks.append(self._receive_all(op, r, channel, recvs, chunks, learned))
-            await asyncio.gather(*tasks)
+        me = self.me
+        mine = [(r, s) for r, round_ in enumerate(schedule.rounds) for s in round_
+                if s.src == me or s.dst == me]
+        if not mine:
+            return learned[0], tuple(learned[1])
+        check = self.checker(op)
+        if all(c is None or c.nbytes <= PART_BYTES for c in chunks):
+            for r, round_ in enumerate(schedule.rounds):
+                for s in round_:
+                    if s.src == me:
+                        await self._send(op, r, channel, s, chunks, learned, None, 0)
+                for s in round_:
+                    if s.dst == me:
+                        await self._receive(op, r, channel, s, chunks, learned, check, None, 0)
+            return learned[0], tuple(learned[1])
+        await self._pipelined(op, channel, mine, chunks, learned, check)
         return learned[0], tuple(learned[1])
 
+    async def _pipelined(self, op: GlobalOp, channel: int, mine: list[tuple[int, Step]],
+                         chunks: list[HostArray | None], learned: list[Any], check: Any) -> None:
+        # Per round, sends before receives: a send reads the chunk as the round found it.
+        mine.sort(key=lambda rs: (rs[0], rs[1].src != self.me))
+        pipe = _Pipeline()
+        coros = []
+        for r, s in mine:
+            if s.src == self.me:
+                slot = pipe.add(s.chunk, writes=False)
+                coros.append(self._send(op, r, channel, s, chunks, learned, pipe, slot))
+            else:
+                slot = pipe.add(s.chunk, writes=True)
+                coros.append(self._receive(op, r, channel, s, chunks, learned, check, pipe,
+                                           slot))
+        tasks = [asyncio.ensure_future(c) for c in coros]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+        finally:
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+
     async def _send(self, op: GlobalOp, r: int, channel: int, step: Step,
-                    chunks: list[HostArray | None], learned: list[Any]) -> None:
-        data = chunks[step.chunk]
+                    chunks: list[HostArray | None], learned: list[Any],
+                    pipe: _Pipeline | None, slot: int) -> None:
+        c = step.chunk
+        if pipe is not None:
+            while chunks[c] is None:  # allocated by an earlier receive into it
+                await pipe.changed(c)
+        data = chunks[c]
         if data is None:
-            raise RuntimeError(f"chunk {step.chunk} sent before it was received")
+            raise RuntimeError(f"chunk {c} sent before it was received")
         raw = memoryview(np.ascontiguousarray(data).view(np.uint8))  # type: ignore[arg-type]
         total = raw.nbytes
-        parts = max(1, math.ceil(total / PART_BYTES))
-        for p in range(parts):
-            start = p * PART_BYTES
-            payload = raw[start:min(start + PART_BYTES, total)]
+        session = self.service.session or 0
+        shape = tuple(learned[1])
+        send = self.service.send
+        start = 0
+        while True:
+            end = min(start + PART_BYTES, total)
+            if pipe is not None:
+                await pipe.ready(c, slot, end)
             header = DataHeader(
-                session=self.service.session or 0, seq=op.seq, op_kind=op.kind,
-                reduce_op=op.reduce_op, dtype=learned[0], shape=tuple(learned[1]),
-                root=op.root, src=self.me, round=r, channel=channel, chunk=step.chunk,
-                offset=start, chunk_bytes=total,
+                session=session, seq=op.seq, op_kind=op.kind, reduce_op=op.reduce_op,
+                dtype=learned[0], shape=shape, root=op.root, src=self.me, round=r,
+                channel=channel, chunk=c, offset=start, chunk_bytes=total,
             )
-            await self.service.send(step.dst, [encode_data_header(header, payload.nbytes),
-                                               payload])
-
-    async def _receive_all(self, op: GlobalOp, r: int, channel: int, steps: Sequence[Step],
-                           chunks: list[HostArray | None], learned: list[Any]) -> None:
-        for step in steps:
-            await self._receive(op, r, channel, step, chunks, learned)
+            await send(step.dst, [encode_data_header(header, end - start), raw[start:end]])
+            if pipe is not None:
+                pipe.advance(c, slot, end)
+            start = end
+            if start >= total:
+                break
+        if pipe is not None:
+            pipe.finish(c, slot)
 
     async def _receive(self, op: GlobalOp, r: int, channel: int, step: Step,
-                       chunks: list[HostArray | None], learned: list[Any]) -> None:
+                       chunks: list[HostArray | None], learned: list[Any], check: Any,
+                       pipe: _Pipeline | None, slot: int) -> None:
         key = (op.seq, channel, r, step.src, step.chunk)
         got = 0
         total = -1
         target = chunks[step.chunk]
+        dtype: Any = None
+        ufunc = _UFUNCS[op.reduce_op] if (
+            step.action is Action.REDUCE and op.reduce_op is not None) else None
+        mailbox = self.service.mailbox
         while got < total or total < 0:
-            frame = await self.service.mailbox.get(
+            frame = await mailbox.get(
                 key, op.deadline, lambda: self.timeout_error(op, step.src, r))
             h = frame.header
             if h is None:  # pragma: no cover - the mailbox holds DATA frames only
                 continue
-            error = self.checker(op)(h)
+            error = check(h)
             if error is not None:
                 self.service.fail(error)
                 raise error
@@ -154,23 +205,33 @@ class GlobalExecutor:
                 total = h.chunk_bytes
                 learned[0], learned[1] = h.dtype, h.shape
                 target = self._prepare_target(op, step, chunks, h, total)
-            dtype = dtype_from_name(h.dtype or "uint8")
-            if h.offset % dtype.itemsize or len(frame.payload) % dtype.itemsize:
+                dtype = dtype_from_name(h.dtype or "uint8")
+                if pipe is not None:
+                    pipe.wake(step.chunk)
+            payload = frame.payload
+            size = len(payload)
+            if h.offset % dtype.itemsize or size % dtype.itemsize:
                 raise self._fail_protocol(op, h, "a part not aligned to its dtype")
-            incoming = np.frombuffer(frame.payload, dtype=dtype)
+            incoming = np.frombuffer(payload, dtype=dtype)
             start = h.offset // dtype.itemsize
             if target is None:  # pragma: no cover - prepared above
                 raise RuntimeError("no target")
             region = target[start:start + incoming.size]
             if region.size != incoming.size:
                 raise self._fail_protocol(op, h, "a part beyond the end of its chunk")
-            if step.action is Action.REDUCE and op.reduce_op is not None:
-                _UFUNCS[op.reduce_op](region, incoming, out=region)
+            if pipe is not None:
+                await pipe.ready(step.chunk, slot, h.offset + size)
+            if ufunc is not None:
+                ufunc(region, incoming, out=region)
             else:
                 region[...] = incoming
-            got += len(frame.payload)
+            got += size
+            if pipe is not None:
+                pipe.advance(step.chunk, slot, h.offset + size)
             if total == 0:
                 break
+        if pipe is not None:
+            pipe.finish(step.chunk, slot)
 
     def _prepare_target(self, op: GlobalOp, step: Step, chunks: list[HostArray | None],
                         h: DataHeader, total: int) -> HostArray:
@@ -206,6 +267,56 @@ class GlobalExecutor:
             f"{op.deadline - op.started:.3g} s) on {self.service.nodes[self.me].describe()}, "
             f"waiting for {node.describe()} in round {r + 1}"
         )
+
+
+class _Pipeline:
+    """Orders, part by part, the steps of one node that touch the same chunk.
+
+    The steps on a chunk form a sequence in round order; each has a *slot* whose progress is
+    the number of the chunk's leading bytes it has finished (parts of a chunk are sent and
+    received in order). A step may handle bytes ``[.., end)`` once every earlier step it
+    conflicts with (a receive after anything, anything after a receive: reading and writing
+    the same bytes) has progressed to ``end``.
+    """
+
+    __slots__ = ("_progress", "_waiters", "_writes")
+
+    def __init__(self) -> None:
+        self._writes: dict[int, list[bool]] = {}
+        self._progress: dict[int, list[float]] = {}
+        self._waiters: dict[int, list[asyncio.Future[None]]] = {}
+
+    def add(self, chunk: int, writes: bool) -> int:
+        kinds = self._writes.setdefault(chunk, [])
+        kinds.append(writes)
+        self._progress.setdefault(chunk, []).append(0)
+        return len(kinds) - 1
+
+    def _ok(self, chunk: int, slot: int, end: int) -> bool:
+        kinds, progress = self._writes[chunk], self._progress[chunk]
+        writes = kinds[slot]
+        return all(progress[j] >= end for j in range(slot) if writes or kinds[j])
+
+    async def ready(self, chunk: int, slot: int, end: int) -> None:
+        while not self._ok(chunk, slot, end):
+            await self.changed(chunk)
+
+    def changed(self, chunk: int) -> asyncio.Future[None]:
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(chunk, []).append(waiter)
+        return waiter
+
+    def wake(self, chunk: int) -> None:
+        for waiter in self._waiters.pop(chunk, ()):
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def advance(self, chunk: int, slot: int, end: int) -> None:
+        self._progress[chunk][slot] = end
+        self.wake(chunk)
+
+    def finish(self, chunk: int, slot: int) -> None:
+        self.advance(chunk, slot, math.inf)  # type: ignore[arg-type]
 
 
 def host_dtype_name(x: HostArray) -> str:

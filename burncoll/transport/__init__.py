@@ -1,6 +1,6 @@
 """Transports: how nodes and the orchestrator exchange messages (see :mod:`.base`).
 
-:func:`get_transport` turns the config's spelling (``"websocket"``, ``"quic"``) into a
+:func:`get_transport` turns the config's spelling (``"websocket"``, ``"quic"``, ``"tcp"``) into a
 :class:`Transport`. The implementations are imported on first use, so a missing optional
 dependency (aioquic for QUIC) is reported only to those who ask for that transport.
 """
@@ -43,10 +43,22 @@ def _quic(tls: TlsSettings | None, max_message_bytes: int) -> Transport:
     return QuicTransport(tls=tls, max_message_bytes=max_message_bytes)
 
 
+def _tcp(tls: TlsSettings | None, max_message_bytes: int) -> Transport:
+    from burncoll.transport.tcp import TcpTransport
+
+    if tls is not None and any((tls.cert, tls.key, tls.ca)):
+        raise ConfigError(
+            "transport 'tcp' has no TLS: choose transport 'websocket' (wss) or 'quic' to use "
+            "the TLS settings"
+        )
+    return TcpTransport(max_message_bytes=max_message_bytes)
+
+
 #: Transport name -> factory ``(tls, max_message_bytes) -> Transport``.
 _FACTORIES: dict[str, Callable[[TlsSettings | None, int], Transport]] = {
     "websocket": _websocket,
     "quic": _quic,
+    "tcp": _tcp,
 }
 #: The names :func:`get_transport` accepts.
 TRANSPORT_NAMES = tuple(_FACTORIES)

@@ -12,6 +12,7 @@ import pytest
 
 from burncoll.transport.base import Connection, Listener, TlsSettings, Transport
 from burncoll.transport.quic import QuicTransport
+from burncoll.transport.tcp import TcpTransport
 from burncoll.transport.tls import make_self_signed
 from burncoll.transport.websocket import WebSocketTransport
 
@@ -35,11 +36,16 @@ def _quic(**options: Any) -> Transport:
     return QuicTransport(**options)
 
 
+def _tcp(**options: Any) -> Transport:
+    return TcpTransport(**options)
+
+
 #: Every transport the conformance suite runs on; wss verifies a self-signed certificate.
 ALL_TRANSPORTS = [
     pytest.param(_websocket, id="websocket"),
     pytest.param(_websocket_tls, id="websocket-tls"),
     pytest.param(_quic, id="quic"),
+    pytest.param(_tcp, id="tcp"),
 ]
 #: One of each protocol, for suites where TLS adds nothing.
 EACH_PROTOCOL = [ALL_TRANSPORTS[0], ALL_TRANSPORTS[2]]
