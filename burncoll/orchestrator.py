@@ -10,7 +10,8 @@ Protocol (CONTROL frames, JSON, after the token challenge):
 * node -> orchestrator ``{"type": "finish"}``; orchestrator -> every node ``{"type":
   "finished"}`` when every node of the session has finished.
 * orchestrator -> node ``{"type": "node_lost", "node"}`` when a member's connection drops
-  before it finished.
+  before it finished, unless it said ``{"type": "leave"}`` first (a node leaving a failed
+  collective: the nodes have already told each other why, and it is not dead).
 
 After the table the nodes talk peer to peer; the orchestrator can die without disturbing the
 operations under way (only ``finish`` and new registrations need it).
@@ -24,6 +25,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from burncoll.config import TRANSPORTS
 from burncoll.errors import AuthenticationError, ConfigError, ProtocolError, TransportError
 from burncoll.node.loop import IoLoop
 from burncoll.transport import TlsSettings, get_transport
@@ -46,6 +48,13 @@ class _Member:
     meta: dict[str, Any] = field(default_factory=dict)
     index: int = -1
     session: _Session | None = None
+    #: Said ``leave``: it leaves a failed collective on purpose (its process is not dead).
+    left: bool = False
+
+    @property
+    def num_nodes(self) -> int:
+        """How many nodes the member's collective has (validated by :func:`_member_from`)."""
+        return int(self.fingerprint.get("num_nodes") or 1)
 
 
 @dataclass
@@ -70,6 +79,11 @@ class Orchestrator:
         try:
             self._listener = self._io.submit(
                 self._transport.listen(host, port, self._serve)).result(timeout + 5)
+        except TransportError as exc:
+            self._io.stop()
+            raise TransportError(
+                f"the orchestrator {exc}; choose another port (--port, or 0 for a free one)"
+            ) from exc
         except BaseException:
             self._io.stop()
             raise
@@ -115,9 +129,15 @@ class Orchestrator:
         try:
             while True:
                 frame = decode(await conn.recv())
-                if frame.control is not None and frame.control["type"] == "finish":
+                kind = frame.control["type"] if frame.control is not None else None
+                if kind == "finish":
                     await self._finish(member)
+                elif kind == "leave":
+                    member.left = True
         except (ProtocolError, TransportError) as exc:
+            if isinstance(exc, ProtocolError):
+                log.warning("orchestrator: dropped node %s: it sent a malformed frame: %s",
+                            conn.remote, exc)
             await self._gone(member, exc)
 
     async def _join(self, conn: Connection) -> _Member | None:
@@ -134,10 +154,10 @@ class Orchestrator:
             await conn.send([encode_control({"type": "refused", "reason": str(exc)})])
             return None
         self._pending.append(member)
-        num_nodes = int(member.fingerprint.get("num_nodes") or 1)
-        if len(self._pending) == num_nodes:
-            await self._start_session(self._pending)
-            self._pending = []
+        if len(self._pending) == member.num_nodes:
+            # Take the members before awaiting: a node joining meanwhile waits for the next.
+            members, self._pending = self._pending, []
+            await self._start_session(members)
         return member
 
     def _check_consistent(self, member: _Member) -> None:
@@ -190,6 +210,11 @@ class Orchestrator:
         session = member.session
         if session is None or member.index in session.finished:
             return
+        if member.left:
+            # it left a failed collective; the nodes told each other why, directly
+            log.info("orchestrator: node %d of session %x left after a failure", member.index,
+                     session.sid)
+            return
         log.warning("orchestrator: node %d of session %x lost: %s", member.index, session.sid,
                     exc)
         for m in session.members:
@@ -205,15 +230,37 @@ async def _tell(member: _Member, message: dict[str, Any]) -> None:
         pass
 
 
+def _is_int(value: object, low: int, high: int | None = None) -> bool:
+    """Whether ``value`` is an int (not a bool) in ``[low, high]``."""
+    return (isinstance(value, int) and not isinstance(value, bool) and value >= low
+            and (high is None or value <= high))
+
+
 def _member_from(conn: Connection, message: dict[str, Any]) -> _Member:
+    """The member a join message describes; :class:`ConfigError` naming what is malformed.
+
+    Everything the orchestrator later relies on is checked here, before the member joins the
+    waiting list: a malformed join must be refused, never left waiting to spoil later joins.
+    """
     host, port, peer_ids = message.get("host"), message.get("port"), message.get("peer_ids")
     fingerprint = message.get("fingerprint")
-    if not isinstance(host, str) or not isinstance(port, int) or not isinstance(
-        fingerprint, dict
-    ) or not isinstance(peer_ids, list) or not peer_ids or not all(
-        isinstance(p, int) for p in peer_ids
-    ):
-        raise ConfigError("malformed join message")
+    problems = []
+    if not isinstance(host, str) or not host:
+        problems.append("host must be a non-empty string")
+    if not _is_int(port, 1, 65535):
+        problems.append("port must be an int in [1, 65535]")
+    if not isinstance(peer_ids, list) or not peer_ids or not all(
+        _is_int(p, 0) for p in peer_ids
+    ) or len(set(peer_ids)) != len(peer_ids):
+        problems.append("peer_ids must be a non-empty list of distinct ints >= 0")
+    if not isinstance(fingerprint, dict):
+        problems.append("fingerprint must be an object")
+    elif fingerprint.get("num_nodes") is not None and not _is_int(fingerprint["num_nodes"], 1):
+        problems.append("fingerprint.num_nodes must be an int >= 1")
+    if problems:
+        raise ConfigError(f"malformed join message: {'; '.join(problems)}")
+    assert isinstance(host, str) and isinstance(port, int) and isinstance(peer_ids, list)
+    assert isinstance(fingerprint, dict)
     meta = message.get("meta")
     return _Member(conn, host, port, tuple(sorted(peer_ids)), fingerprint,
                    meta if isinstance(meta, dict) else {})
@@ -236,7 +283,7 @@ def start_orchestrator(
     ``"host:port"``). It binds loopback unless told otherwise. Raises
     :class:`~burncoll.TransportError` naming the port when it cannot be bound.
     """
-    if transport not in ("websocket", "quic"):
-        raise ConfigError(f"transport={transport!r}: expected one of websocket, quic")
+    if transport not in TRANSPORTS:
+        raise ConfigError(f"transport={transport!r}: expected one of {', '.join(TRANSPORTS)}")
     tls = TlsSettings(tls_cert, tls_key, tls_ca)
     return Orchestrator(host, port, transport, auth_token, timeout, tls)

@@ -14,6 +14,7 @@ without ``bye``, or that sends bytes that are not a valid frame, fails the sessi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +38,9 @@ from burncoll.transport.wire import FrameType, decode, encode_control
 __all__ = ["DataService", "NodeInfo", "error_from_abort"]
 
 log = logging.getLogger("burncoll.node")
+
+#: Seconds a failed send waits for another node's explanation before blaming the receiver.
+_EXPLAIN_GRACE = 0.5
 
 _ERRORS_BY_NAME: dict[str, type[CollectiveError]] = {
     cls.__name__: cls
@@ -93,6 +97,7 @@ class DataService:
         self._closing = False
         self._statuses: dict[int, dict[str, Any]] = {}
         self._status_event = asyncio.Event()
+        self._failed = asyncio.Event()  # set with the session's failure
         #: Called once when the session fails because of another node (set by the link).
         self.on_failure: Callable[[BaseException], None] = lambda error: None
         #: Answers a status query: what this node's peers are doing.
@@ -106,8 +111,14 @@ class DataService:
 
     async def start(self) -> None:
         """Bind the listener (port 0 picks a free one)."""
-        self._listener = await self.transport.listen(self.host, self.requested_port,
-                                                     self._serve)
+        try:
+            self._listener = await self.transport.listen(self.host, self.requested_port,
+                                                         self._serve)
+        except TransportError as exc:
+            raise TransportError(
+                f"register: this node's data service {exc}; choose another data_service_port "
+                "(0 picks a free one) or node_address"
+            ) from exc
 
     def set_session(self, session: int, node_index: int, nodes: Sequence[NodeInfo]) -> None:
         self.session = session
@@ -129,7 +140,8 @@ class DataService:
                     conn = await self.transport.connect(node.host, node.port)
                     await authenticate_client(conn, self.token, self.timeout)
                     await conn.send([encode_control(
-                        {"type": "hello", "node": self.node_index}, self.session or 0)])
+                        {"type": "hello", "node": self.node_index, "session": self.session},
+                        self.session or 0)])
                 self._out[node.index] = conn
                 self._send_locks[node.index] = asyncio.Lock()
                 return
@@ -153,9 +165,15 @@ class DataService:
             async with self._send_locks[node]:
                 await conn.send(parts)
         except TransportError as exc:
-            error = PeerLost(f"{self.nodes[node].describe()} is unreachable: {exc}")
-            self.fail(error)
-            raise error from exc
+            # A node that fails closes its connections right after telling the others why, on
+            # another connection: give that message a moment to arrive, so that a live node
+            # is not reported lost.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_EXPLAIN_GRACE):
+                    await self._failed.wait()
+            self.fail(PeerLost(f"{self.nodes[node].describe()} is unreachable: {exc}"))
+            # the session's failure: this one as fail() worded it, or an earlier one
+            raise self.mailbox.error or PeerLost(str(exc)) from exc
 
     async def tell_all(self, message: dict[str, Any], timeout: float = 1.0) -> None:
         """Best effort: send a CONTROL message to every other node, bounded in time."""
@@ -185,6 +203,15 @@ class DataService:
             node = self._check_hello(hello.control, hello.frame_type)
             self._incoming.add(conn)
             await self._receive(conn, node)
+        except ProtocolError as exc:
+            if node >= 0 and not self._closing:
+                error = ProtocolError(
+                    f"{self.nodes[node].describe()} sent a malformed message ({exc}); the "
+                    "connection between members is corrupted")
+                log.warning("data service: %s", error)
+                self.fail(error)
+            else:
+                log.warning("data service: dropped %s: %s", conn.remote, exc)
         except (TransportError, TimeoutError) as exc:
             if node >= 0:
                 self._lost(node, exc)
@@ -202,21 +229,40 @@ class DataService:
             node == self.node_index
         ):
             raise ProtocolError(f"hello from an unknown node {node!r}")
+        session = control.get("session", self.session)
+        if session != self.session:
+            # a node of an earlier (failed) session reusing this address: never mix the two
+            raise ProtocolError(f"hello from node {node} of another session ({session!r})")
         return node
 
     async def _receive(self, conn: Connection, node: int) -> None:
+        # A frame that breaks the protocol fails the session, but the connection stays open
+        # (its frames are ignored from then on, the mailbox being failed): closing it would
+        # reach the sender as a dead connection -- a PeerLost blaming a live node -- possibly
+        # before the abort that says what really happened.
         while True:
             message = await conn.recv()
             try:
                 frame = decode(message)
             except ProtocolError as exc:
-                self.fail(ProtocolError(
+                error = ProtocolError(
                     f"{self.nodes[node].describe()} sent a malformed frame ({exc}); the "
                     "connection between members is corrupted"
-                ))
-                return
+                )
+                log.warning("data service: %s", error)
+                self.fail(error)
+                continue
             if frame.frame_type == FrameType.DATA:
-                self.mailbox.put(frame)
+                try:
+                    if frame.header is not None and frame.header.session != self.session:
+                        raise ProtocolError(
+                            f"sent a frame of another session ({frame.header.session:#x})")
+                    self.mailbox.put(frame)
+                except ProtocolError as exc:
+                    self.fail(ProtocolError(
+                        f"{self.nodes[node].describe()} {exc}; the connection between members "
+                        "is corrupted, so the operation cannot be trusted"
+                    ))
                 continue
             control = frame.control or {}
             kind = control.get("type")
@@ -234,9 +280,9 @@ class DataService:
     def _lost(self, node: int, exc: BaseException) -> None:
         if self._closing or node in self._leaving:
             return
-        self.fail(PeerLost(
-            f"{self.nodes[node].describe()} disconnected ({exc}); its process may have died"
-        ))
+        error = PeerLost(f"{self.nodes[node].describe()} disconnected ({exc})")
+        log.warning("data service: %s", error)
+        self.fail(error)
 
     # -- status queries (for timeout messages) -----------------------------------------------
     async def _reply_status(self, node: int) -> None:
@@ -282,10 +328,17 @@ class DataService:
 
     # -- failure and shutdown -----------------------------------------------------------------
     def fail(self, error: BaseException, tell: bool = True) -> None:
-        """Fail the session here; tell every other node unless the error came from one."""
+        """Fail the session here; tell every other node unless the error came from one.
+
+        A :class:`~burncoll.PeerLost` seen here gets what the other nodes need to act on it:
+        the operation it interrupted, how far into it, and a hint.
+        """
         if self.mailbox.error is not None:
             return
+        if tell and type(error) is PeerLost:
+            error = PeerLost(self._explain_lost(str(error)))
         self.mailbox.fail(error)
+        self._failed.set()
         self.on_failure(error)
         if tell and self._out:
             asyncio.get_running_loop().create_task(self.tell_all({
@@ -293,13 +346,32 @@ class DataService:
                 "error": type(error).__name__, "message": str(error),
             }))
 
+    def _explain_lost(self, what: str) -> str:
+        what = what.removesuffix("; its process may have died")
+        box = self.mailbox
+        if box.running:
+            elapsed = time.monotonic() - box.current_started
+            when = (f"during operation #{box.current}, {elapsed:.1f} s after it started on "
+                    f"this node (timeout {self.timeout:g} s)")
+        elif box.current >= 0:
+            when = f"after operation #{box.current}, before the next one"
+        else:
+            when = "before the first operation"
+        return (
+            f"{what} {when}; its process may have died. Hint: that node's own output says "
+            "why; to go on, call burncoll.register(...) again on every peer, with a new process "
+            "in its place"
+        )
+
     async def close(self) -> None:
-        """Say ``bye`` to every node, then close every connection and the listener."""
+        """Say ``bye`` to every node, then close every connection and the listener.
+
+        Connections close concurrently: a close waits for the other end to acknowledge
+        (bounded by the transport), and the other end of a failed session may be gone.
+        """
         self._closing = True
         await self.tell_all({"type": "bye", "node": self.node_index})
-        for conn in list(self._out.values()):
-            await conn.close()
-        for conn in list(self._incoming):
-            await conn.close()
+        conns = [*self._out.values(), *self._incoming]
+        await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
         if self._listener is not None:
             await self._listener.close()

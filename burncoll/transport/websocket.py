@@ -38,6 +38,7 @@ from websockets.asyncio.server import Server, ServerConnection
 from websockets.asyncio.server import serve as ws_serve
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, WebSocketException
 from websockets.frames import CloseCode
+from websockets.protocol import State
 
 from burncoll.errors import ProtocolError, TransportError
 from burncoll.transport.base import Buffer, Connection, Handler, Listener, TlsSettings, Transport
@@ -201,6 +202,19 @@ class WebSocketListener(Listener):
                 )
 
 
+class _LoggedServerConnection(ServerConnection):
+    """A server connection that says, at WARNING, why an opening handshake failed."""
+
+    async def handshake(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            await super().handshake(*args, **kwargs)
+        finally:
+            if self.protocol.state is not State.OPEN:
+                failure = self.protocol.handshake_exc or "no valid opening handshake"
+                logger.warning("dropped a connection from %s: it failed the WebSocket "
+                               "handshake (%s)", format_address(self.remote_address), failure)
+
+
 class WebSocketTransport(Transport):
     """Listen and connect with WebSocket; ``wss`` when ``tls`` is given.
 
@@ -241,6 +255,7 @@ class WebSocketTransport(Transport):
         }
 
     async def listen(self, host: str, port: int, handler: Handler) -> WebSocketListener:
+        """Bind and serve; a stranger that fails the opening handshake is logged and dropped."""
         listener = WebSocketListener(host, port)
         context = None if self.tls is None else server_ssl_context(self.tls, host)
 
@@ -249,7 +264,8 @@ class WebSocketTransport(Transport):
 
         try:
             server = await ws_serve(
-                serve_one, host, port, ssl=context, server_header=None, **self._options()
+                serve_one, host, port, ssl=context, server_header=None,
+                create_connection=_LoggedServerConnection, **self._options()
             )
         except OSError as exc:
             reason = "the port is in use" if exc.errno == errno.EADDRINUSE else exc.strerror
