@@ -341,7 +341,8 @@ def _execute_multi_node(
         link.all_reduce(gop, host)
         shared["global"] = backend.from_host(host, dtype, (host.size,), server.devices[index])
     server.sync(state, index, deadline, "global all_reduce")
-    out = _local_broadcast(server, state, index, deadline, leader, shared["global"], dtype)
+    out = _local_broadcast(server, state, index, deadline, leader, shared["global"], dtype,
+                           owned=True)
     return _finish_reduce(server, backend.reshape(out, shape), call.reduce_op)
 
 
@@ -378,9 +379,13 @@ def _sharded_all_reduce(
 
 def _local_broadcast(
     server: LocalServer, state: OpState, index: int, deadline: float, root: int,
-    flat_on_root: Array | None, dtype: str,
+    flat_on_root: Array | None, dtype: str, owned: bool = False,
 ) -> Array:
-    """Broadcast a flat array held by local peer ``root`` (visible in ``state.shared``)."""
+    """Broadcast a flat array held by local peer ``root`` (visible in ``state.shared``).
+
+    ``owned``: the array is burncoll's own (not the caller's input), so the root may return
+    it as its result instead of a copy.
+    """
     d = server.size
     plan = server.plan(
         ("bcast", _s(server, state, "local_broadcast_strategy"), d, root),
@@ -400,6 +405,8 @@ def _local_broadcast(
     server.sync(state, index, deadline, "local broadcast setup")
     buffers: list[ChunkBuffer] = state.shared[key]
     run_local(server, state, index, deadline, plan, buffers, None, "local broadcast")
+    if owned and index == root and flat_on_root is not None:
+        return flat_on_root  # never written during a broadcast; the last round has synced
     return buffers[index].result()
 
 
@@ -457,7 +464,7 @@ def _multi_all_gather(
                                                    server.devices[index])
     server.sync(state, index, deadline, "global all_gather")
     out = _local_broadcast(server, state, index, deadline, 0, state.shared["global"],
-                           call.dtype or "float32")
+                           call.dtype or "float32", owned=True)
     return backend.reshape(out, state.shared["shape"])
 
 

@@ -37,8 +37,11 @@ def every_op(comm: burncoll.Communicator, world: int, rounds: int) -> None:
                 np.testing.assert_allclose(r, total, rtol=1e-12)
             else:
                 assert r is None
-            b = comm.broadcast(data(pid) if pid == root else None, root=root)
+            mine = data(pid)
+            b = comm.broadcast(mine if pid == root else None, root=root)
             np.testing.assert_array_equal(b, data(root))
+            b += 1  # results never alias the caller's input
+            np.testing.assert_array_equal(mine, data(pid))
         np.testing.assert_allclose(comm.reduce_scatter(data(pid)),
                                    np.array_split(total, world)[comm.rank], rtol=1e-12)
         gathered = comm.all_gather(data(pid, rows=1 + pid % 3))
@@ -53,6 +56,8 @@ def mixed_sizes(comm: burncoll.Communicator, world: int, count: int) -> None:
         x = np.full(size, comm.peer_id + 1, dtype=np.float32) + (k % 5)
         ref = float(sum(p + 1 + (k % 5) for p in comm.peer_ids))
         r = comm.all_reduce(x)
+        if not np.all(x == comm.peer_id + 1 + (k % 5)):
+            raise AssertionError(f"operation {k} modified its input")
         if r.shape != (size,) or not np.all(r == ref):
             raise AssertionError(f"operation {k} of {size} elements is wrong")
 
