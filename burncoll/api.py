@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from burncoll.backends import get_backend
 from burncoll.backends.base import Array, Backend, Device
 from burncoll.config import CollectiveConfig
-from burncoll.errors import CollectiveTimeout, UsageError
+from burncoll.errors import CollectiveError, CollectiveTimeout, UsageError
 from burncoll.local import compose
 from burncoll.local.calls import Call
 from burncoll.local.server import LocalServer
@@ -181,6 +183,17 @@ class _Group:
     devices: dict[int, Device] = field(default_factory=dict)
     server: LocalServer | None = None
     error: BaseException | None = None
+    #: The aborted node this registration replaces: its connections and listener are closed
+    #: before the new node binds (it may reuse the same port).
+    previous: LocalServer | None = None
+    #: Set once every local peer has registered: the node is being built (it joins the other
+    #: nodes within its own deadline), and the waiting peers wait for the outcome.
+    building: bool = False
+
+
+#: Seconds a registering peer waits for the node's builder beyond the builder's own deadline
+#: (closing an aborted predecessor, and the I/O loop's guard).
+_BUILD_GRACE = 10.0
 
 
 class _Registry:
@@ -193,6 +206,7 @@ class _Registry:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._groups: dict[CollectiveConfig, _Group] = {}
+        self._closed: weakref.WeakSet[LocalServer] = weakref.WeakSet()
 
     def join(self, peer_id: int, device: Device, config: CollectiveConfig) -> Communicator:
         deadline = time.monotonic() + config.timeout
@@ -200,19 +214,36 @@ class _Registry:
             group = self._groups.get(config)
             if group is None or group.server is not None or group.error is not None:
                 # none yet, or a complete (possibly aborted) one: this registration starts anew
-                group = self._groups[config] = _Group(config)
+                previous = None
+                if group is not None and group.server is not None and (
+                    group.server.failure is not None
+                ):
+                    previous = group.server
+                group = self._groups[config] = _Group(config, previous=previous)
             if peer_id in group.devices:
                 raise UsageError(
                     f"peer id {peer_id} is already registering on this node; peer ids must be "
                     "unique across the collective"
                 )
+            if len(group.devices) >= config.num_devices:
+                raise UsageError(
+                    f"peer {peer_id} registered while all num_devices={config.num_devices} "
+                    f"local peers (ids {sorted(group.devices)}) are already registering with "
+                    "this config"
+                )
             group.devices[peer_id] = device
             builder = len(group.devices) == config.num_devices
+            if builder:
+                group.building = True
         if builder:
             self._build(group)
         with self._cond:
             while group.server is None and group.error is None:
                 remaining = deadline - time.monotonic()
+                if group.building:
+                    # every local peer is here: the builder reports the outcome (joining the
+                    # other nodes is bounded by its own deadline), never "peers missing"
+                    remaining += config.timeout + _BUILD_GRACE
                 if remaining <= 0:
                     group.error = CollectiveTimeout(
                         f"register timed out after {config.timeout:g} s: "
@@ -234,6 +265,13 @@ class _Registry:
     def _build(self, group: _Group) -> None:
         config = group.config
         try:
+            if group.previous is not None:
+                # after a failure the peers register again without calling finish(): leave
+                # the aborted collective first, so nothing of it lingers (threads, sockets,
+                # the data service's port)
+                previous, group.previous = group.previous, None
+                with contextlib.suppress(CollectiveError):  # best effort: it failed already
+                    self.close(previous)
             backend = get_backend(config.backend)
             peer_ids = sorted(group.devices)
             devices = [group.devices[p] for p in peer_ids]
@@ -261,14 +299,22 @@ class _Registry:
             if group is not None and group.server is server:
                 del self._groups[server.config]
 
+    def close(self, server: LocalServer) -> None:
+        """Close ``server``'s node link, once, whoever asks first (finish or a new register)."""
+        with self._cond:
+            if server in self._closed:
+                return
+            self._closed.add(server)
+        if server.link is not None:
+            server.link.close(time.monotonic() + server.config.timeout)
+
 
 _REGISTRY = _Registry()
 
 
 def _close_node(server: LocalServer) -> None:
     _REGISTRY.forget(server)
-    if server.link is not None:
-        server.link.close(time.monotonic() + server.config.timeout)
+    _REGISTRY.close(server)
 
 
 def register(peer_id: int, device: Device | int, config: CollectiveConfig) -> Communicator:

@@ -134,6 +134,8 @@ class Orchestrator:
                     await self._finish(member)
                 elif kind == "leave":
                     member.left = True
+                    if member in self._pending:  # gave up waiting: never put it in a session
+                        self._pending.remove(member)
         except (ProtocolError, TransportError) as exc:
             if isinstance(exc, ProtocolError):
                 log.warning("orchestrator: dropped node %s: it sent a malformed frame: %s",

@@ -29,7 +29,7 @@ def test_defaults_follow_burn() -> None:
         ({"global_reduce_strategy": "butterfly"}, ["global_reduce_strategy", "'ring'"]),
         ({"num_nodes": 2}, ["num_nodes=2", "global_address", "node_address"]),
         ({"backend": "torch"}, ["backend", "numpy"]),
-        ({"transport": "tcp"}, ["transport", "websocket"]),
+        ({"transport": "udp"}, ["transport", "websocket"]),
         ({"timeout": 0}, ["timeout"]),
         ({"num_nodes": 2, "global_address": "x", "node_address": "127.0.0.1"},
          ["global_address", "port"]),

@@ -118,6 +118,8 @@ class LocalServer:
         self._failure: BaseException | None = None
         self._finished: set[int] = set()
         self._closed = False
+        #: Peers inside run() right now (an aborted node is closed only once they are out).
+        self._active = 0
         self._plans: dict[tuple[object, ...], Plan] = {}
         self._plans_lock = threading.Lock()
 
@@ -162,6 +164,24 @@ class LocalServer:
         self.check_usable(index)
         started = time.monotonic()
         deadline = started + self.config.timeout
+        with self._cond:
+            self._active += 1
+        try:
+            return self._run(index, call, started, deadline, prepare, execute)
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    def _run(
+        self,
+        index: int,
+        call: Call,
+        started: float,
+        deadline: float,
+        prepare: Callable[[LocalServer, OpState], None],
+        execute: Callable[[LocalServer, OpState, int, float], Array | None],
+    ) -> Array | None:
         state = self._arrive(index, call, started, deadline, prepare)
         try:
             return execute(self, state, index, deadline)
@@ -324,4 +344,9 @@ class LocalServer:
             if self._closed:
                 return False
             self._closed = True
+            # other local peers may still be failing out of an operation (telling the other
+            # nodes, asking them for their status): let them, for a bounded while
+            settle = time.monotonic() + SYNC_GRACE + 1.0
+            while self._active > 0 and time.monotonic() < settle:
+                self._cond.wait(settle - time.monotonic())
             return True

@@ -264,7 +264,7 @@ class GlobalExecutor:
         node = self.service.nodes[src]
         return CollectiveTimeout(
             f"{op.label} timed out after {elapsed:.1f} s (timeout "
-            f"{op.deadline - op.started:.3g} s) on {self.service.nodes[self.me].describe()}, "
+            f"{self.service.timeout:g} s) on {self.service.nodes[self.me].describe()}, "
             f"waiting for {node.describe()} in round {r + 1}"
         )
 

@@ -100,6 +100,8 @@ class NodeLink:
         try:
             return self._io.run(coro, op.deadline, op.label)
         except CollectiveTimeout as exc:
+            if exc is self._service.mailbox.error:  # another node's, already explained
+                raise
             raise self._explain_timeout(op, exc) from None
 
     def _explain_timeout(self, op: GlobalOp, exc: CollectiveTimeout) -> CollectiveTimeout:
@@ -127,6 +129,9 @@ class NodeLink:
         if late:
             parts.append(f"peers that called it but did not finish: {late}")
         parts.extend(silent)
+        parts.append("hint: every peer must call the same operations in the same order; a node "
+                     "that did not answer may have died (over QUIC a dead node is silent) or be "
+                     "stuck in user code")
         error = CollectiveTimeout("; ".join(parts))
         self.abort(error)
         return error

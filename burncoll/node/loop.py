@@ -11,7 +11,11 @@ from typing import Any, TypeVar
 
 from burncoll.errors import CollectiveTimeout
 
-__all__ = ["IoLoop"]
+__all__ = ["CLEANUP_GRACE", "IoLoop"]
+
+#: Seconds :meth:`IoLoop.run` waits, past a coroutine's deadline and a one-second guard, for
+#: it to finish cleaning up and raise its own error.
+CLEANUP_GRACE = 5.0
 
 T = TypeVar("T")
 
@@ -43,8 +47,9 @@ class IoLoop:
     def run(self, coro: Coroutine[Any, Any, T], deadline: float, what: str) -> T:
         """Run ``coro`` on the loop and wait for it from this (non-loop) thread.
 
-        The coroutine enforces its own deadlines; the extra second here only guards against a
-        coroutine that forgot to, and turns that into a :class:`CollectiveTimeout`.
+        The coroutine enforces its own deadlines; the extra second here (and
+        :data:`CLEANUP_GRACE` for one that is cleaning up) only guards against a coroutine that
+        forgot to, and turns that into a :class:`CollectiveTimeout`.
         """
         future = self.submit(coro)
         try:
@@ -52,8 +57,18 @@ class IoLoop:
         except concurrent.futures.TimeoutError:
             if future.done():  # the coroutine itself raised a TimeoutError (CollectiveTimeout)
                 raise
-            future.cancel()
-            raise CollectiveTimeout(f"{what} did not complete before its deadline") from None
+        # Past its deadline a failing coroutine may still be cleaning up (closing connections
+        # waits up to the transport's close timeout): its own error says what went wrong, ours
+        # would not, so give it a little longer before giving up on it.
+        try:
+            return future.result(CLEANUP_GRACE)
+        except concurrent.futures.TimeoutError:
+            if future.done():
+                raise
+        future.cancel()
+        raise CollectiveTimeout(
+            f"{what} did not complete within {1.0 + CLEANUP_GRACE:g} s of its deadline"
+        ) from None
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the loop and join its thread (idempotent)."""

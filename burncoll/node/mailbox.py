@@ -3,6 +3,12 @@
 Frames are keyed by ``(seq, channel, round, src, chunk)``: a node can receive parts of a later
 operation before it starts it (a faster neighbour), and those wait here. Every wait has a
 deadline; a failure wakes every waiter with the error.
+
+Every part of every chunk is expected exactly once, during its operation: the receiver counts
+bytes to know when a chunk is whole, so a part received twice would complete a chunk with
+another part missing -- a silently wrong result. :meth:`Mailbox.put` therefore refuses a part
+it has already seen, and a part of an operation this node has already left behind (it started
+a later one), with a :class:`~burncoll.ProtocolError`.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from burncoll.errors import CollectiveError
+from burncoll.errors import CollectiveError, ProtocolError
 from burncoll.transport.wire import DataHeader, Frame
 
 __all__ = ["FrameKey", "Mailbox", "key_of"]
@@ -22,6 +28,11 @@ FrameKey = tuple[int, int, int, int, int]
 
 def key_of(h: DataHeader) -> FrameKey:
     return (h.seq, h.channel, h.round, h.src, h.chunk)
+
+
+def _part(h: DataHeader) -> str:
+    return (f"the part at byte {h.offset} of chunk {h.chunk} of operation #{h.seq} "
+            f"(round {h.round + 1})")
 
 
 class Mailbox:
@@ -36,20 +47,49 @@ class Mailbox:
         #: Called with a mismatch found while checking frames (the data service fails the
         #: whole session with it); defaults to failing only this mailbox.
         self.on_error: Callable[[BaseException], None] = self.fail
+        #: The parts ``(key, offset)`` received of each operation not yet left behind.
+        self._seen: dict[int, set[tuple[FrameKey, int]]] = {}
+        #: The latest operation this node started (``expect``), and when; -1 before the first.
+        self.current = -1
+        self.current_started = 0.0
+        #: How many channels of each operation are running here (``expect`` minus ``done``).
+        self._active: dict[int, int] = {}
 
     @property
     def error(self) -> BaseException | None:
         return self._error
 
     def expect(self, seq: int, check: Callable[[DataHeader], CollectiveError | None]) -> None:
-        """Start checking frames of ``seq``; frames already here are checked now."""
+        """Start checking frames of ``seq``; frames already here are checked now.
+
+        Starting ``seq`` means every earlier operation is over on this node: what is left of
+        them is forgotten, and their frames are refused from now on.
+        """
+        if seq > self.current:
+            self.current, self.current_started = seq, time.monotonic()
+            for old in [s for s in self._seen if s < seq]:
+                del self._seen[old]
+            for key in [k for k in self._frames if k[0] < seq]:  # pragma: no cover - defensive
+                del self._frames[key]
+        self._active[seq] = self._active.get(seq, 0) + 1
         self._checks[seq] = check
         queued = [f for key, frames in self._frames.items() if key[0] == seq for f in frames]
         for frame in queued:
             self._check(frame)
 
+    @property
+    def running(self) -> bool:
+        """Whether operation ``current`` is still running here."""
+        return self._active.get(self.current, 0) > 0
+
     def done(self, seq: int) -> None:
-        """Operation ``seq`` is over on this node."""
+        """One channel of operation ``seq`` is over on this node (``expect`` was called once
+        per channel; the operation is over when every channel is)."""
+        left = self._active.get(seq, 1) - 1
+        if left > 0:
+            self._active[seq] = left
+            return
+        self._active.pop(seq, None)
         self._checks.pop(seq, None)
 
     def _check(self, frame: Frame) -> None:
@@ -63,11 +103,24 @@ class Mailbox:
                 self.on_error(error)
 
     def put(self, frame: Frame) -> None:
-        """Store a DATA frame and wake whoever waits for its key."""
+        """Store a DATA frame and wake whoever waits for its key.
+
+        Raises :class:`~burncoll.ProtocolError` for a part received twice, or one of an
+        operation this node has left behind (the sender's fault: the caller names it).
+        """
         header = frame.header
         if header is None or self._error is not None:
             return
         key = key_of(header)
+        if header.seq < self.current:
+            raise ProtocolError(
+                f"sent {_part(header)} after that operation was over here (this node is at "
+                f"#{self.current}): a duplicated or stray frame"
+            )
+        seen = self._seen.setdefault(header.seq, set())
+        if (key, header.offset) in seen:
+            raise ProtocolError(f"sent {_part(header)} twice")
+        seen.add((key, header.offset))
         self._frames.setdefault(key, deque()).append(frame)
         self._check(frame)
         waiter = self._waiters.pop(key, None)

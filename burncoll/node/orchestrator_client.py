@@ -101,10 +101,11 @@ class OrchestratorClient:
                 last = exc
                 await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
                 delay = min(delay * 2, 1.0)
+        flag = "" if self.transport.name == "websocket" else f" --transport {self.transport.name}"
         raise TransportError(
             f"could not reach the orchestrator at {self.address} within {self.timeout:g} s "
-            f"({last}); start it with `burncoll orchestrator --port {self.port}` or check "
-            "global_address"
+            f"({last or 'no answer'}); start it with `burncoll orchestrator --port "
+            f"{self.port}{flag}` or check global_address"
         )
 
     async def _read(self) -> None:
@@ -142,7 +143,9 @@ class OrchestratorClient:
             raise TransportError(f"finish: lost the orchestrator at {self.address}: {exc}") from exc
         except TimeoutError:
             raise CollectiveTimeout(
-                f"finish timed out after {self.timeout:g} s: not every node called finish()"
+                f"finish timed out after {self.timeout:g} s: the orchestrator at {self.address} "
+                "did not confirm that every node finished. Hint: a node has not called "
+                "finish() yet, or the orchestrator is down"
             ) from None
         if self.gone is not None:
             raise TransportError(
@@ -151,7 +154,20 @@ class OrchestratorClient:
             )
 
     async def close(self) -> None:
+        """Close the connection; before every node finished, say ``leave`` first.
+
+        A node closes early when its collective failed (or registration did): ``leave`` tells
+        the orchestrator not to report it lost, for it is alive and the other nodes already
+        know why it failed. Without it, a node still waiting for its deadline would raise a
+        PeerLost naming a node that did not die.
+        """
         if self._reader is not None:
             self._reader.cancel()
         if self.conn is not None:
+            if self.gone is None and not self._finished.is_set():
+                try:
+                    async with asyncio.timeout(1.0):
+                        await self.conn.send([encode_control({"type": "leave"})])
+                except (TransportError, TimeoutError):
+                    pass
             await self.conn.close()

@@ -1,0 +1,33 @@
+"""The fault table: every fault-injection test records what it injected and how it ended.
+
+``BURNCOLL_FAULT_TABLE=path pytest tests/reliability`` writes the table (Markdown) to
+``path`` at the end of the session; the README's table comes from it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+_ROWS: list[tuple[str, str, str, str]] = []
+
+
+class FaultTable:
+    def add(self, fault: str, transport: str, survived: str, time_to_error: str) -> None:
+        _ROWS.append((fault, transport, survived, time_to_error))
+
+
+@pytest.fixture
+def fault_table() -> FaultTable:
+    return FaultTable()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    path = os.environ.get("BURNCOLL_FAULT_TABLE")
+    if not path or not _ROWS:
+        return
+    lines = ["| fault injected | transport | survived | time to error |", "|---|---|---|---|"]
+    lines += [f"| {f} | {t} | {s} | {e} |" for f, t, s, e in _ROWS]
+    Path(path).write_text("\n".join(lines) + "\n")
