@@ -14,8 +14,18 @@ from __future__ import annotations
 import abc
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Connection", "Handler", "Listener", "TlsSettings", "Transport", "Buffer"]
+__all__ = [
+    "Buffer",
+    "Connection",
+    "Handler",
+    "Listener",
+    "TlsSettings",
+    "Transport",
+    "byte_view",
+    "format_address",
+]
 
 #: Anything ``bytes(...)`` accepts without copying semantics surprises.
 Buffer = bytes | bytearray | memoryview
@@ -99,3 +109,19 @@ class Transport(abc.ABC):
 
         Raises :class:`~burncoll.TransportError` when nothing answers (callers retry).
         """
+
+
+def format_address(address: Any) -> str:
+    """``"host:port"`` (``"[v6]:port"``) for a socket address tuple; ``"?"`` when unknown."""
+    if not isinstance(address, tuple) or len(address) < 2:
+        return "?"
+    host, port = address[0], address[1]
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+
+def byte_view(part: Buffer) -> memoryview:
+    """``part`` as a flat byte view: ``len`` is then its size in bytes."""
+    view = memoryview(part)
+    if not view.c_contiguous:
+        return memoryview(view.tobytes())
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")

@@ -34,7 +34,15 @@ from typing import Any
 import numpy as np
 
 from burncoll.errors import ProtocolError, TransportError
-from burncoll.transport.base import Buffer, Connection, Handler, Listener, Transport
+from burncoll.transport.base import (
+    Buffer,
+    Connection,
+    Handler,
+    Listener,
+    Transport,
+    byte_view,
+    format_address,
+)
 from burncoll.transport.wire import DEFAULT_MAX_MESSAGE_BYTES, LENGTH_PREFIX_BYTES
 
 __all__ = [
@@ -65,20 +73,6 @@ SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 HANDLER_GRACE = 1.0
 
 
-def format_address(address: Any) -> str:
-    """``"host:port"`` (``"[v6]:port"``) for a socket address tuple; ``"?"`` when unknown."""
-    if not isinstance(address, tuple) or len(address) < 2:
-        return "?"
-    host, port = address[0], address[1]
-    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
-
-
-def byte_view(part: Buffer) -> memoryview:
-    """``part`` as a flat byte view: ``len`` is then its size in bytes."""
-    view = memoryview(part)
-    if not view.c_contiguous:
-        return memoryview(view.tobytes())
-    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
 
 
 def _tune_socket(transport: asyncio.BaseTransport) -> None:

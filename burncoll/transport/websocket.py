@@ -41,7 +41,16 @@ from websockets.frames import CloseCode
 from websockets.protocol import State
 
 from burncoll.errors import ProtocolError, TransportError
-from burncoll.transport.base import Buffer, Connection, Handler, Listener, TlsSettings, Transport
+from burncoll.transport.base import (
+    Buffer,
+    Connection,
+    Handler,
+    Listener,
+    TlsSettings,
+    Transport,
+    byte_view,
+    format_address,
+)
 from burncoll.transport.tls import client_ssl_context, server_ssl_context
 from burncoll.transport.wire import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -62,20 +71,6 @@ _WRITE_LIMIT = 16 * 1024 * 1024
 _HANDLER_GRACE = 1.0
 
 
-def format_address(address: Any) -> str:
-    """``"host:port"`` (``"[v6]:port"``) for a socket address tuple; ``"?"`` when unknown."""
-    if not isinstance(address, tuple) or len(address) < 2:
-        return "?"
-    host, port = address[0], address[1]
-    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
-
-
-def _byte_view(part: Buffer) -> memoryview:
-    """``part`` as a flat byte view: ``len`` is then its size in bytes."""
-    view = memoryview(part)
-    if not view.c_contiguous:
-        return memoryview(view.tobytes())
-    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
 
 
 def _fragments(views: list[memoryview], size: int) -> list[memoryview]:
@@ -101,7 +96,7 @@ class WebSocketConnection(Connection):
         self._recv_lock = asyncio.Lock()
 
     async def send(self, parts: Sequence[Buffer]) -> None:
-        views = [_byte_view(p) for p in parts]
+        views = [byte_view(p) for p in parts]
         total = sum(len(v) for v in views)
         message: Buffer | list[memoryview]
         if len(views) == 1 and total <= _FRAGMENT_BYTES:
