@@ -38,7 +38,16 @@ def run_nodes(scenario: str, nodes: int, devices: int, local: str = "tree",
     return records
 
 
-COMBOS = [
+_LOCAL = ["centralized", "tree", "ring"]
+_GLOBAL = ["centralized", "tree", "ring"]
+_SHAPES = [(2, 1), (2, 3), (3, 2), (4, 1)]
+#: every pair of local and global strategy, on a rotating node/device layout
+PAIRS = [
+    (*_SHAPES[i % len(_SHAPES)], local, global_, "websocket")
+    for i, (local, global_) in enumerate((lo, gl) for lo in _LOCAL for gl in _GLOBAL)
+]
+
+COMBOS = PAIRS + [
     (2, 1, "tree", "ring", "websocket"),
     (2, 3, "centralized", "tree", "websocket"),
     (3, 2, "ring", "centralized", "websocket"),
