@@ -95,6 +95,7 @@ class DataService:
         self._leaving: set[int] = set()
         self._known = asyncio.Event()
         self._closing = False
+        self._telling: asyncio.Task[None] | None = None
         self._statuses: dict[int, dict[str, Any]] = {}
         self._status_event = asyncio.Event()
         self._failed = asyncio.Event()  # set with the session's failure
@@ -341,10 +342,17 @@ class DataService:
         self._failed.set()
         self.on_failure(error)
         if tell and self._out:
-            asyncio.get_running_loop().create_task(self.tell_all({
+            self._telling = asyncio.get_running_loop().create_task(self.tell_all({
                 "type": "abort", "node": self.node_index,
                 "error": type(error).__name__, "message": str(error),
             }))
+
+    async def flush_abort(self) -> None:
+        """Wait until the abort message of a local failure is sent (bounded by tell_all), so
+        that the error reaches the other nodes even if this process exits right after."""
+        telling = self._telling
+        if telling is not None:
+            await asyncio.shield(telling)
 
     def _explain_lost(self, what: str) -> str:
         what = what.removesuffix("; its process may have died")

@@ -7,7 +7,7 @@ collective (orchestrator, then a connection to every node), runs global schedule
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -93,7 +93,12 @@ class NodeLink:
 
     async def _abort(self, error: BaseException) -> None:
         self._service.fail(error)
-        await asyncio.sleep(0)
+        await self._service.flush_abort()
+
+    def _flush_abort(self) -> None:
+        """Best effort: let a pending abort message leave before the error is raised."""
+        with contextlib.suppress(Exception):
+            self._io.submit(self._service.flush_abort()).result(2.0)
 
     # -- running schedules ----------------------------------------------------------------
     def _call(self, op: GlobalOp, coro: Coroutine[Any, Any, T]) -> T:
@@ -101,8 +106,12 @@ class NodeLink:
             return self._io.run(coro, op.deadline, op.label)
         except CollectiveTimeout as exc:
             if exc is self._service.mailbox.error:  # another node's, already explained
+                self._flush_abort()
                 raise
             raise self._explain_timeout(op, exc) from None
+        except CollectiveError:
+            self._flush_abort()
+            raise
 
     def _explain_timeout(self, op: GlobalOp, exc: CollectiveTimeout) -> CollectiveTimeout:
         others = [n.index for n in self.nodes if n.index != self.node_index]
