@@ -32,9 +32,11 @@ from burncoll.errors import AuthenticationError, ProtocolError, TransportError
 from burncoll.transport.base import Connection
 from burncoll.transport.wire import FrameType, decode, encode_control
 
-__all__ = ["AUTH_VERSION", "authenticate_client", "authenticate_server"]
+__all__ = ["AUTH_MESSAGE_LIMIT", "AUTH_VERSION", "authenticate_client", "authenticate_server"]
 
 AUTH_VERSION = 1
+#: Largest message accepted from a side that has not authenticated yet.
+AUTH_MESSAGE_LIMIT = 64 * 1024
 _CLIENT_LABEL = b"burncoll-auth-v1"
 _SERVER_LABEL = b"burncoll-auth-v1 server"
 _NONCE_BYTES = 32
@@ -90,6 +92,7 @@ async def authenticate_server(conn: Connection, token: str | None, timeout: floa
     :class:`~burncoll.TransportError` propagates when the connection breaks.
     """
     server_nonce = secrets.token_bytes(_NONCE_BYTES)
+    conn.limit_incoming(AUTH_MESSAGE_LIMIT)  # a stranger may not make this side allocate much
     try:
         async with asyncio.timeout(timeout):
             challenge = {"type": "challenge", "nonce": server_nonce.hex(), "version": AUTH_VERSION}
@@ -108,6 +111,7 @@ async def authenticate_server(conn: Connection, token: str | None, timeout: floa
                     f"{conn.remote} presented a wrong auth token; {_MISMATCH_HINT}"
                 )
             proof = _mac(token, _SERVER_LABEL, client_nonce, server_nonce)
+            conn.limit_incoming(None)
             await _send_control(conn, {"type": "welcome", "mac": proof})
     except TimeoutError as exc:
         raise AuthenticationError(

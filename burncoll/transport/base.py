@@ -73,6 +73,13 @@ class Connection(abc.ABC):
     async def close(self) -> None:
         """Close the connection; idempotent. Pending ``recv`` calls raise TransportError."""
 
+    def limit_incoming(self, max_bytes: int | None) -> None:
+        """From the next message on, refuse incoming messages over ``max_bytes`` (``None``:
+        back to the transport's own limit). Used while a stranger is not yet authenticated, so
+        that it cannot make this side allocate a large buffer. Transports that cannot change
+        the limit on a live connection keep theirs."""
+        return None  # the default: the transport's limit stays
+
 
 #: Called once per accepted connection; the connection is closed when it returns.
 Handler = Callable[[Connection], Awaitable[None]]

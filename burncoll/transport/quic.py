@@ -87,11 +87,16 @@ class QuicStreamConnection(Connection):
         self._protocol = protocol
         self._stream_id = stream_id
         self._close_timeout = close_timeout
+        self._max_message_bytes = max_message_bytes
         self._assembler = MessageAssembler(max_message_bytes, preamble)
         self._inbox: deque[bytearray] = deque()
         self._error: TransportError | None = None
         self._changed = asyncio.Event()
         self._closing: asyncio.Task[None] | None = None
+
+    def limit_incoming(self, max_bytes: int | None) -> None:
+        self._assembler.max_message_bytes = (
+            max_bytes if max_bytes is not None else self._max_message_bytes)
 
     # -- called by the protocol --------------------------------------------------------------
 

@@ -285,6 +285,11 @@ class StreamConnection(Connection):
         self.remote = protocol.remote
         self.close_timeout = close_timeout
         self._closing = False
+        self._max_message_bytes = protocol.max_message_bytes
+
+    def limit_incoming(self, max_bytes: int | None) -> None:
+        self._protocol.max_message_bytes = (
+            max_bytes if max_bytes is not None else self._max_message_bytes)
 
     @property
     def transport(self) -> asyncio.Transport | None:

@@ -87,13 +87,24 @@ def _closed_error(exc: ConnectionClosed, remote: str) -> TransportError:
     return TransportError(f"connection to {remote} closed ({exc})")
 
 
+def _limit_attribute(ws: WsConnection) -> str:
+    """The protocol attribute holding the incoming message limit in this websockets version."""
+    return "max_message_size" if hasattr(ws.protocol, "max_message_size") else "max_size"
+
+
 class WebSocketConnection(Connection):
     """A :class:`Connection` over one WebSocket; see the module docstring for the framing."""
 
     def __init__(self, ws: WsConnection) -> None:
         self._ws = ws
+        self._max_size: int | None = getattr(ws.protocol, _limit_attribute(ws), None)
         self.remote = format_address(ws.remote_address)
         self._recv_lock = asyncio.Lock()
+
+    def limit_incoming(self, max_bytes: int | None) -> None:
+        # websockets >= 14 reads ``max_message_size`` for every frame; older ones ``max_size``
+        setattr(self._ws.protocol, _limit_attribute(self._ws),
+                max_bytes if max_bytes is not None else self._max_size)
 
     async def send(self, parts: Sequence[Buffer]) -> None:
         views = [byte_view(p) for p in parts]
