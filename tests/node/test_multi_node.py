@@ -47,7 +47,8 @@ PAIRS = [
     for i, (local, global_) in enumerate((lo, gl) for lo in _LOCAL for gl in _GLOBAL)
 ]
 
-COMBOS = PAIRS + [
+COMBOS = [
+    *PAIRS,
     (2, 1, "tree", "ring", "websocket"),
     (2, 3, "centralized", "tree", "websocket"),
     (3, 2, "ring", "centralized", "websocket"),
