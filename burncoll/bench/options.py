@@ -11,6 +11,8 @@ import re
 from collections.abc import Callable
 from typing import TypeVar
 
+from burncoll.backends.dtypes import SUPPORTED_DTYPES
+
 __all__ = [
     "ALL_OPS",
     "BENCH_DTYPES",
@@ -39,19 +41,8 @@ ROOTED_OPS = frozenset({"reduce", "broadcast"})
 #: The reduce operations accepted by ``--redop``.
 REDOPS: tuple[str, ...] = ("sum", "mean", "max", "min", "prod")
 #: The dtypes the benchmark can generate and check (complex and bool are left out).
-BENCH_DTYPES: tuple[str, ...] = (
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "uint16",
-    "uint32",
-    "uint64",
+BENCH_DTYPES: tuple[str, ...] = tuple(
+    d for d in SUPPORTED_DTYPES if not d.startswith("complex") and d != "bool"
 )
 
 T = TypeVar("T")

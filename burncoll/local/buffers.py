@@ -15,7 +15,7 @@ from burncoll.backends.base import Array, Backend, Device, combine
 from burncoll.errors import UsageError
 from burncoll.ops import ReduceOp
 
-__all__ = ["ChunkBuffer", "Layout", "even_layout", "row_layout", "sizes_layout"]
+__all__ = ["ChunkBuffer", "Layout", "block_rows", "even_layout", "row_layout", "sizes_layout"]
 
 #: ``(start, stop)`` element offsets of each chunk in the flat array.
 Layout = tuple[tuple[int, int], ...]
@@ -46,6 +46,12 @@ def row_layout(shape: tuple[int, ...], parts: int) -> Layout:
         row *= d
     rows = even_layout(shape[0], parts)
     return tuple((a * row, b * row) for a, b in rows)
+
+
+def block_rows(shape: tuple[int, ...], parts: int, index: int) -> int:
+    """Rows of block ``index`` when ``shape[0]`` rows are split as ``numpy.array_split``."""
+    base, extra = divmod(shape[0], parts)
+    return base + (1 if index < extra else 0)
 
 
 class ChunkBuffer:

@@ -17,7 +17,14 @@ from typing import Any
 import numpy as np
 
 from burncoll.backends.base import Array
-from burncoll.local.buffers import ChunkBuffer, Layout, even_layout, row_layout, sizes_layout
+from burncoll.local.buffers import (
+    ChunkBuffer,
+    Layout,
+    block_rows,
+    even_layout,
+    row_layout,
+    sizes_layout,
+)
 from burncoll.local.calls import Call
 from burncoll.local.inline import inline_results, wants_inline
 from burncoll.local.link import GlobalLink, GlobalOp, HostArray
@@ -267,20 +274,13 @@ def _execute_single_node(
         return None
     if kind is OpKind.REDUCE_SCATTER:
         shape = call.shape or ()
-        start, stop = mine.layout[index]
-        row = _count(shape[1:])
         block = backend.copy(mine.chunk(index))
-        rows = (stop - start) // row if row else _rows_of_block(shape, server.size, index)
+        rows = block_rows(shape, server.size, index)
         return _finish_reduce(server, backend.reshape(block, (rows, *shape[1:])),
                               call.reduce_op)
     shape = shared.get("shape", call.shape) or ()
     result = backend.reshape(mine.result(), tuple(shape))
     return _finish_reduce(server, result, call.reduce_op)
-
-
-def _rows_of_block(shape: tuple[int, ...], parts: int, index: int) -> int:
-    base, extra = divmod(shape[0], parts)
-    return base + (1 if index < extra else 0)
 
 
 def _execute_multi_node(
@@ -330,7 +330,7 @@ def _execute_multi_node(
         server.sync(state, index, deadline, "global reduce_scatter")
         rank = server.rank_of[server.peer_ids[index]]
         start, stop = layout[rank]
-        rows = _rows_of_block(shape, server.world_size, rank)
+        rows = block_rows(shape, server.world_size, rank)
         block = np.array(shared["host"][start:stop], copy=True)
         out = backend.from_host(block, dtype, (rows, *shape[1:]), server.devices[index])
         server.sync(state, index, deadline, "local scatter")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from burncoll.backends.base import Array, combine
+from burncoll.local.buffers import block_rows, row_layout
 from burncoll.local.calls import Call
 from burncoll.ops import OpKind, ReduceOp
 from burncoll.strategies import Auto
@@ -101,20 +102,13 @@ def inline_results(server: LocalServer, state: OpState, deadline: float) -> list
         results[root_index] = backend.copy(backend.to_device(total, server.devices[root_index]))
         return results
     if kind is OpKind.REDUCE_SCATTER:
-        from burncoll.local.buffers import row_layout
-
         layout = row_layout(shape, server.size)
         flat_total = backend.flatten(total)
         out: list[Array | None] = []
         for i, (a, b) in enumerate(layout):
-            rows = _rows(shape, server.size, i)
+            rows = block_rows(shape, server.size, i)
             block = backend.slice(flat_total, a, b)
             out.append(backend.reshape(backend.copy(backend.to_device(block, server.devices[i])),
                                        (rows, *shape[1:])))
         return out
     return list(_copies(server, total))
-
-
-def _rows(shape: tuple[int, ...], parts: int, index: int) -> int:
-    base, extra = divmod(shape[0], parts)
-    return base + (1 if index < extra else 0)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from burncoll.backends.dtypes import dtype_from_name, dtype_name
+from burncoll.backends.dtypes import dtype_from_name
 from burncoll.errors import CollectiveError, CollectiveTimeout, MismatchError
 from burncoll.local.link import GlobalOp, HostArray
 from burncoll.node.data_service import DataService
@@ -317,7 +317,3 @@ class _Pipeline:
 
     def finish(self, chunk: int, slot: int) -> None:
         self.advance(chunk, slot, math.inf)  # type: ignore[arg-type]
-
-
-def host_dtype_name(x: HostArray) -> str:
-    return dtype_name(x.dtype)
