@@ -3,7 +3,9 @@
 One node: the local strategy runs the whole operation. Several nodes (DESIGN.md, "Composing
 the levels"): the local peers reduce to a node leader, the leaders run the global operation
 over the network, and the leader broadcasts the result back to its local peers. The leader is
-the root peer on the root's node and the lowest local peer id elsewhere.
+the root peer on the root's node and the lowest local peer id elsewhere. A node with a single
+local peer has neither local phase in an all-reduce: its leader runs the global all-reduce out
+of place, reading the caller's input and writing a fresh result, so the input is never copied.
 
 ``prepare`` runs once per operation (in the last peer to arrive) and builds the shared buffers;
 ``execute`` runs in every peer thread and returns that peer's result.
@@ -150,6 +152,8 @@ def prepare(server: LocalServer, state: OpState) -> None:
         return
     if kind is OpKind.BARRIER or (kind is OpKind.BROADCAST and server.link is not None):
         return
+    if kind is OpKind.ALL_REDUCE and _single_local_peer(server):
+        return  # no local phase, no buffers: _out_of_place_all_reduce
     if kind is OpKind.BROADCAST:
         root_call = state.calls[server.index_of[call.root or 0]]
         if root_call is None or root_call.array is None or root_call.dtype is None:
@@ -298,6 +302,8 @@ def _execute_multi_node(
         return _multi_broadcast(server, state, index, deadline, call, gop)
     if kind is OpKind.ALL_GATHER:
         return _multi_all_gather(server, state, index, deadline, call, gop)
+    if kind is OpKind.ALL_REDUCE and _single_local_peer(server):
+        return _out_of_place_all_reduce(server, call, gop)
     if kind is OpKind.ALL_REDUCE and link.sharded:
         return _sharded_all_reduce(server, state, index, deadline, call, gop)
     shared = state.shared
@@ -344,6 +350,33 @@ def _execute_multi_node(
     out = _local_broadcast(server, state, index, deadline, leader, shared["global"], dtype,
                            owned=True)
     return _finish_reduce(server, backend.reshape(out, shape), call.reduce_op)
+
+
+def _single_local_peer(server: LocalServer) -> bool:
+    """A multi-node operation on a node with a single local peer: its input already is the
+    node's local reduction, and its result needs no local broadcast."""
+    return server.link is not None and server.size == 1
+
+
+def _out_of_place_all_reduce(server: LocalServer, call: Call, gop: GlobalOp) -> Array:
+    """The global all-reduce of the only local peer's input, read where it is.
+
+    The in-place path first copies the input into a working buffer (a whole extra pass over
+    the data) so that the network reduction cannot modify it. Here the link only reads the
+    input -- the caller's own array on NumPy, a host view or copy on JAX and CuPy, possibly
+    read-only -- and writes the result into a fresh array. With one peer per node this is the
+    same global schedule on the same channel as the sharded and unsharded compositions, so
+    nodes with more peers still match it.
+    """
+    backend = server.backend
+    host = backend.to_host(_flat_input(server, call))
+    if not host.flags.c_contiguous:  # pragma: no cover - flatten gives C order
+        host = np.ascontiguousarray(host)
+    out = np.empty_like(host)
+    _link(server).all_reduce(gop, host, out=out)
+    result = backend.from_host(out, call.dtype or "float32", call.shape or (),
+                               server.devices[0])
+    return _finish_reduce(server, result, call.reduce_op)
 
 
 def _sharded_all_reduce(

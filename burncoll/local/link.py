@@ -51,8 +51,15 @@ class GlobalLink(Protocol):
     #: All-reduce shards across nodes: every node runs a local ring over as many devices.
     sharded: bool
 
-    def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0) -> None:
-        """Reduce the flat ``buf`` over all nodes, in place, bitwise identical everywhere."""
+    def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0,
+                   out: HostArray | None = None) -> None:
+        """Reduce the flat ``buf`` over all nodes, bitwise identical everywhere.
+
+        In place by default. With ``out`` (same dtype and size as ``buf``, C-contiguous,
+        writable, not overlapping it) ``buf`` is only read -- it may be read-only, e.g. the
+        caller's own input -- and the result is written to ``out``: no copy of the input is
+        needed to keep it intact.
+        """
         ...
 
     def reduce(self, op: GlobalOp, buf: HostArray, root_node: int) -> None:

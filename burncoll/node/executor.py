@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -89,12 +90,17 @@ class GlobalExecutor:
     async def run(
         self, op: GlobalOp, schedule: Schedule, chunks: list[HostArray | None],
         channel: int = 0, dtype: str | None = None, shape: tuple[int, ...] | None = None,
+        out: list[HostArray | None] | None = None,
     ) -> tuple[str | None, tuple[int, ...]]:
         """Walk ``schedule`` over ``chunks`` (flat host arrays; ``None`` = not held yet).
 
         COPY into a ``None`` chunk allocates it from the incoming size (all_gather,
         broadcast receivers). Returns the dtype and shape carried by the frames (the
         root's, for a broadcast receiver).
+
+        ``out`` (one array per chunk, sized as ``chunks``) makes the walk out of place:
+        ``chunks`` are only read and the result is written to ``out`` (see
+        :func:`_step_buffers`); a chunk no step of this node writes is copied over at the end.
 
         When every chunk this node holds fits in one part, rounds run one after the other
         (sends, then receives: no task is created). Otherwise every step runs at once and is
@@ -104,37 +110,41 @@ class GlobalExecutor:
         learned: list[Any] = [dtype if dtype is not None else op.dtype,
                               shape if shape is not None else op.shape]
         me = self.me
-        mine = [(r, s) for r, round_ in enumerate(schedule.rounds) for s in round_
-                if s.src == me or s.dst == me]
-        if not mine:
-            return learned[0], tuple(learned[1])
-        check = self.checker(op)
-        if all(c is None or c.nbytes <= PART_BYTES for c in chunks):
-            for r, round_ in enumerate(schedule.rounds):
-                for s in round_:
-                    if s.src == me:
-                        await self._send(op, r, channel, s, chunks, learned, None, 0)
-                for s in round_:
-                    if s.dst == me:
-                        await self._receive(op, r, channel, s, chunks, learned, check, None, 0)
-            return learned[0], tuple(learned[1])
-        await self._pipelined(op, channel, mine, chunks, learned, check)
+        # Per round, sends before receives: a send reads the chunk as the round found it.
+        mine = sorted(((r, s) for r, round_ in enumerate(schedule.rounds) for s in round_
+                       if s.src == me or s.dst == me), key=lambda rs: (rs[0], rs[1].src != me))
+        if mine:
+            buffers = _step_buffers(mine, me, chunks, out)
+            if all(c is None or c.nbytes <= PART_BYTES for c in chunks):
+                await self._sequential(op, channel, mine, buffers, learned)
+            else:
+                await self._pipelined(op, channel, mine, buffers, learned)
+        if out is not None:
+            _copy_unwritten(mine, me, chunks, out)
         return learned[0], tuple(learned[1])
 
+    async def _sequential(self, op: GlobalOp, channel: int, mine: list[tuple[int, Step]],
+                          buffers: list[_Buffers], learned: list[Any]) -> None:
+        check = self.checker(op)
+        for (r, s), (read, write) in zip(mine, buffers, strict=True):
+            if s.src == self.me:
+                await self._send(op, r, channel, s, read, learned, None, 0)
+            else:
+                await self._receive(op, r, channel, s, read, write, learned, check, None, 0)
+
     async def _pipelined(self, op: GlobalOp, channel: int, mine: list[tuple[int, Step]],
-                         chunks: list[HostArray | None], learned: list[Any], check: Any) -> None:
-        # Per round, sends before receives: a send reads the chunk as the round found it.
-        mine.sort(key=lambda rs: (rs[0], rs[1].src != self.me))
+                         buffers: list[_Buffers], learned: list[Any]) -> None:
+        check = self.checker(op)
         pipe = _Pipeline()
         coros = []
-        for r, s in mine:
+        for (r, s), (read, write) in zip(mine, buffers, strict=True):
             if s.src == self.me:
                 slot = pipe.add(s.chunk, writes=False)
-                coros.append(self._send(op, r, channel, s, chunks, learned, pipe, slot))
+                coros.append(self._send(op, r, channel, s, read, learned, pipe, slot))
             else:
                 slot = pipe.add(s.chunk, writes=True)
-                coros.append(self._receive(op, r, channel, s, chunks, learned, check, pipe,
-                                           slot))
+                coros.append(self._receive(op, r, channel, s, read, write, learned, check,
+                                           pipe, slot))
         tasks = [asyncio.ensure_future(c) for c in coros]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -147,8 +157,9 @@ class GlobalExecutor:
                     task.cancel()
 
     async def _send(self, op: GlobalOp, r: int, channel: int, step: Step,
-                    chunks: list[HostArray | None], learned: list[Any],
+                    chunks: Sequence[HostArray | None], learned: list[Any],
                     pipe: _Pipeline | None, slot: int) -> None:
+        """Send chunk ``step.chunk`` of ``chunks`` (the buffer this step reads), part by part."""
         c = step.chunk
         if pipe is not None:
             while chunks[c] is None:  # allocated by an earlier receive into it
@@ -181,12 +192,16 @@ class GlobalExecutor:
             pipe.finish(c, slot)
 
     async def _receive(self, op: GlobalOp, r: int, channel: int, step: Step,
-                       chunks: list[HostArray | None], learned: list[Any], check: Any,
-                       pipe: _Pipeline | None, slot: int) -> None:
+                       read: Sequence[HostArray | None], write: list[HostArray | None],
+                       learned: list[Any], check: Any, pipe: _Pipeline | None, slot: int,
+                       ) -> None:
+        """Receive chunk ``step.chunk`` part by part into ``write``; a REDUCE combines each
+        part with the same bytes of ``read`` (``write`` itself when in place)."""
         key = (op.seq, channel, r, step.src, step.chunk)
         got = 0
         total = -1
-        target = chunks[step.chunk]
+        target = write[step.chunk]
+        source = read[step.chunk]
         dtype: Any = None
         ufunc = _UFUNCS[op.reduce_op] if (
             step.action is Action.REDUCE and op.reduce_op is not None) else None
@@ -204,7 +219,8 @@ class GlobalExecutor:
             if total < 0:
                 total = h.chunk_bytes
                 learned[0], learned[1] = h.dtype, h.shape
-                target = self._prepare_target(op, step, chunks, h, total)
+                target = self._prepare_target(op, step, write, h, total)
+                source = read[step.chunk]  # allocated just now when in place
                 dtype = dtype_from_name(h.dtype or "uint8")
                 if pipe is not None:
                     pipe.wake(step.chunk)
@@ -214,7 +230,7 @@ class GlobalExecutor:
                 raise self._fail_protocol(op, h, "a part not aligned to its dtype")
             incoming = np.frombuffer(payload, dtype=dtype)
             start = h.offset // dtype.itemsize
-            if target is None:  # pragma: no cover - prepared above
+            if target is None or source is None:  # pragma: no cover - prepared above
                 raise RuntimeError("no target")
             region = target[start:start + incoming.size]
             if region.size != incoming.size:
@@ -222,7 +238,7 @@ class GlobalExecutor:
             if pipe is not None:
                 await pipe.ready(step.chunk, slot, h.offset + size)
             if ufunc is not None:
-                ufunc(region, incoming, out=region)
+                ufunc(source[start:start + incoming.size], incoming, out=region)
             else:
                 region[...] = incoming
             got += size
@@ -267,6 +283,44 @@ class GlobalExecutor:
             f"{self.service.timeout:g} s) on {self.service.nodes[self.me].describe()}, "
             f"waiting for {node.describe()} in round {r + 1}"
         )
+
+
+#: The chunk lists one step reads and writes (a send only reads).
+_Buffers = tuple[Sequence[HostArray | None], list[HostArray | None]]
+
+
+def _step_buffers(mine: list[tuple[int, Step]], me: int, chunks: list[HostArray | None],
+                  out: list[HostArray | None] | None) -> list[_Buffers]:
+    """Which chunk list each of ``mine`` (in walk order) reads and writes.
+
+    In place, both are ``chunks``. Out of place, chunk ``c`` lives in ``chunks`` (the caller's
+    input, never written) until this node's first step that writes it, and in ``out`` from
+    that step on: that step combines ``chunks[c]`` with what it receives into ``out[c]``, and
+    every later step reads and writes ``out[c]``. This is decided here, once, from the order
+    of the steps on ``c`` -- the order :class:`_Pipeline` enforces part by part -- never from
+    progress at run time: a pipelined send of ``c`` starts while the receive before it is still
+    writing ``c``, and must read ``out`` from its first part on (it waits for each part there).
+    """
+    if out is None:
+        return [(chunks, chunks)] * len(mine)
+    written: set[int] = set()
+    buffers: list[_Buffers] = []
+    for _, s in mine:
+        read = out if s.chunk in written else chunks
+        buffers.append((read, out))
+        if s.src != me:
+            written.add(s.chunk)
+    return buffers
+
+
+def _copy_unwritten(mine: list[tuple[int, Step]], me: int, chunks: list[HostArray | None],
+                    out: list[HostArray | None]) -> None:
+    """Out of place: the chunks no step of this node wrote still hold their value in
+    ``chunks`` only (a node that just sends them, or a world of one node)."""
+    written = {s.chunk for _, s in mine if s.src != me}
+    for c, (src, dst) in enumerate(zip(chunks, out, strict=True)):
+        if c not in written and src is not None and dst is not None:
+            np.copyto(dst, src)
 
 
 class _Pipeline:

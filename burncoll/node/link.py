@@ -157,21 +157,27 @@ class NodeLink:
         return methods[make](self.num_nodes, *args)
 
     async def _run(self, op: GlobalOp, schedule: Schedule, chunks: list[HostArray | None],
-                   channel: int = 0) -> tuple[str | None, tuple[int, ...]]:
+                   channel: int = 0, out: list[HostArray | None] | None = None,
+                   ) -> tuple[str | None, tuple[int, ...]]:
         mailbox = self._service.mailbox
         if mailbox.error is not None:
             raise mailbox.error
         mailbox.expect(op.seq, self._executor.checker(op))
         try:
-            return await self._executor.run(op, schedule, chunks, channel)
+            return await self._executor.run(op, schedule, chunks, channel, out=out)
         finally:
             mailbox.done(op.seq)
 
-    def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0) -> None:
+    def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0,
+                   out: HostArray | None = None) -> None:
         schedule = self._schedule("global_all_reduce_strategy", "all_reduce", nbytes=buf.nbytes)
-        chunks: list[HostArray | None] = [
-            buf[a:b] for a, b in even_layout(buf.size, schedule.num_chunks)]
-        self._call(op, self._run(op, schedule, chunks, channel))
+        layout = even_layout(buf.size, schedule.num_chunks)
+        chunks: list[HostArray | None] = [buf[a:b] for a, b in layout]
+        outs: list[HostArray | None] | None = None
+        if out is not None:
+            _check_out(buf, out)
+            outs = [out[a:b] for a, b in layout]
+        self._call(op, self._run(op, schedule, chunks, channel, outs))
 
     def reduce(self, op: GlobalOp, buf: HostArray, root_node: int) -> None:
         schedule = self._schedule("global_reduce_strategy", "reduce", root_node,
@@ -243,6 +249,18 @@ class NodeLink:
     async def _shutdown(self) -> None:
         await self._service.close()
         await self._orch.close()
+
+
+def _check_out(buf: HostArray, out: HostArray) -> None:
+    """``out`` must be a separate flat array like ``buf``: the executor writes chunk views of
+    it while still reading the same chunks of ``buf``."""
+    if out.dtype != buf.dtype or out.shape != buf.shape or buf.ndim != 1:
+        raise ValueError(f"all_reduce: out {out.dtype}{list(out.shape)} does not match the "
+                         f"flat input {buf.dtype}{list(buf.shape)}")
+    if not (out.flags.c_contiguous and out.flags.writeable):
+        raise ValueError("all_reduce: out must be C-contiguous and writable")
+    if np.may_share_memory(buf, out):
+        raise ValueError("all_reduce: out must not overlap the input")
 
 
 def join_collective(config: CollectiveConfig, local_peer_ids: Sequence[int]) -> NodeLink:
