@@ -12,9 +12,11 @@ array bytes:
   a message whose payload does not fit is given its own uninitialised buffer
   (``numpy.empty``: no zero-filling), and the kernel then writes the rest of it *directly* into
   that buffer. The message handed to ``recv`` is that buffer: one copy in all, the kernel's.
-* **send**: the header and each part go to the transport's ``write`` without being joined
-  (small messages excepted): the kernel copies what it accepts at once and the event loop keeps
-  only the rest. ``send`` waits while more than :data:`WRITE_HIGH_WATER` bytes are pending.
+* **send**: the header and each part are queued without being joined (small messages
+  excepted) on a :class:`~burncoll.transport.writer.SocketWriter`, which hands them to
+  ``sendmsg`` as the socket drains; ``send`` returns once they are in the kernel. Small
+  messages are joined into one buffer and ``send`` returns at once, unless more than
+  :data:`WRITE_HIGH_WATER` bytes are pending. Over TLS, the transport's ``write`` (it copies).
 
 A subclass supplies the framing: :meth:`StreamProtocol.parse` (one header at a time) and
 :meth:`StreamProtocol.frame_header`. :class:`TcpProtocol` is the length-prefixed one.
@@ -44,6 +46,7 @@ from burncoll.transport.base import (
     format_address,
 )
 from burncoll.transport.wire import DEFAULT_MAX_MESSAGE_BYTES, LENGTH_PREFIX_BYTES
+from burncoll.transport.writer import SocketWriter
 
 __all__ = [
     "PREAMBLE",
@@ -107,6 +110,7 @@ class StreamProtocol(asyncio.BufferedProtocol):
         self._recv_waiter: asyncio.Future[None] | None = None
         self._drain_waiter: asyncio.Future[None] | None = None
         self._write_paused = False
+        self._writer: SocketWriter | None = None
         #: Why the connection is unusable (the first reason wins); recv raises it when empty.
         self.error: TransportError | None = None
         self.lost = asyncio.get_running_loop().create_future()
@@ -132,6 +136,12 @@ class StreamProtocol(asyncio.BufferedProtocol):
         self.remote = format_address(transport.get_extra_info("peername"))
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         _tune_socket(transport)
+        self._writer = SocketWriter.for_transport(transport, self._write_failed)
+
+    def _write_failed(self, exc: OSError) -> None:
+        self.fail(TransportError(f"sending to {self.remote} failed: {exc}"))
+        if self.transport is not None:
+            self.transport.abort()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._direct is not None:
@@ -204,6 +214,9 @@ class StreamProtocol(asyncio.BufferedProtocol):
             cut = ""
         reason = f": {exc}" if exc is not None else ""
         self.fail(TransportError(f"connection to {self.remote} closed{cut}{reason}"))
+        if self._writer is not None:
+            assert self.error is not None
+            self._writer.close(self.error)
         if not self.lost.done():
             self.lost.set_result(None)
         waiter = self._drain_waiter
@@ -252,19 +265,64 @@ class StreamProtocol(asyncio.BufferedProtocol):
             self.transport.resume_reading()
         return message
 
-    def write_message(self, views: list[memoryview], total: int) -> None:
-        """Write a whole message at once (no await: messages never interleave)."""
+    def write_message(self, views: list[memoryview], total: int) -> int | None:
+        """Queue a whole message at once (no await: messages never interleave).
+
+        Returns the writer offset to wait for before the caller may modify ``views`` (see
+        :meth:`wait_sent`), or ``None`` when they were copied.
+        """
+        header = self.frame_header(total)
+        if total <= JOIN_BYTES:
+            self.write_bytes(b"".join([header, *views]))
+            return None
+        transport = self._open_transport()
+        if self._writer is not None:
+            return self._writer.write([memoryview(header), *views])
+        transport.write(header)
+        for view in views:
+            if view:
+                transport.write(view)
+        return None
+
+    def _open_transport(self) -> asyncio.Transport:
         transport = self.transport
         if self.error is not None or transport is None or transport.is_closing():
             raise self.error or TransportError(f"connection to {self.remote} is closed")
-        header = self.frame_header(total)
-        if total <= JOIN_BYTES:
-            transport.write(b"".join([header, *views]))
+        return transport
+
+    def write_bytes(self, data: bytes) -> None:
+        """Queue ``data`` (the caller's to keep: it is not copied) after everything before."""
+        transport = self._open_transport()
+        if self._writer is not None:
+            self._writer.write([memoryview(data)])
         else:
-            transport.write(header)
-            for view in views:
-                if view:
-                    transport.write(view)
+            transport.write(data)
+
+    async def wait_sent(self, offset: int | None) -> None:
+        """Wait until the bytes before ``offset`` are sent (``None``: until no more than
+        :data:`WRITE_HIGH_WATER` bytes are pending)."""
+        writer = self._writer
+        if writer is None:
+            if self._write_paused:
+                await self.drain()
+            return
+        if offset is None:
+            if writer.pending_bytes <= WRITE_HIGH_WATER:
+                return
+            offset = writer.write([]) - WRITE_HIGH_WATER
+        waiter = writer.sent(offset)
+        if waiter is not None:
+            await waiter
+
+    def close_after_writes(self) -> None:
+        """Close the transport once everything queued is written."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if self._writer is not None and self._writer.error is None:
+            self._writer.when_empty(transport.close)
+        else:
+            transport.close()
 
     async def drain(self) -> None:
         while self._write_paused and self.error is None:
@@ -302,11 +360,10 @@ class StreamConnection(Connection):
         total = sum(len(v) for v in views)
         protocol = self._protocol
         try:
-            protocol.write_message(views, total)
+            offset = protocol.write_message(views, total)
         except (OSError, RuntimeError) as exc:
             raise TransportError(f"sending to {self.remote} failed: {exc}") from exc
-        if protocol._write_paused:
-            await protocol.drain()
+        await protocol.wait_sent(offset)
 
     async def recv(self) -> Buffer:
         return await self._protocol.next_message()
@@ -320,9 +377,9 @@ class StreamConnection(Connection):
             self._closing = True
             transport = protocol.transport
             if transport is not None and not transport.is_closing():
-                with contextlib.suppress(OSError, RuntimeError):  # closing anyway
+                with contextlib.suppress(OSError, RuntimeError, TransportError):  # closing anyway
                     self.goodbye()
-                transport.close()  # flushes what was written, then closes
+                protocol.close_after_writes()  # flushes what was written, then closes
             protocol.fail(TransportError(f"the connection to {self.remote} was closed"))
         try:
             await asyncio.wait_for(asyncio.shield(protocol.lost), self.close_timeout)
@@ -343,8 +400,7 @@ class TcpProtocol(StreamProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         if not self._await_preamble:
-            assert self.transport is not None
-            self.transport.write(PREAMBLE)
+            self.write_bytes(PREAMBLE)
 
     def parse(self, view: memoryview) -> int:
         if self._await_preamble:

@@ -1,0 +1,156 @@
+"""Zero-copy writes to a stream socket, beside the asyncio transport that reads it.
+
+``asyncio``'s socket transport (Python 3.11) copies whatever the kernel does not take at once
+into its own ``bytearray`` and sends it from there: for array-sized messages, one more pass over
+every byte. :class:`SocketWriter` instead keeps the caller's buffers (memoryviews) queued and
+hands them to ``sendmsg`` as the socket drains; the sender waits (:meth:`SocketWriter.sent`)
+until its bytes are in the kernel before it may touch the memory again.
+
+It writes on a duplicate of the transport's socket (``socket.dup``: same connection, another
+descriptor), so the event loop watches it without disturbing the transport's reader. Plain TCP
+only: TLS must encrypt in the transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from burncoll.errors import TransportError
+
+__all__ = ["SocketWriter"]
+
+#: Buffers per ``sendmsg`` call (Linux allows 1024).
+_IOV_BATCH = 512
+
+
+class SocketWriter:
+    """Sends queued buffers in order without copying them; see the module docstring.
+
+    Offsets count the bytes ever queued: :meth:`write` returns the offset at which its buffers
+    are all sent, and :meth:`sent` waits for an offset.
+    """
+
+    def __init__(self, sock: socket.socket, on_error: Callable[[OSError], None]) -> None:
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._loop = asyncio.get_running_loop()
+        self._on_error = on_error
+        self._pending: deque[memoryview] = deque()
+        self._queued = 0  # offset of the end of the queue
+        self._sent = 0  # offset of the first byte not yet sent
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self._watching = False
+        self._when_empty: Callable[[], None] | None = None
+        self.error: TransportError | None = None
+
+    @classmethod
+    def for_transport(cls, transport: asyncio.BaseTransport,
+                      on_error: Callable[[OSError], None]) -> SocketWriter | None:
+        """A writer beside ``transport``; ``None`` for TLS or when the socket is unavailable."""
+        if transport.get_extra_info("sslcontext") is not None:
+            return None
+        wrapped = transport.get_extra_info("socket")
+        if wrapped is None:
+            return None
+        try:
+            sock = wrapped.dup()
+            sock.setblocking(False)
+        except OSError:
+            return None
+        return cls(sock, on_error)
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._queued - self._sent
+
+    def write(self, buffers: Sequence[memoryview]) -> int:
+        """Queue ``buffers`` (flat byte views) after everything before; send what the socket
+        takes now. Returns the offset at which they are all sent."""
+        if self.error is not None:
+            raise self.error
+        for buffer in buffers:
+            if len(buffer):
+                self._pending.append(buffer)
+                self._queued += len(buffer)
+        if not self._watching:
+            self._flush()
+        return self._queued
+
+    def sent(self, offset: int) -> asyncio.Future[None] | None:
+        """A future resolved once the bytes before ``offset`` are sent; ``None`` if they are."""
+        if self._sent >= offset:
+            return None
+        if self.error is not None:
+            raise self.error
+        waiter = self._loop.create_future()
+        self._waiters.append((offset, waiter))
+        return waiter
+
+    def when_empty(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once everything queued is sent (now, if it is)."""
+        if not self._pending:
+            callback()
+        else:
+            self._when_empty = callback
+
+    def _flush(self) -> None:
+        pending = self._pending
+        try:
+            while pending:
+                if len(pending) == 1:
+                    n = self._sock.send(pending[0])
+                else:
+                    n = self._sock.sendmsg(list(itertools.islice(pending, _IOV_BATCH)))
+                self._advance(n)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as exc:
+            self.close(TransportError(f"sending failed: {exc}"))
+            self._on_error(exc)
+            return
+        if pending and not self._watching:
+            self._loop.add_writer(self._fd, self._flush)
+            self._watching = True
+        elif not pending and self._watching:
+            self._loop.remove_writer(self._fd)
+            self._watching = False
+        waiters = self._waiters
+        while waiters and waiters[0][0] <= self._sent:
+            _, waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+        if not pending and self._when_empty is not None:
+            callback, self._when_empty = self._when_empty, None
+            callback()
+
+    def _advance(self, n: int) -> None:
+        self._sent += n
+        pending = self._pending
+        while n:
+            head = pending[0]
+            if len(head) <= n:
+                n -= len(head)
+                pending.popleft()
+            else:
+                pending[0] = head[n:]
+                n = 0
+
+    def close(self, error: TransportError) -> None:
+        """Stop: drop what is queued, fail the waiters with ``error``; idempotent."""
+        if self.error is None:
+            self.error = error
+        if self._watching:
+            self._loop.remove_writer(self._fd)
+            self._watching = False
+        self._pending.clear()
+        while self._waiters:
+            _, waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(error)
+                waiter.exception()  # retrieved: its sender may be gone
+        self._when_empty = None
+        self._sock.close()
