@@ -1,9 +1,12 @@
 """The data service: this node's listener and its connections to every other node.
 
-Each ordered pair of nodes has one connection, opened once at session start by the sender and
-reused for every operation: node *a* sends to node *b* only on its own connection to *b*, and
-receives from *b* only on *b*'s connection to it, so each connection has one writer. Every
-connection is authenticated (challenge-response on the shared token) before any frame is read.
+Each ordered pair of nodes has one connection, opened once at session start and reused for
+every operation. The *receiving* node dials: node *b* opens a connection to *a*'s listener, and
+*a* sends to *b* only on that connection (as its server side), so each connection has one
+writer. Why the receiver dials: WebSocket clients must mask every frame (RFC 6455 section 5.3),
+servers never do, so array bytes travel unmasked from a server and land in their buffer without
+a pass over them on either side. Every connection is authenticated (challenge-response on the
+shared token) before any frame is read, and every connection is read on both ends.
 
 Incoming DATA frames go to the :class:`Mailbox`; CONTROL frames carry aborts (another node
 failed), ``bye`` (a node leaving cleanly) and status queries. A member connection that breaks
@@ -89,9 +92,13 @@ class DataService:
         self.node_index = -1
         self.nodes: tuple[NodeInfo, ...] = ()
         self._listener: Listener | None = None
+        #: Connections this node sends on, by destination (each one dialed by its destination).
         self._out: dict[int, Connection] = {}
         self._send_locks: dict[int, asyncio.Lock] = {}
-        self._incoming: set[Connection] = set()
+        self._all_out = asyncio.Event()  # set once every other node has dialed this one
+        #: Connections this node dialed, to receive from each other node.
+        self._dialed: dict[int, Connection] = {}
+        self._readers: set[asyncio.Task[None]] = set()
         self._leaving: set[int] = set()
         self._known = asyncio.Event()
         self._closing = False
@@ -127,11 +134,26 @@ class DataService:
         self.nodes = tuple(nodes)
         self._known.set()
 
-    # -- outgoing ---------------------------------------------------------------------------
+    # -- connections ---------------------------------------------------------------------------
     async def connect_all(self, deadline: float) -> None:
-        """Open this node's connection to every other node (retrying until ``deadline``)."""
+        """Dial every other node (to receive from it) and wait until every other node has
+        dialed this one (to send to it), both by ``deadline``."""
         others = [n for n in self.nodes if n.index != self.node_index]
         await asyncio.gather(*(self._connect(n, deadline) for n in others))
+        self._check_all_out()
+        try:
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.01)):
+                await self._all_out.wait()
+        except TimeoutError:
+            missing = [n.describe() for n in others if n.index not in self._out]
+            raise TransportError(
+                f"{', '.join(missing)} did not connect to this node within "
+                f"{self.timeout:g} s"
+            ) from None
+
+    def _check_all_out(self) -> None:
+        if self.nodes and len(self._out) == len(self.nodes) - 1:
+            self._all_out.set()
 
     async def _connect(self, node: NodeInfo, deadline: float) -> None:
         delay = 0.02
@@ -143,8 +165,10 @@ class DataService:
                     await conn.send([encode_control(
                         {"type": "hello", "node": self.node_index, "session": self.session},
                         self.session or 0)])
-                self._out[node.index] = conn
-                self._send_locks[node.index] = asyncio.Lock()
+                self._dialed[node.index] = conn
+                reader = asyncio.get_running_loop().create_task(self._read(conn, node.index))
+                self._readers.add(reader)
+                reader.add_done_callback(self._readers.discard)
                 return
             except AuthenticationError:
                 raise
@@ -191,36 +215,53 @@ class DataService:
 
     # -- incoming ---------------------------------------------------------------------------
     async def _serve(self, conn: Connection) -> None:
+        """An accepted connection: after authentication and ``hello``, this node sends to the
+        dialer on it (and still reads it, as every connection)."""
         try:
             await authenticate_server(conn, self.token, self.timeout)
         except (AuthenticationError, TransportError) as exc:
             log.warning("data service: refused a connection from %s: %s", conn.remote, exc)
             return
-        node = -1
         try:
             hello = decode(await asyncio.wait_for(conn.recv(), self.timeout))
             async with asyncio.timeout(self.timeout):
                 await self._known.wait()
             node = self._check_hello(hello.control, hello.frame_type)
-            self._incoming.add(conn)
+        except (ProtocolError, TransportError, TimeoutError) as exc:
+            log.warning("data service: dropped %s before it said hello: %s", conn.remote, exc)
+            return
+        if node in self._out:
+            log.warning("data service: dropped a second connection from %s",
+                        self.nodes[node].describe())
+            return
+        self._out[node] = conn
+        self._send_locks[node] = asyncio.Lock()
+        self._check_all_out()
+        await self._read(conn, node)
+
+    async def _read(self, conn: Connection, node: int) -> None:
+        """Read a member connection until it ends; its end or corruption fails the session."""
+        try:
             await self._receive(conn, node)
         except ProtocolError as exc:
-            if node >= 0 and not self._closing:
+            if not self._closing:
+                # the other end sent bytes that break the transport's framing, or refused
+                # ours (a message over its limit): either way the connection is unusable
                 error = ProtocolError(
-                    f"{self.nodes[node].describe()} sent a malformed message ({exc}); the "
+                    f"{exc} (the connection with {self.nodes[node].describe()}); the "
                     "connection between members is corrupted")
                 log.warning("data service: %s", error)
                 self.fail(error)
-            else:
-                log.warning("data service: dropped %s: %s", conn.remote, exc)
-        except (TransportError, TimeoutError) as exc:
-            if node >= 0:
-                self._lost(node, exc)
-            else:
-                log.warning("data service: dropped %s before it said hello: %s",
-                            conn.remote, exc)
-        finally:
-            self._incoming.discard(conn)
+        except TransportError as exc:
+            if self._closing or node in self._leaving:
+                return
+            # A node that fails tells the others why and then closes its connections: the
+            # explanation travels on another connection and may come second. Wait for it a
+            # moment before reporting the node lost.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_EXPLAIN_GRACE):
+                    await self._failed.wait()
+            self._lost(node, exc)
 
     def _check_hello(self, control: dict[str, Any] | None, frame_type: FrameType) -> int:
         if frame_type != FrameType.CONTROL or control is None or control["type"] != "hello":
@@ -379,7 +420,7 @@ class DataService:
         """
         self._closing = True
         await self.tell_all({"type": "bye", "node": self.node_index})
-        conns = [*self._out.values(), *self._incoming]
+        conns = [*self._out.values(), *self._dialed.values()]
         await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
         if self._listener is not None:
             await self._listener.close()

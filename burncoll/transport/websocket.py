@@ -1,224 +1,389 @@
-"""WebSocket transport (RFC 6455) on the ``websockets`` asyncio API; ``wss`` with TLS.
+"""WebSocket transport (RFC 6455): the ``websockets`` library's handshake, burncoll's framing.
 
-One burncoll message is one binary WebSocket message. Choices, and why:
+One burncoll message is one binary WebSocket message. The opening handshake is the
+``websockets`` library's (its sans-I/O :class:`~websockets.server.ServerProtocol` and
+:class:`~websockets.client.ClientProtocol` parse, validate and answer the HTTP Upgrade,
+refusals included); the frames after it are read and written by :class:`WebSocketProtocol`
+on burncoll's zero-copy stream core (:class:`~burncoll.transport.tcp.StreamProtocol`), because
+the library's own connection copies every message several times and reaches a third of what
+the socket carries for array-sized messages (``benchmarks/transport_throughput.py``).
 
-* ``compression=None``: permessage-deflate (RFC 7692) costs far more CPU than array bytes
-  save; it is never negotiated.
-* ``max_size=max_message_bytes``: a larger incoming message closes the connection with code
-  1009 (RFC 6455 section 7.4.1); the receiver raises :class:`~burncoll.ProtocolError`, and so
-  does the sender's next ``recv``. The limit applies to incoming messages only.
-* ``write_limit``: the socket's write buffer may hold 16 MiB before ``send`` waits
-  (the library default, 32 KiB, caps throughput on fast links). ``max_queue``: a receiver
-  queues up to 1024 frames (sixteen 64 MiB messages) before it stops reading and the sender's
-  ``send`` waits; receive concurrently with sending when exchanging more than that.
-* No keepalive pings (``ping_interval=None``): a ping queued behind a 64 MiB message on a slow
-  link would time out and kill a healthy connection. Liveness is the collective's business:
-  every operation has a deadline, and a dead peer's kernel resets the TCP connection.
-* ``proxy=None``: nodes talk directly, whatever ``HTTPS_PROXY`` says.
-* A large message is sent as one fragmented message (RFC 6455 section 5.4) of 1 MiB frames
-  sliced from the parts: the payload is never concatenated with its header into a new buffer,
-  and the event loop serves other connections between frames (one 64 MiB frame would block it
-  for tens to hundreds of milliseconds while it is masked and copied). This measured faster than
-  one frame per part. Small messages are joined and sent as a single frame.
+The framing follows RFC 6455 section 5:
+
+* One message is sent as one binary frame (FIN set, 16- or 64-bit length). Fragmented messages,
+  as other clients send them, are received and joined; text messages are refused (1003).
+* **Masking** (section 5.3): a client masks every frame with a fresh random key, as required;
+  a server never does. burncoll's nodes send array data as the *server* of the connection (the
+  receiving node dials the sending one: :mod:`burncoll.node.data_service`), so array bytes
+  travel unmasked and the socket reads them straight into their buffer.
+* Control frames: a ping is answered with a pong; a close frame is answered with a close and
+  ends the connection; ``close`` sends one (1000) first.
+* ``max_message_bytes``: a larger incoming message is refused with close code 1009
+  (section 7.4.1); the receiver raises :class:`~burncoll.ProtocolError`, the sender's next
+  ``recv`` a :class:`~burncoll.TransportError`. Reserved bits (no extension is negotiated),
+  unknown opcodes, and a wrong masking direction close with 1002.
+* No compression (permessage-deflate costs far more CPU than array bytes save) and no
+  keepalive pings: liveness is the collective's business (every operation has a deadline,
+  and a dead peer's kernel resets the TCP connection).
+* ``wss``: the same over TLS (:mod:`burncoll.transport.tls`).
+
+A stranger that fails the opening handshake gets the library's HTTP refusal (400/426) and is
+dropped with a WARNING naming its address; one that says nothing is dropped after
+``connect_timeout``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
+import contextlib
 import logging
+import secrets
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
-from websockets.asyncio.client import ClientConnection
-from websockets.asyncio.client import connect as ws_connect
-from websockets.asyncio.connection import Connection as WsConnection
-from websockets.asyncio.server import Server, ServerConnection
-from websockets.asyncio.server import serve as ws_serve
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, WebSocketException
-from websockets.frames import CloseCode
+import numpy as np
+from websockets.client import ClientProtocol
+from websockets.http11 import Request, Response
 from websockets.protocol import State
+from websockets.server import ServerProtocol
+from websockets.uri import parse_uri
 
 from burncoll.errors import ProtocolError, TransportError
 from burncoll.transport.base import (
     Buffer,
-    Connection,
     Handler,
-    Listener,
     TlsSettings,
     Transport,
-    byte_view,
-    format_address,
+)
+from burncoll.transport.tcp import (
+    JOIN_BYTES,
+    StreamConnection,
+    StreamListener,
+    StreamProtocol,
+    listen_stream,
 )
 from burncoll.transport.tls import client_ssl_context, server_ssl_context
 from burncoll.transport.wire import DEFAULT_MAX_MESSAGE_BYTES
 
-__all__ = ["WebSocketConnection", "WebSocketListener", "WebSocketTransport"]
+__all__ = [
+    "WebSocketConnection",
+    "WebSocketListener",
+    "WebSocketProtocol",
+    "WebSocketTransport",
+    "mask_in_place",
+]
 
 logger = logging.getLogger("burncoll.transport")
 
-#: Messages up to this size go as one frame; larger ones as frames of about this size.
-_FRAGMENT_BYTES = 1024 * 1024
-#: Most frames per message: the receiving library refuses more than 4096.
-_MAX_FRAGMENTS = 1024
-#: Frames a receiver queues before it stops reading the socket (and the sender then waits):
-#: sixteen 64 MiB messages, or a thousand small ones.
-_RECEIVE_QUEUE_FRAMES = 1024
-#: High-water mark of the socket write buffer.
-_WRITE_LIMIT = 16 * 1024 * 1024
-#: How long ``Listener.close`` lets handlers finish before cancelling them.
-_HANDLER_GRACE = 1.0
+#: Longest opening handshake (request or response head) accepted.
+HANDSHAKE_LIMIT = 16 * 1024
+
+OP_CONTINUATION, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
+CLOSE_NORMAL, CLOSE_PROTOCOL, CLOSE_UNSUPPORTED, CLOSE_TOO_BIG = 1000, 1002, 1003, 1009
 
 
+def mask_in_place(data: memoryview, key: bytes) -> None:
+    """XOR ``data`` with the 4-byte masking ``key`` repeated (RFC 6455 section 5.3); masking
+    and unmasking are the same operation. Eight bytes at a time, through NumPy."""
+    array = np.frombuffer(data, dtype=np.uint8)
+    words = len(array) // 8
+    if words:
+        array[: words * 8].view(np.uint64)[...] ^= np.frombuffer(key * 2, dtype=np.uint64)[0]
+    for i in range(words * 8, len(array)):
+        array[i] ^= key[i % 4]
 
 
-def _fragments(views: list[memoryview], size: int) -> list[memoryview]:
-    """The parts cut into slices of at most ``size`` bytes (views: nothing is copied)."""
-    return [view[i : i + size] for view in views for i in range(0, len(view), size)]
+def frame_header(opcode: int, size: int, mask: bytes | None, fin: bool = True) -> bytes:
+    """The header of one frame of ``size`` payload bytes (with its masking key when given)."""
+    first = (0x80 if fin else 0) | opcode
+    flag = 0x80 if mask is not None else 0
+    if size < 126:
+        head = bytes((first, flag | size))
+    elif size < 1 << 16:
+        head = bytes((first, flag | 126)) + size.to_bytes(2, "big")
+    else:
+        head = bytes((first, flag | 127)) + size.to_bytes(8, "big")
+    return head + mask if mask is not None else head
 
 
-def _closed_error(exc: ConnectionClosed, remote: str) -> TransportError:
-    """The burncoll error for a closed WebSocket, ProtocolError for size violations."""
-    if exc.sent is not None and exc.sent.code == CloseCode.MESSAGE_TOO_BIG:
-        return ProtocolError(f"message from {remote} exceeds the size limit ({exc.sent.reason})")
-    if exc.rcvd is not None and exc.rcvd.code == CloseCode.MESSAGE_TOO_BIG:
-        return ProtocolError(f"{remote} rejected a message over its size limit")
-    return TransportError(f"connection to {remote} closed ({exc})")
+class _Refused(ProtocolError):
+    """The peer broke the framing; ``code`` is the close code it is told."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
 
 
-def _limit_attribute(ws: WsConnection) -> str:
-    """The protocol attribute holding the incoming message limit in this websockets version."""
-    return "max_message_size" if hasattr(ws.protocol, "max_message_size") else "max_size"
+class WebSocketProtocol(StreamProtocol):
+    """One WebSocket connection, client or server side; see the module docstring."""
 
+    def __init__(self, max_message_bytes: int, *, server: bool, uri: str = "ws://localhost/",
+                 handshake_timeout: float = 10.0,
+                 on_open: Callable[[WebSocketProtocol], None] | None = None) -> None:
+        super().__init__(max_message_bytes)
+        self.server = server
+        self._on_open = on_open
+        self._handshake_timeout = handshake_timeout
+        self._handshake: ServerProtocol | ClientProtocol | None = (
+            ServerProtocol(max_size=None) if server else ClientProtocol(parse_uri(uri))
+        )
+        self._timer: asyncio.TimerHandle | None = None
+        #: Resolved once the opening handshake succeeds (client side: ``connect`` waits on it).
+        self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._fragments: list[bytes | memoryview] | None = None  # a fragmented message so far
+        self._fragment_bytes = 0
+        self._close_sent = False
 
-class WebSocketConnection(Connection):
-    """A :class:`Connection` over one WebSocket; see the module docstring for the framing."""
+    # -- opening handshake ------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self._handshake_timeout, self._handshake_too_slow)
+        handshake = self._handshake
+        if isinstance(handshake, ClientProtocol):
+            handshake.send_request(handshake.connect())
+            self._write_handshake()
 
-    def __init__(self, ws: WsConnection) -> None:
-        self._ws = ws
-        self._max_size: int | None = getattr(ws.protocol, _limit_attribute(ws), None)
-        self.remote = format_address(ws.remote_address)
-        self._recv_lock = asyncio.Lock()
+    def _handshake_too_slow(self) -> None:
+        if self._handshake is not None and self.transport is not None:
+            if self.server:
+                logger.warning("dropped a connection from %s: no WebSocket handshake within "
+                               "%g s", self.remote, self._handshake_timeout)
+            self.protocol_error(ProtocolError(
+                f"no WebSocket handshake with {self.remote} within {self._handshake_timeout:g} s"))
 
-    def limit_incoming(self, max_bytes: int | None) -> None:
-        # websockets >= 14 reads ``max_message_size`` for every frame; older ones ``max_size``
-        setattr(self._ws.protocol, _limit_attribute(self._ws),
-                max_bytes if max_bytes is not None else self._max_size)
+    def _write_handshake(self) -> None:
+        assert self._handshake is not None and self.transport is not None
+        for data in self._handshake.data_to_send():
+            if data:
+                self.write_bytes(data)
 
-    async def send(self, parts: Sequence[Buffer]) -> None:
-        views = [byte_view(p) for p in parts]
-        total = sum(len(v) for v in views)
-        message: Buffer | list[memoryview]
-        if len(views) == 1 and total <= _FRAGMENT_BYTES:
-            message = views[0]
-        elif total <= _FRAGMENT_BYTES or len(views) > _MAX_FRAGMENTS // 2:
-            message = b"".join(views)
+    def _parse_handshake(self, view: memoryview) -> int:
+        end = bytes(view[:HANDSHAKE_LIMIT]).find(b"\r\n\r\n")
+        if end < 0:
+            if len(view) >= HANDSHAKE_LIMIT:
+                self._refuse_handshake(f"an opening handshake over {HANDSHAKE_LIMIT} bytes")
+            return 0
+        used = end + 4
+        handshake = self._handshake
+        assert handshake is not None
+        handshake.receive_data(bytes(view[:used]))
+        events = handshake.events_received()
+        if isinstance(handshake, ServerProtocol):
+            request = events[0] if events and isinstance(events[0], Request) else None
+            if request is None:
+                self._refuse_handshake(str(handshake.handshake_exc or "not an HTTP request"))
+                return used
+            response = handshake.accept(request)
+            handshake.send_response(response)
+            self._write_handshake()
+            if handshake.state is not State.OPEN:
+                self._refuse_handshake(str(handshake.handshake_exc or response.status_code),
+                                       answered=True)
+                return used
         else:
-            message = _fragments(views, max(_FRAGMENT_BYTES, -(-total // _MAX_FRAGMENTS)))
-        try:
-            await self._ws.send(message, text=False)
-        except ConnectionClosed as exc:
-            raise _closed_error(exc, self.remote) from exc
-        except (OSError, WebSocketException) as exc:
-            raise TransportError(f"sending to {self.remote} failed: {exc}") from exc
+            response_ = events[0] if events and isinstance(events[0], Response) else None
+            if response_ is None or handshake.state is not State.OPEN:
+                why = handshake.handshake_exc or "no valid handshake response"
+                self.protocol_error(ProtocolError(f"{self.remote} refused the WebSocket "
+                                                  f"handshake: {why}"))
+                return used
+        self._opened()
+        return used
 
-    async def recv(self) -> Buffer:
-        # The library refuses concurrent recv calls; serialize them instead.
-        async with self._recv_lock:
-            try:
-                message = await self._ws.recv(decode=False)
-            except ConnectionClosed as exc:
-                raise _closed_error(exc, self.remote) from exc
-            except (OSError, WebSocketException) as exc:
-                raise TransportError(f"receiving from {self.remote} failed: {exc}") from exc
-        return message
-
-    async def close(self) -> None:
-        # The library bounds the closing handshake by close_timeout, but not the wait to
-        # write the close frame, which lasts forever when the peer stops reading: bound it.
-        deadline = 2 * (self._ws.close_timeout or 10.0)
-        try:
-            async with asyncio.timeout(deadline):
-                await self._ws.close()
-        except TimeoutError:
-            self._ws.transport.abort()
-        except (OSError, WebSocketException):
-            pass  # it is closed, one way or another
-
-
-class WebSocketListener(Listener):
-    """A bound WebSocket server; each accepted connection runs the handler in its own task."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host = host
-        self.port = port
-        self._server: Server | None = None
-        self._handler_tasks: set[asyncio.Task[Any]] = set()
-        self._connections: set[WebSocketConnection] = set()
-        self._closing: asyncio.Task[None] | None = None
-
-    def _bind(self, server: Server) -> None:
-        self._server = server
-        sockname = server.sockets[0].getsockname()
-        self.host, self.port = sockname[0], sockname[1]
-
-    async def _serve(self, ws: ServerConnection, handler: Handler) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._handler_tasks.add(task)
-        conn = WebSocketConnection(ws)
-        self._connections.add(conn)
-        try:
-            await handler(conn)
-        except TransportError as exc:
-            logger.debug("connection from %s ended: %s", conn.remote, exc)
-        except Exception:
-            logger.exception("handler for the connection from %s failed", conn.remote)
-        finally:
-            self._handler_tasks.discard(task)
-            self._connections.discard(conn)
-            await conn.close()
-
-    async def close(self) -> None:
-        if self._server is None:
+    def _refuse_handshake(self, why: str, answered: bool = False) -> None:
+        if not self.server:
+            self.protocol_error(ProtocolError(f"bad WebSocket handshake from {self.remote}: "
+                                              f"{why}"))
             return
-        if self._closing is None:
-            self._closing = asyncio.create_task(self._close(self._server))
-        await asyncio.shield(self._closing)
+        logger.warning("dropped a connection from %s: it failed the WebSocket handshake (%s)",
+                       self.remote, why)
+        if not answered and self.transport is not None:
+            body = b"not a WebSocket handshake\n"
+            self.write_bytes(b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        self.fail(ProtocolError(f"bad WebSocket handshake from {self.remote}: {why}"))
+        self.close_after_writes()  # after the refusal is written
 
-    async def _close(self, server: Server) -> None:
-        server.close(close_connections=False)  # stop accepting
-        # Close the connections ourselves: our close is bounded even when a peer stops reading.
-        connections = list(self._connections)
-        if connections:
-            await asyncio.gather(*(c.close() for c in connections))
+    def _opened(self) -> None:
+        self._handshake = None
+        if self._timer is not None:
+            self._timer.cancel()
+        if not self.opened.done():
+            self.opened.set_result(None)
+        if self._on_open is not None:
+            self._on_open(self)
+
+    # -- framing ------------------------------------------------------------------------------
+    def parse(self, view: memoryview) -> int:
+        if self._handshake is not None:
+            return self._parse_handshake(view)
         try:
-            async with asyncio.timeout(_HANDLER_GRACE):
-                await server.wait_closed()
-        except TimeoutError:
-            for task in list(self._handler_tasks):
-                task.cancel()
-            try:
-                async with asyncio.timeout(_HANDLER_GRACE):
-                    await server.wait_closed()
-            except TimeoutError:
-                logger.warning(
-                    "listener %s:%s: a handler ignored cancellation", self.host, self.port
-                )
+            return self._parse_frame(view)
+        except _Refused as exc:
+            self._send_close(exc.code, str(exc)[:100])
+            raise
+
+    def _parse_frame(self, view: memoryview) -> int:
+        if len(view) < 2:
+            return 0
+        first, second = view[0], view[1]
+        fin, opcode, masked, size = first & 0x80, first & 0x0F, second & 0x80, second & 0x7F
+        at = 2
+        if size == 126:
+            if len(view) < 4:
+                return 0
+            size, at = int.from_bytes(view[2:4], "big"), 4
+        elif size == 127:
+            if len(view) < 10:
+                return 0
+            size, at = int.from_bytes(view[2:10], "big"), 10
+        key = None
+        if masked:
+            if len(view) < at + 4:
+                return 0
+            key, at = bytes(view[at:at + 4]), at + 4
+        self._check_frame(first & 0x70, opcode, bool(masked), bool(fin), size)
+        body = view[at:]
+        if opcode >= OP_CLOSE:
+            if len(body) < size:
+                return 0
+            self._control(opcode, self._unmasked(body[:size], key))
+            return at + size
+        if len(body) >= size:
+            self._data(opcode, bool(fin), self._unmasked(body[:size], key))
+            return at + size
+        if size <= JOIN_BYTES:
+            return 0  # a small frame: wait until it is all in the scratch buffer
+        self.expect_payload(size, body,
+                            lambda payload: self._data(opcode, bool(fin), payload, key))
+        return len(view)
+
+    def _check_frame(self, rsv: int, opcode: int, masked: bool, fin: bool, size: int) -> None:
+        if rsv:
+            raise _Refused(f"{self.remote} set reserved bits (no extension was negotiated)",
+                           CLOSE_PROTOCOL)
+        if opcode not in (OP_CONTINUATION, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG):
+            raise _Refused(f"{self.remote} sent a frame with reserved opcode {opcode:#x}",
+                           CLOSE_PROTOCOL)
+        if masked != self.server:
+            raise _Refused(f"{self.remote} sent {'an unmasked' if self.server else 'a masked'} "
+                           "frame (RFC 6455 section 5.1)", CLOSE_PROTOCOL)
+        if opcode >= OP_CLOSE:
+            if not fin or size > 125:
+                raise _Refused(f"{self.remote} sent a fragmented or oversized control frame",
+                               CLOSE_PROTOCOL)
+            return
+        if opcode == OP_TEXT:
+            raise _Refused(f"{self.remote} sent a text message; burncoll speaks binary",
+                           CLOSE_UNSUPPORTED)
+        if (opcode == OP_CONTINUATION) != (self._fragments is not None):
+            raise _Refused(f"{self.remote} broke a fragmented message's sequence",
+                           CLOSE_PROTOCOL)
+        total = self._fragment_bytes + size
+        if total > self.max_message_bytes:
+            raise _Refused(
+                f"message from {self.remote} exceeds the size limit ({total} bytes announced, "
+                f"limit {self.max_message_bytes})", CLOSE_TOO_BIG)
+
+    @staticmethod
+    def _unmasked(payload: memoryview, key: bytes | None) -> memoryview:
+        if key is None:
+            return payload
+        copy = memoryview(bytearray(payload))
+        mask_in_place(copy, key)
+        return copy
+
+    def _data(self, opcode: int, fin: bool, payload: memoryview, key: bytes | None = None
+              ) -> None:
+        if key is not None:  # a payload received into its own buffer: unmask it there
+            mask_in_place(payload, key)
+        if fin and self._fragments is None:
+            self.deliver(payload if payload.obj is not self._scratch else bytes(payload))
+            return
+        if self._fragments is None:
+            self._fragments, self._fragment_bytes = [], 0
+        self._fragments.append(bytes(payload) if payload.obj is self._scratch else payload)
+        self._fragment_bytes += len(payload)
+        if fin:
+            message = b"".join(self._fragments)
+            self._fragments, self._fragment_bytes = None, 0
+            self.deliver(message)
+
+    def _control(self, opcode: int, payload: memoryview) -> None:
+        if opcode == OP_PING:
+            self._write_frame(OP_PONG, bytes(payload))
+        elif opcode == OP_CLOSE:
+            code = int.from_bytes(payload[:2], "big") if len(payload) >= 2 else CLOSE_NORMAL
+            reason = bytes(payload[2:]).decode(errors="replace")
+            self._send_close(code)
+            error: TransportError
+            if code == CLOSE_TOO_BIG:
+                error = ProtocolError(f"{self.remote} rejected a message over its size limit "
+                                      f"({reason})")
+            else:
+                error = TransportError(f"connection to {self.remote} closed by the peer "
+                                       f"(code {code}{', ' + reason if reason else ''})")
+            self.fail(error)
+            self.close_after_writes()
+
+    # -- sending ------------------------------------------------------------------------------
+    def frame_header(self, size: int) -> bytes:
+        return frame_header(OP_BINARY, size, None)
+
+    def write_message(self, views: list[memoryview], total: int) -> int | None:
+        if self._handshake is not None:
+            raise TransportError(f"the WebSocket to {self.remote} is not open")
+        if self.server:
+            return super().write_message(views, total)  # unmasked: the parts go as they are
+        self._write_frame(OP_BINARY, b"".join(views))
+        return None
+
+    def _write_frame(self, opcode: int, payload: Buffer) -> None:
+        data = bytearray(payload)
+        mask = None if self.server else secrets.token_bytes(4)
+        if mask is not None:
+            mask_in_place(memoryview(data), mask)
+        self.write_bytes(frame_header(opcode, len(data), mask) + data)
+
+    def _send_close(self, code: int, reason: str = "") -> None:
+        if self._close_sent or self._handshake is not None:
+            return
+        self._close_sent = True
+        with contextlib.suppress(TransportError):  # closed already
+            self._write_frame(OP_CLOSE, code.to_bytes(2, "big") + reason.encode()[:120])
+
+    def protocol_error(self, error: ProtocolError) -> None:
+        """Tell the peer why (a close frame), then drop the connection once it is written."""
+        self.fail(error)
+        self._direct = None
+        self.close_after_writes()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.server and self._handshake is not None and self.error is None:
+            logger.warning("dropped a connection from %s: it failed the WebSocket handshake "
+                           "(closed before it was complete)", self.remote)
+        if not self.opened.done():
+            self.opened.set_exception(self.error or TransportError(
+                f"connection to {self.remote} closed during the WebSocket handshake"))
+            self.opened.exception()  # retrieved: connect() may have given up already
+        super().connection_lost(exc)
 
 
-class _LoggedServerConnection(ServerConnection):
-    """A server connection that says, at WARNING, why an opening handshake failed."""
+class WebSocketConnection(StreamConnection):
+    """A :class:`~burncoll.transport.base.Connection` over one WebSocket."""
 
-    async def handshake(self, *args: Any, **kwargs: Any) -> None:
-        try:
-            await super().handshake(*args, **kwargs)
-        finally:
-            if self.protocol.state is not State.OPEN:
-                failure = self.protocol.handshake_exc or "no valid opening handshake"
-                logger.warning("dropped a connection from %s: it failed the WebSocket "
-                               "handshake (%s)", format_address(self.remote_address), failure)
+    _protocol: WebSocketProtocol
+
+    def goodbye(self) -> None:
+        self._protocol._send_close(CLOSE_NORMAL)
+
+
+class WebSocketListener(StreamListener):
+    """A bound WebSocket server; each opened connection runs the handler in its own task."""
 
 
 class WebSocketTransport(Transport):
@@ -228,8 +393,9 @@ class WebSocketTransport(Transport):
         tls: ``wss`` when it sets any of ``cert``, ``key``, ``ca``, as described in
             :mod:`burncoll.transport.tls`; plain ``ws`` for ``None`` or ``TlsSettings()``.
         max_message_bytes: the largest message this side accepts.
-        connect_timeout: seconds for the TCP connect, TLS and WebSocket handshakes together.
-        close_timeout: seconds ``close`` waits for the peer's closing handshake.
+        connect_timeout: seconds for the TCP connect, TLS and WebSocket handshakes together
+            (also how long a listener waits for a stranger's handshake).
+        close_timeout: seconds ``close`` waits for the written bytes to leave.
     """
 
     name = "websocket"
@@ -249,34 +415,21 @@ class WebSocketTransport(Transport):
         self.close_timeout = close_timeout
         self._client_ssl: ssl.SSLContext | None = None
 
-    def _options(self) -> dict[str, Any]:
-        return {
-            "compression": None,
-            "max_size": self.max_message_bytes,
-            "max_queue": _RECEIVE_QUEUE_FRAMES,
-            "write_limit": _WRITE_LIMIT,
-            "ping_interval": None,
-            "close_timeout": self.close_timeout,
-            "open_timeout": self.connect_timeout,
-        }
-
     async def listen(self, host: str, port: int, handler: Handler) -> WebSocketListener:
         """Bind and serve; a stranger that fails the opening handshake is logged and dropped."""
         listener = WebSocketListener(host, port)
         context = None if self.tls is None else server_ssl_context(self.tls, host)
 
-        async def serve_one(ws: ServerConnection) -> None:
-            await listener._serve(ws, handler)
+        def opened(protocol: WebSocketProtocol) -> None:
+            listener.start(WebSocketConnection(protocol, self.close_timeout), handler)
 
-        try:
-            server = await ws_serve(
-                serve_one, host, port, ssl=context, server_header=None,
-                create_connection=_LoggedServerConnection, **self._options()
-            )
-        except OSError as exc:
-            reason = "the port is in use" if exc.errno == errno.EADDRINUSE else exc.strerror
-            raise TransportError(f"cannot listen on {host}:{port}: {reason}") from exc
-        listener._bind(server)
+        def factory() -> WebSocketProtocol:
+            return WebSocketProtocol(self.max_message_bytes, server=True, on_open=opened,
+                                     handshake_timeout=self.connect_timeout)
+
+        extra: dict[str, Any] = {} if context is None else {
+            "ssl": context, "ssl_handshake_timeout": self.connect_timeout}
+        await listen_stream(host, port, factory, listener, **extra)
         return listener
 
     async def connect(self, host: str, port: int) -> WebSocketConnection:
@@ -286,15 +439,21 @@ class WebSocketTransport(Transport):
         if self.tls is not None:
             if self._client_ssl is None:
                 self._client_ssl = client_ssl_context(self.tls)
-            extra["ssl"] = self._client_ssl
+            extra = {"ssl": self._client_ssl, "server_hostname": host}
+        loop = asyncio.get_running_loop()
+        uri = f"{scheme}://{netloc}/"
+
+        def factory() -> WebSocketProtocol:
+            return WebSocketProtocol(self.max_message_bytes, server=False, uri=uri,
+                                     handshake_timeout=self.connect_timeout)
+
+        protocol: WebSocketProtocol | None = None
         try:
-            ws: ClientConnection = await ws_connect(
-                f"{scheme}://{netloc}/",
-                proxy=None,
-                user_agent_header=None,
-                **self._options(),
-                **extra,
-            )
-        except (OSError, TimeoutError, InvalidHandshake, WebSocketException) as exc:
+            async with asyncio.timeout(self.connect_timeout):
+                _, protocol = await loop.create_connection(factory, host, port, **extra)
+                await asyncio.shield(protocol.opened)
+        except (OSError, TimeoutError, ssl.SSLError, TransportError) as exc:
+            if protocol is not None and protocol.transport is not None:
+                protocol.transport.abort()
             raise TransportError(f"cannot connect to {netloc} over {scheme}: {exc}") from exc
-        return WebSocketConnection(ws)
+        return WebSocketConnection(protocol, self.close_timeout)

@@ -95,7 +95,8 @@ class FaultyConnection(Connection):
 
 
 class FaultyTransport(Transport):
-    """Wraps a real transport; outgoing connections tamper with one DATA frame."""
+    """Wraps a real transport; accepted connections (the ones a node sends on) tamper with
+    one DATA frame."""
 
     def __init__(self, inner: Transport, faults: _Faults) -> None:
         self.inner = inner
@@ -103,10 +104,13 @@ class FaultyTransport(Transport):
         self.name = inner.name
 
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:
-        return await self.inner.listen(host, port, handler)
+        async def faulty(conn: Connection) -> None:
+            await handler(FaultyConnection(conn, self.faults))
+
+        return await self.inner.listen(host, port, faulty)
 
     async def connect(self, host: str, port: int) -> Connection:
-        return FaultyConnection(await self.inner.connect(host, port), self.faults)
+        return await self.inner.connect(host, port)
 
 
 def patch_transport(mode: str, nth: int, delay: float) -> _Faults:

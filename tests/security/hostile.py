@@ -122,7 +122,7 @@ async def _until_dropped(conn: Connection, port: int) -> Outcome:
 def _local_port(conn: Connection) -> int:
     transport: Any  # the asyncio transport under the connection
     if isinstance(conn, WebSocketConnection):
-        transport = conn._ws.transport
+        transport = conn.transport
     else:
         assert isinstance(conn, QuicStreamConnection)
         transport = conn._protocol._transport
@@ -179,7 +179,7 @@ def _ws_raw(data: bytes, hang_up: bool = False) -> Callable[[int], Awaitable[Out
         local = _local_port(conn)
         assert isinstance(conn, WebSocketConnection)
         await conn.recv()  # the challenge
-        raw: Any = conn._ws.transport  # write below the WebSocket framing
+        raw: Any = conn.transport  # write below the WebSocket framing
         raw.write(data)
         if hang_up:
             raw.abort()
@@ -192,6 +192,8 @@ def _ws_raw(data: bytes, hang_up: bool = False) -> Callable[[int], Awaitable[Out
 
 #: A masked binary frame announcing 2**40 bytes (none follow): over any size limit.
 WS_OVERSIZED = b"\x82\xff" + (1 << 40).to_bytes(8, "big") + b"mask"
+#: The same, unmasked, as a server sends it.
+WS_OVERSIZED_FROM_SERVER = b"\x82\x7f" + (1 << 40).to_bytes(8, "big")
 #: A masked binary frame announcing 1000 bytes, of which 10 follow.
 WS_TRUNCATED = b"\x82\xfe" + (1000).to_bytes(2, "big") + b"mask" + b"x" * 10
 #: Reserved bits and a reserved opcode: not a WebSocket frame.

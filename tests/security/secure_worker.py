@@ -42,8 +42,9 @@ import numpy as np
 import burncoll
 from burncoll.transport import get_transport
 from burncoll.transport.auth import authenticate_client
+from burncoll.transport.websocket import WebSocketConnection
 from burncoll.transport.wire import encode_control
-from tests.security.hostile import WS_BAD_FRAMING, WS_OVERSIZED, malformed
+from tests.security.hostile import WS_BAD_FRAMING, WS_OVERSIZED_FROM_SERVER, malformed
 
 #: Elements per all-reduce (400 kB of float64, so frames are not trivially small).
 ELEMENTS = 50_000
@@ -76,15 +77,18 @@ async def corrupt(comm: burncoll.Communicator, kind: str) -> None:
     conn = service._out[0]
     async with service._send_locks[0]:
         if kind == "oversized":
-            if hasattr(conn, "_ws"):
-                conn._ws.transport.write(WS_OVERSIZED)
+            if isinstance(conn, WebSocketConnection):
+                # this node is the server of the connection it sends on: frames go unmasked
+                assert conn.transport is not None
+                conn.transport.write(WS_OVERSIZED_FROM_SERVER)
             else:
                 quic = conn._protocol._quic
                 quic.send_stream_data(conn._stream_id, (1 << 40).to_bytes(8, "little"))
                 conn._protocol.transmit()
         elif kind == "stream":
-            if hasattr(conn, "_ws"):
-                conn._ws.transport.write(WS_BAD_FRAMING)
+            if isinstance(conn, WebSocketConnection):
+                assert conn.transport is not None
+                conn.transport.write(WS_BAD_FRAMING)
             else:
                 # A length prefix, then fewer bytes than it announced, then the stream's end.
                 quic = conn._protocol._quic
