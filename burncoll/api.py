@@ -9,6 +9,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import numpy as np
+
 from burncoll.backends import get_backend
 from burncoll.backends.base import Array, Backend, Device
 from burncoll.config import CollectiveConfig
@@ -62,10 +64,25 @@ class Communicator:
         return self._server.config
 
     # -- operations -------------------------------------------------------------------------
-    def all_reduce(self, x: Array, op: ReduceOp | str = "sum") -> Array:
-        """``x`` reduced element-wise over every peer; bitwise identical on every peer."""
-        result = self._run(OpKind.ALL_REDUCE, x, parse_reduce_op(op), None)
-        return _not_none(result)
+    def all_reduce(self, x: Array, op: ReduceOp | str = "sum", *, out: Array | None = None
+                   ) -> Array:
+        """``x`` reduced element-wise over every peer; bitwise identical on every peer.
+
+        ``out``: an array like ``x`` (same shape, dtype and device, writable, contiguous) to
+        write the result into, and which is returned, as NumPy's ``out=``; ``out=x`` reduces
+        in place, like ``torch.distributed.all_reduce``. Reusing ``out`` across calls saves
+        allocating (and the kernel zeroing) a new result every time. Mutable backends only
+        (NumPy, CuPy); JAX arrays are immutable.
+        """
+        reduce_op = parse_reduce_op(op)
+        if out is not None:
+            x = self._accept(OpKind.ALL_REDUCE, x)
+            self._check_out(x, out, reduce_op)
+        result = _not_none(self._run(OpKind.ALL_REDUCE, x, reduce_op, None, out=out))
+        if out is not None and result is not out:
+            self._backend.copy(result, out=out)
+            return out
+        return result
 
     def reduce(self, x: Array, root: int, op: ReduceOp | str = "sum") -> Array | None:
         """``x`` reduced over every peer, returned on peer ``root``; ``None`` elsewhere."""
@@ -134,9 +151,36 @@ class Communicator:
             )
         return root
 
+    def _check_out(self, x: Array, out: object, op: ReduceOp) -> None:
+        backend = self._backend
+        if not backend.mutable:
+            raise UsageError(
+                f"all_reduce: out= needs a backend with mutable arrays (numpy, cupy); "
+                f"{backend.name} arrays are immutable: use the returned array")
+        if not backend.is_array(out):
+            raise UsageError(f"all_reduce: out must be an array of backend {backend.name!r}, "
+                             f"got {type(out).__name__}")
+        if (backend.dtype_name(out), tuple(backend.shape(out))) != (
+                backend.dtype_name(x), tuple(backend.shape(x))):
+            raise UsageError(
+                f"all_reduce: out is {backend.dtype_name(out)}{list(backend.shape(out))} but x "
+                f"is {backend.dtype_name(x)}{list(backend.shape(x))}; they must match")
+        if op is ReduceOp.MEAN and "float" not in backend.dtype_name(x):
+            raise UsageError(f"all_reduce: the mean of {backend.dtype_name(x)} is float64, "
+                             "which out cannot hold; pass float arrays or omit out")
+        if not backend.same_device(backend.device_of(out), self.device):
+            raise UsageError(f"all_reduce: out is on {backend.device_of(out)}, not on this "
+                             f"peer's device {self.device}")
+        flags = getattr(out, "flags", None)
+        if flags is not None and not (flags.writeable and flags.c_contiguous):
+            raise UsageError("all_reduce: out must be writable and C-contiguous")
+        if out is not x and _overlap(x, out):
+            raise UsageError("all_reduce: out overlaps x without being x; pass out=x to "
+                             "reduce in place, or a separate array")
+
     def _run(
         self, kind: OpKind, x: Array | None, op: ReduceOp | None, root: int | None,
-        allow_none: bool = False,
+        allow_none: bool = False, out: Array | None = None,
     ) -> Array | None:
         self._server.check_usable(self._index)
         dtype: str | None = None
@@ -145,7 +189,7 @@ class Communicator:
             x = self._accept(kind, x)
             dtype = self._backend.dtype_name(x)
             shape = tuple(self._backend.shape(x))
-        call = Call(self.peer_id, kind, op, root, x, dtype, shape)
+        call = Call(self.peer_id, kind, op, root, x, dtype, shape, out)
         return self._server.run(self._index, call, compose.prepare, compose.execute)
 
     def _accept(self, kind: OpKind, x: Array | None) -> Array:
@@ -164,6 +208,18 @@ class Communicator:
         if not backend.same_device(backend.device_of(x), self.device):
             x = backend.to_device(x, self.device)
         return x
+
+
+def _overlap(a: Array, b: Array) -> bool:
+    """Whether two arrays may share memory (NumPy and CuPy both answer it)."""
+    module = type(a).__module__.split(".")[0]
+    if module == "numpy":
+        return bool(np.may_share_memory(a, b))
+    if module == "cupy":  # pragma: no cover - no GPU here
+        import cupy
+
+        return bool(cupy.may_share_memory(a, b))
+    return False
 
 
 def _not_none(x: Array | None) -> Array:

@@ -142,6 +142,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=(),
         help=f"peer baselines to run too: {','.join(PEER_NAMES)} or all",
     )
+    parser.add_argument(
+        "--fresh-results",
+        action="store_true",
+        help="all_reduce returns a new array per call; by default it writes into an out= array "
+        "allocated once, as nccl-tests and mpi4py's Allreduce measure",
+    )
     parser.add_argument("--json", default=None, help="write rows and environment to this file")
     parser.add_argument("--plot", default=None, help="write busbw vs size to this PNG")
     parser.add_argument("--bench-node", default=None, help=argparse.SUPPRESS)
@@ -197,6 +203,8 @@ def _node_argv(args: argparse.Namespace, result_path: str) -> list[str]:
         "--bench-node",
         result_path,
     ]
+    if args.fresh_results:
+        argv.append("--fresh-results")
     for flag, value in (
         ("--devices", args.devices),
         ("--strategy", args.strategy),
@@ -228,6 +236,8 @@ def _settings(
         ),
         "iters": f"{args.iters} timed + {args.warmup} warm-up per size; time = median over "
         "iterations of the slowest peer, barrier before each",
+        "all_reduce results": "a new array per call" if args.fresh_results else
+        "written into an out= array allocated once (nccl-tests' out-of-place)",
         "cpus": os.cpu_count(),
     }
     if args.nodes > 1:
@@ -299,7 +309,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"burncoll bench: error: {exc}", file=sys.stderr)
         return 2
     spec = BenchSpec(
-        tuple(args.op), tuple(sizes), args.dtype, args.redop, args.root, args.iters, args.warmup
+        tuple(args.op), tuple(sizes), args.dtype, args.redop, args.root, args.iters, args.warmup,
+        args.fresh_results,
     )
     if args.bench_node is not None:
         return _run_node_mode(args, spec)

@@ -52,6 +52,8 @@ class BenchSpec:
     root: int = 0
     iters: int = 20
     warmup: int = 5
+    #: all_reduce returns a new array per call instead of writing into a preallocated ``out``.
+    fresh_results: bool = False
 
 
 @dataclass
@@ -157,7 +159,14 @@ def _operation(
 ) -> Callable[[], Array | None]:
     """The call to time, with its arguments bound."""
     if op == "all_reduce":
-        return lambda: comm.all_reduce(x, spec.redop)
+        backend = comm._backend
+        integer_mean = spec.redop == "mean" and "float" not in spec.dtype
+        if spec.fresh_results or not backend.mutable or integer_mean:
+            return lambda: comm.all_reduce(x, spec.redop)
+        # as nccl-tests (out-of-place: separate send and receive buffers, both allocated once)
+        # and mpi4py's Allreduce(sendbuf, recvbuf) measure it
+        out = backend.copy(x)
+        return lambda: comm.all_reduce(x, spec.redop, out=out)
     if op == "reduce":
         return lambda: comm.reduce(x, spec.root, spec.redop)
     if op == "broadcast":

@@ -26,6 +26,8 @@ class Call:
     array: Array | None
     dtype: str | None
     shape: tuple[int, ...] | None
+    #: Where the caller wants the result written (``all_reduce(..., out=)``), else ``None``.
+    out: Array | None = None
 
     def signature(self) -> tuple[object, ...]:
         """What must agree between peers (for all_gather, only the trailing shape)."""

@@ -28,6 +28,7 @@ from burncoll.local.buffers import (
     sizes_layout,
 )
 from burncoll.local.calls import Call
+from burncoll.local.fused import prepare_fused, run_fused, wants_fused
 from burncoll.local.inline import inline_results, wants_inline
 from burncoll.local.link import GlobalLink, GlobalOp, HostArray
 from burncoll.local.server import LocalServer, OpState, Plan
@@ -150,6 +151,9 @@ def prepare(server: LocalServer, state: OpState) -> None:
         deadline = state.started + server.config.timeout
         state.shared["results"] = inline_results(server, state, deadline)
         return
+    if wants_fused(server, calls):
+        prepare_fused(server, state)
+        return
     if kind is OpKind.BARRIER or (kind is OpKind.BROADCAST and server.link is not None):
         return
     if kind is OpKind.ALL_REDUCE and _single_local_peer(server):
@@ -257,6 +261,8 @@ def execute(server: LocalServer, state: OpState, index: int, deadline: float) ->
     results = state.shared.get("results")
     if results is not None:
         return results[index]
+    if "fused" in state.shared:
+        return run_fused(server, state, index, deadline, call)
     if server.link is None:
         return _execute_single_node(server, state, index, deadline, call)
     return _execute_multi_node(server, state, index, deadline, call)
@@ -369,6 +375,8 @@ def _out_of_place_all_reduce(server: LocalServer, call: Call, gop: GlobalOp) -> 
     nodes with more peers still match it.
     """
     backend = server.backend
+    if isinstance(call.out, np.ndarray) and isinstance(call.array, np.ndarray):
+        return _all_reduce_into(server, call, gop, call.array, call.out)
     host = backend.to_host(_flat_input(server, call))
     if not host.flags.c_contiguous:  # pragma: no cover - flatten gives C order
         host = np.ascontiguousarray(host)
@@ -377,6 +385,20 @@ def _out_of_place_all_reduce(server: LocalServer, call: Call, gop: GlobalOp) -> 
     result = backend.from_host(out, call.dtype or "float32", call.shape or (),
                                server.devices[0])
     return _finish_reduce(server, result, call.reduce_op)
+
+
+def _all_reduce_into(server: LocalServer, call: Call, gop: GlobalOp, x: HostArray,
+                     out: HostArray) -> HostArray:
+    """The caller's ``out=`` on host memory: the network result goes straight into it (in
+    place when ``out`` is ``x``); a mean is divided there too (``out`` is a float array)."""
+    flat_out = out.reshape(-1)
+    if out is x:
+        _link(server).all_reduce(gop, flat_out)
+    else:
+        _link(server).all_reduce(gop, x.reshape(-1), out=flat_out)
+    if call.reduce_op is ReduceOp.MEAN:
+        np.divide(flat_out, server.world_size, out=flat_out)
+    return out
 
 
 def _sharded_all_reduce(

@@ -64,9 +64,13 @@ def _reduce_all(server: LocalServer, calls: list[Call], op: ReduceOp) -> Array:
     return acc
 
 
-def _copies(server: LocalServer, x: Array) -> list[Array]:
+def _copies(server: LocalServer, x: Array, calls: list[Call] | None = None) -> list[Array]:
+    """A copy of ``x`` per peer: into the peer's ``out=`` array when it passed one."""
     backend = server.backend
-    return [backend.copy(backend.to_device(x, d)) for d in server.devices]
+    outs = [c.out for c in calls] if calls is not None else [None] * server.size
+    return [backend.copy(backend.reshape(backend.to_device(x, d), backend.shape(out)), out=out)
+            if out is not None else backend.copy(backend.to_device(x, d))
+            for d, out in zip(server.devices, outs, strict=True)]
 
 
 def inline_results(server: LocalServer, state: OpState, deadline: float) -> list[Array | None]:
@@ -111,4 +115,4 @@ def inline_results(server: LocalServer, state: OpState, deadline: float) -> list
             out.append(backend.reshape(backend.copy(backend.to_device(block, server.devices[i])),
                                        (rows, *shape[1:])))
         return out
-    return list(_copies(server, total))
+    return list(_copies(server, total, calls if kind is OpKind.ALL_REDUCE else None))

@@ -227,14 +227,14 @@ class GlobalExecutor:
             payload = frame.payload
             size = len(payload)
             if h.offset % dtype.itemsize or size % dtype.itemsize:
-                raise self._fail_protocol(op, h, "a part not aligned to its dtype")
+                raise self.fail_protocol(op, h, "a part not aligned to its dtype")
             incoming = np.frombuffer(payload, dtype=dtype)
             start = h.offset // dtype.itemsize
             if target is None or source is None:  # pragma: no cover - prepared above
                 raise RuntimeError("no target")
             region = target[start:start + incoming.size]
             if region.size != incoming.size:
-                raise self._fail_protocol(op, h, "a part beyond the end of its chunk")
+                raise self.fail_protocol(op, h, "a part beyond the end of its chunk")
             if pipe is not None:
                 await pipe.ready(step.chunk, slot, h.offset + size)
             if ufunc is not None:
@@ -265,7 +265,8 @@ class GlobalExecutor:
             raise error
         return target
 
-    def _fail_protocol(self, op: GlobalOp, h: DataHeader, what: str) -> CollectiveError:
+    def fail_protocol(self, op: GlobalOp, h: DataHeader, what: str) -> CollectiveError:
+        """Fail the session: node ``h.src`` sent ``what``."""
         from burncoll.errors import ProtocolError
 
         error = ProtocolError(

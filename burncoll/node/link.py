@@ -21,10 +21,12 @@ from burncoll.errors import CollectiveError, CollectiveTimeout, PeerLost
 from burncoll.local.buffers import even_layout
 from burncoll.local.link import GlobalOp, HostArray
 from burncoll.node.data_service import DataService
+from burncoll.node.exchange import exchange_all_reduce
 from burncoll.node.executor import GlobalExecutor
 from burncoll.node.loop import IoLoop
 from burncoll.node.orchestrator_client import OrchestratorClient
-from burncoll.strategies import Ring, Schedule, resolve
+from burncoll.strategies import Auto, Ring, Schedule, resolve
+from burncoll.strategies.auto import exchange_limit
 from burncoll.transport import TlsSettings, get_transport
 
 if TYPE_CHECKING:
@@ -168,8 +170,32 @@ class NodeLink:
         finally:
             mailbox.done(op.seq)
 
+    def _exchanges(self, nbytes: int) -> bool:
+        """Whether ``auto`` runs a global all-reduce of ``nbytes`` as a one-round exchange."""
+        return (isinstance(self.config.strategy("global_all_reduce_strategy"), Auto)
+                and self.num_nodes > 1 and nbytes <= exchange_limit(self.num_nodes))
+
+    async def _exchange(self, op: GlobalOp, buf: HostArray, out: HostArray,
+                        channel: int) -> None:
+        mailbox = self._service.mailbox
+        if mailbox.error is not None:
+            raise mailbox.error
+        mailbox.expect(op.seq, self._executor.checker(op))
+        try:
+            await exchange_all_reduce(self._executor, op, buf, out, channel)
+        finally:
+            mailbox.done(op.seq)
+
     def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0,
                    out: HostArray | None = None) -> None:
+        if self._exchanges(buf.nbytes):
+            if out is not None:
+                _check_out(buf, out)
+            result = np.empty_like(buf) if out is None else out
+            self._call(op, self._exchange(op, buf, result, channel))
+            if out is None:
+                buf[...] = result
+            return
         schedule = self._schedule("global_all_reduce_strategy", "all_reduce", nbytes=buf.nbytes)
         layout = even_layout(buf.size, schedule.num_chunks)
         chunks: list[HostArray | None] = [buf[a:b] for a, b in layout]

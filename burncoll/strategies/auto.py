@@ -16,10 +16,21 @@ from burncoll.strategies.ring import Ring
 from burncoll.strategies.schedule import Schedule
 from burncoll.strategies.tree import Tree
 
-__all__ = ["CROSSOVERS", "INLINE_BYTES", "Auto", "resolve"]
+__all__ = ["CROSSOVERS", "EXCHANGE_BYTES", "INLINE_BYTES", "Auto", "exchange_limit", "resolve"]
 
 #: Local operations of at most this many bytes run inline in one thread under ``auto``.
-INLINE_BYTES = 512 << 10
+INLINE_BYTES = 1 << 20
+
+#: Global all-reduces of at most this many bytes (per node) run as a one-round exchange under
+#: ``auto``: every node sends its array to every other node and reduces all of them itself
+#: (:mod:`burncoll.node.exchange`). Indexed by the number of nodes; larger worlds use the last.
+EXCHANGE_BYTES: dict[int, int] = {2: 1 << 20, 3: 256 << 10, 4: 128 << 10, 8: 32 << 10}
+
+
+def exchange_limit(world: int) -> int:
+    """The largest all-reduce (bytes per node) that ``auto`` exchanges among ``world`` nodes."""
+    fitting = [limit for w, limit in EXCHANGE_BYTES.items() if w <= world]
+    return fitting[-1] if fitting else 0
 
 #: level -> ((largest size in bytes, strategy), ...): the first row whose size is >= the
 #: operation's wins; the last row has no limit.

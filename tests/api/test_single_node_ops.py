@@ -147,7 +147,7 @@ def test_many_back_to_back_operations() -> None:
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_auto_above_the_inline_size_uses_schedules_correctly(n: int) -> None:
-    xs = _inputs(n, (50_000, 2), "float64", seed=5)  # 800 KB: above INLINE_BYTES
+    xs = _inputs(n, (100_000, 2), "float64", seed=5)  # 1.6 MB: above INLINE_BYTES
     ref = np.sum(np.stack(xs), axis=0)
 
     def work(c: burncoll.Communicator, i: int) -> list[np.ndarray | None]:

@@ -1,0 +1,85 @@
+"""The one-round all-reduce for small arrays: every node sends its whole buffer to every other.
+
+A Ring all-reduce of ``n`` nodes takes ``2(n-1)`` rounds, a Tree(2) one ``2 log2 n``; for an
+array of a few kilobytes each round costs a network latency and moves almost nothing. Here
+every node sends its buffer to every other node at once (one round, ``n-1`` messages of the
+whole array each) and reduces the ``n`` buffers itself, always in node order
+(``x0 op x1 op ... op x(n-1)``), so every node computes the bitwise-identical result that a
+schedule's "reduce once, then copy" guarantees. ``auto`` uses it up to
+:data:`~burncoll.strategies.auto.EXCHANGE_BYTES` per node.
+
+Frames are ordinary DATA frames (round 0, chunk 0, one part), so the mailbox matches them and
+compares every header with this node's call exactly as for a schedule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from burncoll.backends.dtypes import dtype_from_name
+from burncoll.local.link import GlobalOp, HostArray
+from burncoll.ops import ReduceOp
+from burncoll.transport.wire import DataHeader, encode_data_header
+
+if TYPE_CHECKING:
+    from burncoll.node.executor import GlobalExecutor
+
+__all__ = ["exchange_all_reduce"]
+
+_UFUNCS: dict[ReduceOp, Any] = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.MEAN: np.add,  # the division comes after, as for every strategy
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.PROD: np.multiply,
+}
+
+
+async def exchange_all_reduce(executor: GlobalExecutor, op: GlobalOp, buf: HostArray,
+                              out: HostArray, channel: int = 0) -> None:
+    """All-reduce ``buf`` (only read) into ``out`` among every node in one round."""
+    service = executor.service
+    me = executor.me
+    others = [n.index for n in service.nodes if n.index != me]
+    raw = memoryview(np.ascontiguousarray(buf).view(np.uint8))  # type: ignore[arg-type]
+    header = encode_data_header(DataHeader(
+        session=service.session or 0, seq=op.seq, op_kind=op.kind, reduce_op=op.reduce_op,
+        dtype=op.dtype, shape=op.shape, root=op.root, src=me, round=0, channel=channel,
+        chunk=0, offset=0, chunk_bytes=raw.nbytes,
+    ), raw.nbytes)
+    sends = asyncio.gather(*(service.send(dst, [header, raw]) for dst in others))
+    received = await _receive_all(executor, op, buf, channel, others)
+    await sends
+    ufunc = _UFUNCS[op.reduce_op or ReduceOp.SUM]
+    operands = [buf if i == me else received[i] for i in range(len(service.nodes))]
+    if len(operands) == 1:
+        out[...] = buf
+        return
+    ufunc(operands[0], operands[1], out=out)
+    for x in operands[2:]:
+        ufunc(out, x, out=out)
+
+
+async def _receive_all(executor: GlobalExecutor, op: GlobalOp, buf: HostArray, channel: int,
+                       others: list[int]) -> dict[int, HostArray]:
+    service = executor.service
+    check = executor.checker(op)
+    dtype = dtype_from_name(op.dtype or "uint8")
+    received: dict[int, HostArray] = {}
+    for src in others:
+        frame = await service.mailbox.get(
+            (op.seq, channel, 0, src, 0), op.deadline,
+            lambda src=src: executor.timeout_error(op, src, 0))  # type: ignore[misc]
+        h = frame.header
+        assert h is not None  # the mailbox holds DATA frames only
+        error = check(h)
+        if error is not None:
+            service.fail(error)
+            raise error
+        if h.chunk_bytes != buf.nbytes or len(frame.payload) != buf.nbytes or h.offset:
+            raise executor.fail_protocol(op, h, "a buffer of the wrong size")
+        received[src] = np.frombuffer(frame.payload, dtype=dtype)
+    return received
