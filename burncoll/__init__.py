@@ -22,12 +22,13 @@ from burncoll.errors import (
 )
 from burncoll.ops import ReduceOp
 from burncoll.orchestrator import Orchestrator, start_orchestrator
-from burncoll.strategies import Centralized, Ring, Strategy, Tree
+from burncoll.strategies import Auto, Centralized, Ring, Strategy, Tree
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AuthenticationError",
+    "Auto",
     "BackendUnavailable",
     "Centralized",
     "CollectiveAborted",

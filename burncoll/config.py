@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from burncoll.errors import ConfigError
-from burncoll.strategies import Ring, Strategy, Tree, parse_strategy
+from burncoll.strategies import Auto, Strategy, parse_strategy
 
 __all__ = ["BACKENDS", "TRANSPORTS", "CollectiveConfig", "parse_host_port"]
 
@@ -49,11 +49,11 @@ class CollectiveConfig:
     #: Number of local peers (threads, one per device) on this node.
     num_devices: int = 1
     #: Local-level strategy for all-reduce, reduce-scatter and all-gather.
-    local_all_reduce_strategy: Strategy | str = field(default_factory=lambda: Tree(2))
+    local_all_reduce_strategy: Strategy | str = field(default_factory=Auto)
     #: Local-level strategy for reduce.
-    local_reduce_strategy: Strategy | str = field(default_factory=lambda: Tree(2))
+    local_reduce_strategy: Strategy | str = field(default_factory=Auto)
     #: Local-level strategy for broadcast.
-    local_broadcast_strategy: Strategy | str = field(default_factory=lambda: Tree(2))
+    local_broadcast_strategy: Strategy | str = field(default_factory=Auto)
     #: Number of nodes (processes); ``None`` or 1 for a single node.
     num_nodes: int | None = None
     #: The orchestrator's address, ``"host:port"`` or ``"ws://host:port"``; multi-node only.
@@ -64,11 +64,11 @@ class CollectiveConfig:
     #: The data service's port; 0 or ``None`` picks a free one (reported to the orchestrator).
     data_service_port: int | None = None
     #: Global-level strategy for all-reduce, reduce-scatter and all-gather between nodes.
-    global_all_reduce_strategy: Strategy | str = field(default_factory=Ring)
+    global_all_reduce_strategy: Strategy | str = field(default_factory=Auto)
     #: Global-level strategy for reduce between nodes.
-    global_reduce_strategy: Strategy | str = field(default_factory=lambda: Tree(2))
+    global_reduce_strategy: Strategy | str = field(default_factory=Auto)
     #: Global-level strategy for broadcast between nodes.
-    global_broadcast_strategy: Strategy | str = field(default_factory=lambda: Tree(2))
+    global_broadcast_strategy: Strategy | str = field(default_factory=Auto)
     #: Node-to-node transport: ``"websocket"`` or ``"quic"``.
     transport: str = "websocket"
     #: Seconds any single wait may take (registration, each operation, finish).

@@ -12,11 +12,12 @@ from burncoll import CollectiveConfig, ConfigError
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_defaults_follow_burn() -> None:
+def test_defaults_choose_the_strategy_per_operation() -> None:
     cfg = CollectiveConfig()
-    assert cfg.local_all_reduce_strategy == burncoll.Tree(2)
-    assert cfg.global_all_reduce_strategy == burncoll.Ring()
-    assert cfg.global_reduce_strategy == burncoll.Tree(2)
+    for name in ("local_all_reduce_strategy", "local_reduce_strategy",
+                 "local_broadcast_strategy", "global_all_reduce_strategy",
+                 "global_reduce_strategy", "global_broadcast_strategy"):
+        assert cfg.strategy(name) == burncoll.Auto(), name
     assert cfg.num_nodes is None and cfg.global_address is None
     assert cfg.transport == "websocket" and cfg.backend == "numpy"
 
