@@ -1,4 +1,4 @@
-"""Starting the peer baselines (``--vs gloo,mpi,tcp,numpy``) and collecting their rows.
+"""Starting the peer baselines (``--vs gloo,mpi,tcp,numpy,naive``) and collecting their rows.
 
 Gloo runs as ``world`` Python processes rendezvousing on 127.0.0.1 at a free port; MPI as
 ``mpirun -n world --oversubscribe --allow-run-as-root python -m burncoll.bench.peers mpi``;
@@ -20,13 +20,13 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-from burncoll.bench.peers import RESULT_MARKER, numpy_add, tcp_loopback
+from burncoll.bench.peers import RESULT_MARKER, naive_threads, numpy_add, tcp_loopback
 from burncoll.bench.results import PeerResult, PeerRow
 
 __all__ = ["PEER_NAMES", "parse_peers", "run_peers"]
 
 #: The baselines ``--vs`` accepts, in the order they run.
-PEER_NAMES: tuple[str, ...] = ("gloo", "mpi", "tcp", "numpy")
+PEER_NAMES: tuple[str, ...] = ("gloo", "mpi", "tcp", "numpy", "naive")
 _INSTALL = "pip install 'burncoll[bench]'"
 
 
@@ -202,6 +202,8 @@ def run_peers(
                 _mpi(result, world, worker_args, timeout)
             elif name == "tcp":
                 result.rows = tcp_loopback(sizes, iters, warmup)
+            elif name == "naive":
+                result.rows = naive_threads(sizes, dtype, iters, warmup, max(world, 2))
             else:
                 result.rows = numpy_add(sizes, dtype, iters, warmup)
         except (OSError, ValueError, RuntimeError, TypeError) as exc:
@@ -226,6 +228,13 @@ def _describe(name: str, world: int) -> PeerResult:
             "TCP loopback, one connection, both ends sending and "
             "receiving size bytes at once; algbw = GB/s each way",
             None,
+        )
+    if name == "naive":
+        return PeerResult(
+            "naive",
+            f"chunked naive all-reduce, {max(world, 2)} threads of one process in plain NumPy: "
+            "each sums its share, barrier, each copies the sum",
+            "all_reduce",
         )
     return PeerResult(
         "numpy",

@@ -1,6 +1,6 @@
 """Peer baselines measured beside burncoll, one per worker; also ``python -m`` entry point.
 
-``python -m burncoll.bench.peers {gloo,mpi,tcp,numpy} --sizes 8,1024 [--rank R --world N
+``python -m burncoll.bench.peers {gloo,mpi,tcp,numpy,naive} --sizes 8,1024 [--rank R --world N
 --port P]`` runs one worker; the process of rank 0 prints one ``BURNCOLL_PEER_RESULT <json>``
 line with its rows. :mod:`burncoll.bench.peer_driver` starts these workers (N processes for
 Gloo, ``mpirun`` for MPI). Every worker times like burncoll's runner: a barrier before each
@@ -13,6 +13,10 @@ iteration, the median over iterations.
 * ``tcp``: one loopback TCP connection, both ends sending and receiving ``size`` bytes at
   once (a ring of 2 with both directions busy); GB/s each way.
 * ``numpy``: ``np.add(a, b, out=c)`` on one thread: the reduction kernel alone.
+* ``naive``: the chunked naive all-reduce of ``world`` threads in one process, in plain NumPy:
+  each thread sums its share of the elements over every input into one shared sum, a barrier,
+  then each thread copies the whole sum into its own output (allocated once). What a local
+  all-reduce costs without a library.
 """
 
 from __future__ import annotations
@@ -33,7 +37,15 @@ from burncoll.backends.dtypes import dtype_from_name
 from burncoll.bench.check import peer_input
 from burncoll.bench.results import PeerRow, busbw_factor, median
 
-__all__ = ["RESULT_MARKER", "gloo_worker", "main", "mpi_worker", "numpy_add", "tcp_loopback"]
+__all__ = [
+    "RESULT_MARKER",
+    "gloo_worker",
+    "main",
+    "mpi_worker",
+    "naive_threads",
+    "numpy_add",
+    "tcp_loopback",
+]
 
 #: Prefix of the line that carries a worker's JSON result on stdout.
 RESULT_MARKER = "BURNCOLL_PEER_RESULT "
@@ -233,6 +245,46 @@ def numpy_add(sizes: Sequence[int], dtype: str, iters: int, warmup: int) -> list
     return rows
 
 
+def naive_threads(sizes: Sequence[int], dtype: str, iters: int, warmup: int,
+                  world: int) -> list[PeerRow]:
+    """The chunked naive all-reduce of ``world`` threads (see the module docstring); the
+    iteration's time is the slowest thread's, after a barrier."""
+    itemsize = dtype_from_name(dtype).itemsize
+    return [
+        _row(requested, count, itemsize, _naive_seconds(count, dtype, iters, warmup, world),
+             busbw_factor("all_reduce", world))
+        for requested, count in _counts(sizes, itemsize)
+    ]
+
+
+def _naive_seconds(count: int, dtype: str, iters: int, warmup: int, world: int) -> float:
+    inputs = [peer_input(r, count, dtype) for r in range(world)]
+    outputs = [np.empty_like(x) for x in inputs]
+    total = np.empty_like(inputs[0])
+    start_line, summed = threading.Barrier(world), threading.Barrier(world)
+    times: list[list[float]] = [[] for _ in range(world)]
+
+    def thread(r: int) -> None:
+        a, b = count * r // world, count * (r + 1) // world
+        for _ in range(warmup + iters):
+            start_line.wait()
+            start = time.perf_counter()
+            np.add(inputs[0][a:b], inputs[1][a:b], out=total[a:b])
+            for x in inputs[2:]:
+                np.add(total[a:b], x[a:b], out=total[a:b])
+            summed.wait()
+            np.copyto(outputs[r], total)
+            times[r].append(time.perf_counter() - start)
+
+    threads = [threading.Thread(target=thread, args=(r,), daemon=True) for r in range(world)]
+    with np.errstate(over="ignore"):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return median([max(column) for column in zip(*times, strict=True)][warmup:])
+
+
 def _emit(rows: list[PeerRow], extra: dict[str, Any] | None = None) -> None:
     document = {"rows": [row.to_dict() for row in rows], **(extra or {})}
     print(RESULT_MARKER + json.dumps(document), flush=True)
@@ -242,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m burncoll.bench.peers", description="Run one peer-baseline worker."
     )
-    parser.add_argument("peer", choices=("gloo", "mpi", "tcp", "numpy"))
+    parser.add_argument("peer", choices=("gloo", "mpi", "tcp", "numpy", "naive"))
     parser.add_argument("--sizes", required=True, help="comma-separated sizes in bytes")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--redop", default="sum", choices=_REDOPS)
@@ -265,6 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _emit(rows, {"library": version})
     elif args.peer == "tcp":
         _emit(tcp_loopback(sizes, args.iters, args.warmup))
+    elif args.peer == "naive":
+        _emit(naive_threads(sizes, args.dtype, args.iters, args.warmup, max(args.world, 2)))
     else:
         _emit(numpy_add(sizes, args.dtype, args.iters, args.warmup))
     return 0

@@ -194,6 +194,25 @@ def test_tcp_and_numpy_baselines_add_ratio_columns(capsys: pytest.CaptureFixture
     assert "# vs tcp: TCP loopback" in out
 
 
+def test_naive_baseline_runs_a_thread_per_device(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _bench(
+        capsys, "--devices", "3", "--min-bytes", "1K", "--max-bytes", "4K", "--factor", "4",
+        "--vs", "naive", *QUICK,
+    )
+    assert code == 0, out
+    header, rows = _tables(out)["all_reduce"]
+    assert header[-1] == "vs naive"
+    assert all(float(row[-1]) > 0 for row in rows)
+    assert "# vs naive: chunked naive all-reduce, 3 threads" in out
+
+
+def test_the_naive_baseline_times_each_size() -> None:
+    from burncoll.bench import peers
+
+    rows = peers.naive_threads([4096], "float32", iters=2, warmup=1, world=3)
+    assert len(rows) == 1 and rows[0].count == 1024 and rows[0].time_us > 0
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
 def test_gloo_baseline_adds_ratio_column(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _bench(
