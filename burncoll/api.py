@@ -13,6 +13,7 @@ import numpy as np
 
 from burncoll.backends import get_backend
 from burncoll.backends.base import Array, Backend, Device
+from burncoll.backends.dtypes import dtype_from_name, is_inexact
 from burncoll.config import CollectiveConfig
 from burncoll.errors import CollectiveError, CollectiveTimeout, UsageError
 from burncoll.local import compose
@@ -165,7 +166,7 @@ class Communicator:
             raise UsageError(
                 f"all_reduce: out is {backend.dtype_name(out)}{list(backend.shape(out))} but x "
                 f"is {backend.dtype_name(x)}{list(backend.shape(x))}; they must match")
-        if op is ReduceOp.MEAN and "float" not in backend.dtype_name(x):
+        if op is ReduceOp.MEAN and not is_inexact(dtype_from_name(backend.dtype_name(x))):
             raise UsageError(f"all_reduce: the mean of {backend.dtype_name(x)} is float64, "
                              "which out cannot hold; pass float arrays or omit out")
         if not backend.same_device(backend.device_of(out), self.device):
@@ -199,6 +200,10 @@ class Communicator:
                 f"{kind.label}: expected an array of backend {backend.name!r}, got "
                 f"{type(x).__name__}; convert it first (the backend is set in CollectiveConfig)"
             )
+        byteorder = getattr(x, "dtype", None)
+        if isinstance(byteorder, np.dtype) and not byteorder.isnative:
+            # the wire carries native-order elements: convert (a copy), as NumPy would
+            x = x.astype(byteorder.newbyteorder("="))  # type: ignore[union-attr]
         dtype = backend.dtype_name(x)
         if dtype not in DTYPE_CODES:
             raise UsageError(

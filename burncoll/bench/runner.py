@@ -31,7 +31,7 @@ import numpy as np
 from burncoll.api import Communicator, register
 from burncoll.backends import get_backend
 from burncoll.backends.base import Array, Backend
-from burncoll.backends.dtypes import dtype_from_name
+from burncoll.backends.dtypes import dtype_from_name, is_inexact
 from burncoll.bench.check import ReferenceCache, count_wrong, element_counts, peer_input
 from burncoll.bench.options import REDUCING_OPS, ROOTED_OPS
 from burncoll.bench.results import Row, busbw_factor, median
@@ -160,7 +160,7 @@ def _operation(
     """The call to time, with its arguments bound."""
     if op == "all_reduce":
         backend = comm._backend
-        integer_mean = spec.redop == "mean" and "float" not in spec.dtype
+        integer_mean = spec.redop == "mean" and not is_inexact(dtype_from_name(spec.dtype))
         if spec.fresh_results or not backend.mutable or integer_mean:
             return lambda: comm.all_reduce(x, spec.redop)
         # as nccl-tests (out-of-place: separate send and receive buffers, both allocated once)

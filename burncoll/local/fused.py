@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from burncoll.backends.dtypes import is_inexact
 from burncoll.backends.numpy import NumpyBackend
 from burncoll.local.buffers import even_layout
 from burncoll.local.calls import Call
@@ -58,8 +59,8 @@ def wants_fused(server: LocalServer, calls: list[Call]) -> bool:
     if not all(isinstance(a, np.ndarray) for a in arrays):
         return False
     # MEAN of integers becomes float64: the general path does that conversion
-    return call.reduce_op is not ReduceOp.MEAN or bool(
-        np.issubdtype(arrays[0].dtype, np.inexact))  # type: ignore[union-attr]
+    return call.reduce_op is not ReduceOp.MEAN or is_inexact(
+        arrays[0].dtype)  # type: ignore[union-attr]
 
 
 def prepare_fused(server: LocalServer, state: OpState) -> None:
