@@ -24,7 +24,7 @@ INLINE_BYTES = 1 << 20
 #: Global all-reduces of at most this many bytes (per node) run as a one-round exchange under
 #: ``auto``: every node sends its array to every other node and reduces all of them itself
 #: (:mod:`burncoll.node.exchange`). Indexed by the number of nodes; larger worlds use the last.
-EXCHANGE_BYTES: dict[int, int] = {2: 1 << 20, 3: 256 << 10, 4: 128 << 10, 8: 32 << 10}
+EXCHANGE_BYTES: dict[int, int] = {2: 2 << 20, 3: 256 << 10, 4: 128 << 10, 8: 32 << 10}
 
 
 def exchange_limit(world: int) -> int:
