@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from burncoll.backends import get_backend
 from burncoll.backends.base import Array, Backend
-from burncoll.backends.dtypes import dtype_from_name
+from burncoll.backends.dtypes import dtype_from_name, is_inexact
 from burncoll.errors import UsageError
-from burncoll.ops import ReduceOp
+from burncoll.ops import ReduceOp, parse_reduce_op
 
 if TYPE_CHECKING:
     from burncoll.api import Communicator
@@ -221,7 +221,18 @@ def all_reduce_tree(
     not modified. Errors are those of ``Communicator.all_reduce``; a tree whose leaves are not
     arrays raises :class:`~burncoll.UsageError` before anything is sent.
     """
-    return _bucketed(comm, tree, bucket_bytes, lambda flat: comm.all_reduce(flat, op))
+    reduce_op = parse_reduce_op(op)
+    backend = get_backend(comm.config.backend)
+
+    def reduce(flat: Array, packed: bool) -> Array:
+        # a bucket packed from several leaves is ours: reduce it in place (no new result)
+        if packed and backend.mutable and (
+                reduce_op is not ReduceOp.MEAN or is_inexact(dtype_from_name(
+                    backend.dtype_name(flat)))):
+            return comm.all_reduce(flat, reduce_op, out=flat)
+        return comm.all_reduce(flat, reduce_op)
+
+    return _bucketed(comm, tree, bucket_bytes, reduce)
 
 
 def broadcast_tree(
@@ -233,12 +244,14 @@ def broadcast_tree(
     but their structure, dtypes and shapes must match the root's (they fix the bucket plan).
     The result's leaves are new arrays on this peer's device.
     """
-    return _bucketed(comm, tree, bucket_bytes, lambda flat: comm.broadcast(flat, root))
+    return _bucketed(comm, tree, bucket_bytes, lambda flat, _packed: comm.broadcast(flat, root))
 
 
 def _bucketed(
-    comm: Communicator, tree: T, bucket_bytes: int, collective: Callable[[Array], Array]
+    comm: Communicator, tree: T, bucket_bytes: int, collective: Callable[[Array, bool], Array]
 ) -> T:
+    """Run ``collective(flat, packed)`` per bucket; ``packed``: ``flat`` is a new array packed
+    from several leaves (the collective may overwrite it), not a view of the caller's leaf."""
     backend = get_backend(comm.config.backend)
     leaves, unflatten = flatten_tree(tree)
     specs = [_leaf_spec(backend, leaf, i) for i, leaf in enumerate(leaves)]
@@ -250,7 +263,7 @@ def _bucketed(
             continue
         flats = [backend.flatten(leaves[i]) for i in bucket.leaves]
         packed = flats[0] if len(flats) == 1 else backend.concat(flats)
-        result = collective(packed)
+        result = collective(packed, len(flats) > 1)
         if len(flats) == 1:
             out[bucket.leaves[0]] = backend.reshape(result, specs[bucket.leaves[0]].shape)
             continue

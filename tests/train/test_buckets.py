@@ -36,9 +36,9 @@ class CountingComm:
         self.device = comm.device
         self.calls = 0
 
-    def all_reduce(self, x: Any, op: Any = "sum") -> Any:
+    def all_reduce(self, x: Any, op: Any = "sum", *, out: Any = None) -> Any:
         self.calls += 1
-        return self._comm.all_reduce(x, op)
+        return self._comm.all_reduce(x, op, out=out)
 
     def broadcast(self, x: Any, root: int) -> Any:
         self.calls += 1
@@ -68,6 +68,8 @@ def test_all_reduce_tree_matches_numpy_and_keeps_structure(op: str) -> None:
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-6)
     assert all(bitwise_equal(r, out) for r in results)
+    # packed buckets are reduced in place, never the caller's leaves
+    assert all(bitwise_equal(t, rank_tree(r)) for r, t in enumerate(trees))
 
 
 def test_all_reduce_tree_mean_divides_by_world_size() -> None:
