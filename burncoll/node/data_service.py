@@ -200,6 +200,12 @@ class DataService:
             # the session's failure: this one as fail() worded it, or an earlier one
             raise self.mailbox.error or PeerLost(str(exc)) from exc
 
+    def send_now(self, node: int, parts: Sequence[Buffer]) -> bool:
+        """From any thread: send a small frame to ``node`` at once, without the event loop,
+        if its connection can (see ``Connection.send_now``); ``False``: use :meth:`send`."""
+        conn = self._out.get(node)
+        return conn is not None and conn.send_now(parts)
+
     async def tell_all(self, message: dict[str, Any], timeout: float = 1.0) -> None:
         """Best effort: send a CONTROL message to every other node, bounded in time."""
         frame = encode_control(message, self.session or 0)

@@ -9,7 +9,9 @@ schedule's "reduce once, then copy" guarantees. ``auto`` uses it up to
 :data:`~burncoll.strategies.auto.EXCHANGE_BYTES` per node.
 
 Frames are ordinary DATA frames (round 0, chunk 0, one part), so the mailbox matches them and
-compares every header with this node's call exactly as for a schedule.
+compares every header with this node's call exactly as for a schedule. The calling peer thread
+may send its frames itself (:func:`exchange_parts`, ``DataService.send_now``) before it hands
+the rest to the event loop: small messages then leave without waking the loop first.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from burncoll.ops import ReduceOp
 from burncoll.transport.wire import DataHeader, encode_data_header
 
 if TYPE_CHECKING:
+    from burncoll.node.data_service import DataService
     from burncoll.node.executor import GlobalExecutor
 
-__all__ = ["exchange_all_reduce"]
+__all__ = ["exchange_all_reduce", "exchange_parts"]
 
 _UFUNCS: dict[ReduceOp, Any] = {
     ReduceOp.SUM: np.add,
@@ -38,19 +41,28 @@ _UFUNCS: dict[ReduceOp, Any] = {
 }
 
 
-async def exchange_all_reduce(executor: GlobalExecutor, op: GlobalOp, buf: HostArray,
-                              out: HostArray, channel: int = 0) -> None:
-    """All-reduce ``buf`` (only read) into ``out`` among every node in one round."""
-    service = executor.service
-    me = executor.me
-    others = [n.index for n in service.nodes if n.index != me]
+def exchange_parts(service: DataService, op: GlobalOp, buf: HostArray,
+                   channel: int) -> list[bytes | memoryview]:
+    """The message this node sends every other node: a DATA header and ``buf``'s bytes."""
     raw = memoryview(np.ascontiguousarray(buf).view(np.uint8))  # type: ignore[arg-type]
     header = encode_data_header(DataHeader(
         session=service.session or 0, seq=op.seq, op_kind=op.kind, reduce_op=op.reduce_op,
-        dtype=op.dtype, shape=op.shape, root=op.root, src=me, round=0, channel=channel,
-        chunk=0, offset=0, chunk_bytes=raw.nbytes,
+        dtype=op.dtype, shape=op.shape, root=op.root, src=service.node_index, round=0,
+        channel=channel, chunk=0, offset=0, chunk_bytes=raw.nbytes,
     ), raw.nbytes)
-    sends = asyncio.gather(*(service.send(dst, [header, raw]) for dst in others))
+    return [header, raw]
+
+
+async def exchange_all_reduce(executor: GlobalExecutor, op: GlobalOp, buf: HostArray,
+                              out: HostArray, channel: int = 0,
+                              sent_to: frozenset[int] = frozenset()) -> None:
+    """All-reduce ``buf`` (only read) into ``out`` among every node in one round; the nodes
+    in ``sent_to`` already have this node's message."""
+    service = executor.service
+    me = executor.me
+    others = [n.index for n in service.nodes if n.index != me]
+    parts = exchange_parts(service, op, buf, channel)
+    sends = asyncio.gather(*(service.send(dst, parts) for dst in others if dst not in sent_to))
     received = await _receive_all(executor, op, buf, channel, others)
     await sends
     ufunc = _UFUNCS[op.reduce_op or ReduceOp.SUM]

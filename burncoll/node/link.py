@@ -21,7 +21,7 @@ from burncoll.errors import CollectiveError, CollectiveTimeout, PeerLost
 from burncoll.local.buffers import even_layout
 from burncoll.local.link import GlobalOp, HostArray
 from burncoll.node.data_service import DataService
-from burncoll.node.exchange import exchange_all_reduce
+from burncoll.node.exchange import exchange_all_reduce, exchange_parts
 from burncoll.node.executor import GlobalExecutor
 from burncoll.node.loop import IoLoop
 from burncoll.node.orchestrator_client import OrchestratorClient
@@ -175,14 +175,26 @@ class NodeLink:
         return (isinstance(self.config.strategy("global_all_reduce_strategy"), Auto)
                 and self.num_nodes > 1 and nbytes <= exchange_limit(self.num_nodes))
 
-    async def _exchange(self, op: GlobalOp, buf: HostArray, out: HostArray,
-                        channel: int) -> None:
+    def _exchange(self, op: GlobalOp, buf: HostArray, out: HostArray, channel: int) -> None:
+        """The exchange, from the calling peer thread: it sends its message itself where the
+        connection allows (no event-loop wake-up before the bytes leave), then the loop sends
+        the rest, collects the other nodes' messages and reduces."""
+        service = self._service
+        sent_to: frozenset[int] = frozenset()
+        if service.mailbox.error is None:
+            parts = exchange_parts(service, op, buf, channel)
+            sent_to = frozenset(n.index for n in self.nodes if n.index != self.node_index
+                                and service.send_now(n.index, parts))
+        self._call(op, self._exchange_rest(op, buf, out, channel, sent_to))
+
+    async def _exchange_rest(self, op: GlobalOp, buf: HostArray, out: HostArray, channel: int,
+                             sent_to: frozenset[int]) -> None:
         mailbox = self._service.mailbox
         if mailbox.error is not None:
             raise mailbox.error
         mailbox.expect(op.seq, self._executor.checker(op))
         try:
-            await exchange_all_reduce(self._executor, op, buf, out, channel)
+            await exchange_all_reduce(self._executor, op, buf, out, channel, sent_to=sent_to)
         finally:
             mailbox.done(op.seq)
 
@@ -192,7 +204,7 @@ class NodeLink:
             if out is not None:
                 _check_out(buf, out)
             result = np.empty_like(buf) if out is None else out
-            self._call(op, self._exchange(op, buf, result, channel))
+            self._exchange(op, buf, result, channel)
             if out is None:
                 buf[...] = result
             return
@@ -247,7 +259,7 @@ class NodeLink:
     def barrier(self, op: GlobalOp) -> None:
         if self._exchanges(0):  # one round, and every node leaves it at about the same time
             empty = np.empty(0, np.uint8)
-            self._call(op, self._exchange(op, empty, np.empty(0, np.uint8), 0))
+            self._exchange(op, empty, np.empty(0, np.uint8), 0)
             return
         schedule = self._schedule("global_all_reduce_strategy", "all_reduce")
         chunks: list[HostArray | None] = [

@@ -73,6 +73,12 @@ class Connection(abc.ABC):
     async def close(self) -> None:
         """Close the connection; idempotent. Pending ``recv`` calls raise TransportError."""
 
+    def send_now(self, parts: Sequence[Buffer]) -> bool:
+        """From any thread: send a small message at once, bypassing the event loop, and
+        return ``True``; or do nothing and return ``False`` when this connection cannot
+        (the default), and the caller uses :meth:`send` on the loop."""
+        return False
+
     def limit_incoming(self, max_bytes: int | None) -> None:
         """From the next message on, refuse incoming messages over ``max_bytes`` (``None``:
         back to the transport's own limit). Used while a stranger is not yet authenticated, so

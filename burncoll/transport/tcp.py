@@ -129,6 +129,10 @@ class StreamProtocol(asyncio.BufferedProtocol):
         """The bytes that go before a message of ``size`` bytes."""
         raise NotImplementedError
 
+    def sends_plain(self) -> bool:
+        """Whether a message goes out as ``frame_header`` plus its bytes, unchanged."""
+        return True
+
     # -- asyncio callbacks -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -344,6 +348,18 @@ class StreamConnection(Connection):
         self.close_timeout = close_timeout
         self._closing = False
         self._max_message_bytes = protocol.max_message_bytes
+
+    def send_now(self, parts: Sequence[Buffer]) -> bool:
+        protocol = self._protocol
+        writer = protocol._writer
+        if writer is None or self._closing or protocol.error is not None or not (
+                protocol.sends_plain()):
+            return False
+        views = [byte_view(p) for p in parts]
+        total = sum(len(v) for v in views)
+        if total > JOIN_BYTES:
+            return False  # a large message waits on the loop until it is sent
+        return writer.write_now(b"".join([protocol.frame_header(total), *views]))
 
     def limit_incoming(self, max_bytes: int | None) -> None:
         self._protocol.max_message_bytes = (
