@@ -36,7 +36,7 @@ from burncoll.errors import (
 from burncoll.node.mailbox import Mailbox
 from burncoll.transport.auth import authenticate_client, authenticate_server
 from burncoll.transport.base import Buffer, Connection, Listener, Transport
-from burncoll.transport.wire import FrameType, decode, encode_control
+from burncoll.transport.wire import FrameType, decode, encode_control, peek_part
 
 __all__ = ["DataService", "NodeInfo", "error_from_abort"]
 
@@ -166,6 +166,7 @@ class DataService:
                         {"type": "hello", "node": self.node_index, "session": self.session},
                         self.session or 0)])
                 self._dialed[node.index] = conn
+                conn.place_with(self._place)
                 reader = asyncio.get_running_loop().create_task(self._read(conn, node.index))
                 self._readers.add(reader)
                 reader.add_done_callback(self._readers.discard)
@@ -180,6 +181,16 @@ class DataService:
                     ) from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
+
+    def _place(self, first: memoryview, size: int) -> tuple[int, memoryview] | None:
+        """A member's large DATA message is arriving: the memory its receiver made ready for
+        it (:meth:`Mailbox.land`), or ``None`` to receive it into a buffer of its own."""
+        peek = peek_part(first)
+        if peek is None or peek.session != self.session or (
+                peek.header_len + peek.payload_len != size):
+            return None
+        memory = self.mailbox.landing(peek.key, peek.offset, peek.payload_len)
+        return None if memory is None else (peek.header_len, memory)
 
     async def send(self, node: int, parts: Sequence[Buffer]) -> None:
         """Send one frame to ``node``; a broken connection fails the session (PeerLost)."""
@@ -242,6 +253,7 @@ class DataService:
             return
         self._out[node] = conn
         self._send_locks[node] = asyncio.Lock()
+        conn.place_with(self._place)
         self._check_all_out()
         await self._read(conn, node)
 

@@ -23,6 +23,7 @@ from burncoll.backends.dtypes import dtype_from_name
 from burncoll.errors import CollectiveError, CollectiveTimeout, MismatchError
 from burncoll.local.link import GlobalOp, HostArray
 from burncoll.node.data_service import DataService
+from burncoll.node.mailbox import FrameKey
 from burncoll.ops import OpKind, ReduceOp
 from burncoll.strategies import Action, Schedule, Step
 from burncoll.transport.wire import DataHeader, encode_data_header
@@ -31,6 +32,9 @@ __all__ = ["PART_BYTES", "GlobalExecutor"]
 
 #: Largest payload of one frame; bigger chunks travel in several parts.
 PART_BYTES = 4 << 20
+#: Parts received straight into their place must be larger than this (smaller ones are
+#: parsed out of the transport's scratch buffer and copied).
+_PLACE_MIN_BYTES = 64 << 10
 
 _UFUNCS: dict[ReduceOp, Any] = {
     ReduceOp.SUM: np.add,
@@ -207,8 +211,11 @@ class GlobalExecutor:
             step.action is Action.REDUCE and op.reduce_op is not None) else None
         mailbox = self.service.mailbox
         while got < total or total < 0:
+            landed = await self._make_room(key, step, target, ufunc is None, got, pipe, slot)
             frame = await mailbox.get(
                 key, op.deadline, lambda: self.timeout_error(op, step.src, r))
+            if landed:
+                mailbox.unland(key, got)  # unused if the part came before the room was made
             h = frame.header
             if h is None:  # pragma: no cover - the mailbox holds DATA frames only
                 continue
@@ -239,8 +246,8 @@ class GlobalExecutor:
                 await pipe.ready(step.chunk, slot, h.offset + size)
             if ufunc is not None:
                 ufunc(source[start:start + incoming.size], incoming, out=region)
-            else:
-                region[...] = incoming
+            elif not (frame.placed and h.offset == got):
+                region[...] = incoming  # (a placed part is there already)
             got += size
             if pipe is not None:
                 pipe.advance(step.chunk, slot, h.offset + size)
@@ -248,6 +255,22 @@ class GlobalExecutor:
                 break
         if pipe is not None:
             pipe.finish(step.chunk, slot)
+
+    async def _make_room(self, key: FrameKey, step: Step, target: HostArray | None,
+                         copy: bool, got: int, pipe: _Pipeline | None, slot: int) -> bool:
+        """Let the next part of a COPY step be received straight into its place in ``target``
+        (no copy out of a receive buffer): once every earlier step on those bytes is done with
+        them, tell the mailbox where the part goes. ``True`` if room was made."""
+        if not copy or target is None or got >= target.nbytes:
+            return False
+        end = min(got + PART_BYTES, target.nbytes)
+        if end - got <= _PLACE_MIN_BYTES:
+            return False  # small parts are read into the transport's scratch buffer anyway
+        if pipe is not None:
+            await pipe.ready(step.chunk, slot, end)
+        raw = memoryview(target.view(np.uint8)).cast("B")  # type: ignore[arg-type]
+        self.service.mailbox.land(key, got, raw[got:end])
+        return True
 
     def _prepare_target(self, op: GlobalOp, step: Step, chunks: list[HostArray | None],
                         h: DataHeader, total: int) -> HostArray:

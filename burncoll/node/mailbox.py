@@ -54,6 +54,25 @@ class Mailbox:
         self.current_started = 0.0
         #: How many channels of each operation are running here (``expect`` minus ``done``).
         self._active: dict[int, int] = {}
+        #: Memory a receiver has made ready for a part not yet arrived: ``(key, offset)`` ->
+        #: the part's final place (the transport may read the payload straight into it).
+        self._landing: dict[tuple[FrameKey, int], memoryview] = {}
+
+    def land(self, key: FrameKey, offset: int, memory: memoryview) -> None:
+        """The part ``(key, offset)`` may be received straight into ``memory``."""
+        self._landing[(key, offset)] = memory
+
+    def unland(self, key: FrameKey, offset: int) -> None:
+        self._landing.pop((key, offset), None)
+
+    def landing(self, key: FrameKey, offset: int, size: int) -> memoryview | None:
+        """Where the arriving part ``(key, offset)`` of ``size`` bytes goes, if its receiver
+        made room for it (given out once)."""
+        memory = self._landing.get((key, offset))
+        if memory is None or len(memory) != size or self._error is not None:
+            return None
+        del self._landing[(key, offset)]
+        return memory
 
     @property
     def error(self) -> BaseException | None:
@@ -91,6 +110,8 @@ class Mailbox:
             return
         self._active.pop(seq, None)
         self._checks.pop(seq, None)
+        for stale in [k for k in self._landing if k[0][0] <= seq]:
+            del self._landing[stale]
 
     def _check(self, frame: Frame) -> None:
         header = frame.header
@@ -156,6 +177,7 @@ class Mailbox:
             return
         self._error = error
         self._frames.clear()
+        self._landing.clear()
         for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_exception(error)

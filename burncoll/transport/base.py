@@ -16,6 +16,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from burncoll.transport.wire import Placed
+
 __all__ = [
     "Buffer",
     "Connection",
@@ -61,8 +63,9 @@ class Connection(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def recv(self) -> Buffer:
-        """Receive the next whole message.
+    async def recv(self) -> Buffer | Placed:
+        """Receive the next whole message (a :class:`~burncoll.transport.wire.Placed` only
+        after :meth:`place_with`).
 
         Raises :class:`~burncoll.TransportError` when the connection closes (cleanly or not)
         before a message arrives, and :class:`~burncoll.ProtocolError` for a message over the
@@ -78,6 +81,13 @@ class Connection(abc.ABC):
         return ``True``; or do nothing and return ``False`` when this connection cannot
         (the default), and the caller uses :meth:`send` on the loop."""
         return False
+
+    def place_with(self, placer: Callable[[memoryview, int], tuple[int, memoryview] | None]
+                   ) -> None:
+        """Let ``placer(first_bytes, size)`` choose where a large incoming message's payload
+        is received (see ``StreamProtocol.expect_payload``); transports that cannot ignore it.
+        """
+        return None
 
     def limit_incoming(self, max_bytes: int | None) -> None:
         """From the next message on, refuse incoming messages over ``max_bytes`` (``None``:

@@ -45,7 +45,7 @@ from burncoll.transport.base import (
     byte_view,
     format_address,
 )
-from burncoll.transport.wire import DEFAULT_MAX_MESSAGE_BYTES, LENGTH_PREFIX_BYTES
+from burncoll.transport.wire import DEFAULT_MAX_MESSAGE_BYTES, LENGTH_PREFIX_BYTES, Placed
 from burncoll.transport.writer import SocketWriter
 
 __all__ = [
@@ -104,7 +104,9 @@ class StreamProtocol(asyncio.BufferedProtocol):
         self._direct: memoryview | None = None  # where the current large payload goes
         self._direct_filled = 0
         self._direct_done: Callable[[memoryview], None] | None = None
-        self._messages: deque[Buffer] = deque()
+        self._messages: deque[Buffer | Placed] = deque()
+        #: Chooses where a large message's payload is received (see :meth:`expect_payload`).
+        self.placer: Callable[[memoryview, int], tuple[int, memoryview] | None] | None = None
         self._queued = 0
         self._reading_paused = False
         self._recv_waiter: asyncio.Future[None] | None = None
@@ -187,17 +189,36 @@ class StreamProtocol(asyncio.BufferedProtocol):
         self._start, self._end = 0, left
 
     def expect_payload(self, size: int, have: memoryview,
-                       done: Callable[[memoryview], None]) -> None:
+                       done: Callable[[memoryview], None], message: bool = True) -> None:
         """Receive a payload of ``size`` bytes, of which ``have`` arrived, into its own buffer;
-        ``done(buffer)`` is called once it is complete."""
+        ``done(buffer)`` is called once it is complete.
+
+        ``message``: the payload is a whole message. Then :attr:`placer`, when set, may name
+        where its bytes go: ``placer(have, size)`` returns ``(head, destination)`` -- the
+        message's first ``head`` bytes (all in ``have``) are kept apart and the rest is read
+        straight into ``destination`` -- and the message is delivered as a
+        :class:`~burncoll.transport.wire.Placed`.
+        """
+        if message and self.placer is not None:
+            placement = self.placer(have, size)
+            if placement is not None:
+                head_size, destination = placement
+                head = bytes(have[:head_size])
+                self._receive_into(destination, have[head_size:],
+                                   lambda filled: self.deliver(Placed(head, filled)))
+                return
         buffer = memoryview(np.empty(size, dtype=np.uint8)).cast("B")  # type: ignore[arg-type]
+        self._receive_into(buffer, have, done)
+
+    def _receive_into(self, buffer: memoryview, have: memoryview,
+                      done: Callable[[memoryview], None]) -> None:
         buffer[:len(have)] = have
-        if len(have) == size:
+        if len(have) == len(buffer):
             done(buffer)
             return
         self._direct, self._direct_filled, self._direct_done = buffer, len(have), done
 
-    def deliver(self, message: Buffer) -> None:
+    def deliver(self, message: Buffer | Placed) -> None:
         """A whole message: hand it to ``recv``."""
         self._messages.append(message)
         self._queued += len(message)
@@ -253,7 +274,7 @@ class StreamProtocol(asyncio.BufferedProtocol):
             self.transport.abort()
 
     # -- used by the connection -------------------------------------------------------------------
-    async def next_message(self) -> Buffer:
+    async def next_message(self) -> Buffer | Placed:
         while not self._messages:
             if self.error is not None:
                 raise self.error
@@ -381,8 +402,12 @@ class StreamConnection(Connection):
             raise TransportError(f"sending to {self.remote} failed: {exc}") from exc
         await protocol.wait_sent(offset)
 
-    async def recv(self) -> Buffer:
+    async def recv(self) -> Buffer | Placed:
         return await self._protocol.next_message()
+
+    def place_with(self, placer: Callable[[memoryview, int], tuple[int, memoryview] | None]
+                   ) -> None:
+        self._protocol.placer = placer
 
     def goodbye(self) -> None:
         """Called once before the transport closes (a WebSocket sends its close frame)."""

@@ -257,7 +257,8 @@ class WebSocketProtocol(StreamProtocol):
         if size <= JOIN_BYTES:
             return 0  # a small frame: wait until it is all in the scratch buffer
         self.expect_payload(size, body,
-                            lambda payload: self._data(opcode, bool(fin), payload, key))
+                            lambda payload: self._data(opcode, bool(fin), payload, key),
+                            message=key is None and bool(fin) and self._fragments is None)
         return len(view)
 
     def _check_frame(self, rsv: int, opcode: int, masked: bool, fin: bool, size: int) -> None:

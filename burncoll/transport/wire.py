@@ -131,6 +131,48 @@ class Frame:
     header: DataHeader | None
     payload: memoryview
     control: dict[str, Any] | None
+    #: The payload was received straight into the memory its receiver registered for it.
+    placed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """A DATA message as a transport delivers it when the payload was received straight into
+    its destination (see ``StreamProtocol.placer``): the header bytes, and the destination."""
+
+    head: bytes
+    payload: memoryview
+
+    def __len__(self) -> int:
+        return len(self.head) + len(self.payload)
+
+
+@dataclass(frozen=True, slots=True)
+class PartPeek:
+    """What a DATA message's first bytes say about where its payload belongs."""
+
+    header_len: int
+    session: int
+    #: ``(seq, channel, round, src, chunk)``, as the mailbox keys frames.
+    key: tuple[int, int, int, int, int]
+    offset: int
+    payload_len: int
+
+
+def peek_part(first: memoryview) -> PartPeek | None:
+    """The routing fields of the DATA message starting with ``first``; ``None`` when
+    ``first`` does not hold its whole header, or is not a DATA frame of this wire version
+    (:func:`decode` then says what is wrong, once the message is whole)."""
+    if len(first) < FIXED_HEADER_BYTES:
+        return None
+    (magic, version, frame_type, session, seq, _op, _reduce, _dtype, ndim, _root, src,
+     round_, channel, chunk, offset, _chunk_bytes, payload_len) = _FIXED.unpack_from(first)
+    if magic != MAGIC or version != WIRE_VERSION or frame_type != FrameType.DATA or (
+            ndim > MAX_NDIM) or len(first) < FIXED_HEADER_BYTES + 8 * ndim:
+        return None
+    return PartPeek(FIXED_HEADER_BYTES + 8 * int(ndim), int(session),
+                    (int(seq), int(channel), int(round_), int(src), int(chunk)), int(offset),
+                    int(payload_len))
 
 
 def encode_data_header(h: DataHeader, payload_len: int) -> bytes:
@@ -171,9 +213,15 @@ def encode_control(message: dict[str, Any], session: int = 0) -> bytes:
     return fixed + body
 
 
-def decode(message: bytes | bytearray | memoryview) -> Frame:
+def decode(message: bytes | bytearray | memoryview | Placed) -> Frame:
     """Decode one whole message. Raises :class:`ProtocolError` saying what is wrong."""
-    view = memoryview(message).cast("B")
+    if isinstance(message, Placed):
+        return _decode(memoryview(message.head), message.payload)
+    return _decode(memoryview(message).cast("B"), None)
+
+
+def _decode(view: memoryview, placed: memoryview | None) -> Frame:
+    """``view``: the whole message, or only its header when the payload is ``placed``."""
     if len(view) < FIXED_HEADER_BYTES:
         raise ProtocolError(f"frame of {len(view)} bytes is shorter than the header")
     (magic, version, frame_type, session, seq, op_kind, reduce_op, dtype, ndim, root, src,
@@ -185,11 +233,12 @@ def decode(message: bytes | bytearray | memoryview) -> Frame:
     if ndim > MAX_NDIM:
         raise ProtocolError(f"ndim {ndim} exceeds {MAX_NDIM}")
     header_len = FIXED_HEADER_BYTES + 8 * ndim
-    if len(view) != header_len + payload_len:
+    size = len(view) + (len(placed) if placed is not None else 0)
+    if size != header_len + payload_len or (placed is not None and len(view) != header_len):
         raise ProtocolError(
-            f"frame is {len(view)} bytes but its header announces {header_len + payload_len}"
+            f"frame is {size} bytes but its header announces {header_len + payload_len}"
         )
-    payload = view[header_len:]
+    payload = view[header_len:] if placed is None else placed
     if frame_type == FrameType.CONTROL:
         return Frame(FrameType.CONTROL, None, payload, decode_control(payload))
     if frame_type != FrameType.DATA:
@@ -220,7 +269,7 @@ def decode(message: bytes | bytearray | memoryview) -> Frame:
         offset=offset,
         chunk_bytes=chunk_bytes,
     )
-    return Frame(FrameType.DATA, header, payload, None)
+    return Frame(FrameType.DATA, header, payload, None, placed is not None)
 
 
 def decode_control(payload: memoryview) -> dict[str, Any]:

@@ -1,0 +1,84 @@
+"""Receiving a large message's payload straight into memory its receiver chose (``place_with``).
+
+The data service uses it to land all-gathered parts in the result array; here the placer is
+a plain function, so the transport's side is tested alone: the kept head, the landed bytes,
+the fallback when the placer declines, and no placement for masked WebSocket frames (their
+bytes must be unmasked, so they are received into a buffer of their own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from burncoll.errors import ProtocolError
+from burncoll.transport.wire import Placed, decode, encode_control, peek_part
+from tests.transport.support import ALL_TRANSPORTS, MakeTransport, connected, run
+
+SIZE = 1 << 20
+HEAD = 24
+
+
+@pytest.mark.parametrize("make", [ALL_TRANSPORTS[0], ALL_TRANSPORTS[3]])
+def test_a_placed_payload_lands_in_the_chosen_memory(make: MakeTransport) -> None:
+    async def body() -> None:
+        async with connected(make()) as (client, server, _):
+            landing = np.zeros(SIZE - HEAD, np.uint8)
+            asked: list[int] = []
+
+            def placer(first: memoryview, size: int) -> tuple[int, memoryview] | None:
+                asked.append(size)
+                if len(asked) == 2:
+                    return None  # declined: the message gets a buffer of its own
+                return HEAD, memoryview(landing)
+
+            client.place_with(placer)
+            messages = [os.urandom(SIZE) for _ in range(2)]
+            for m in messages:
+                await server.send([m[:1000], m[1000:]])  # server -> client: plain frames
+            first = await asyncio.wait_for(client.recv(), 10)
+            assert isinstance(first, Placed)
+            assert first.head == messages[0][:HEAD]
+            assert bytes(landing) == messages[0][HEAD:]
+            second = await asyncio.wait_for(client.recv(), 10)
+            assert not isinstance(second, Placed) and bytes(second) == messages[1]
+            assert asked == [SIZE, SIZE]
+
+    run(body())
+
+
+def test_masked_websocket_frames_are_never_placed() -> None:
+    async def body() -> None:
+        async with connected(ALL_TRANSPORTS[0].values[0]()) as (client, server, _):
+            server.place_with(lambda first, size: pytest.fail("a masked frame was placed"))
+            message = os.urandom(SIZE)
+            await client.send([message])  # client -> server: masked
+            got = await asyncio.wait_for(server.recv(), 10)
+            assert not isinstance(got, Placed) and bytes(got) == message
+
+    run(body())
+
+
+def test_a_placed_message_decodes_like_a_whole_one() -> None:
+    from burncoll.ops import OpKind, ReduceOp
+    from burncoll.transport.wire import DataHeader, encode_data_header
+
+    payload = np.arange(10, dtype=np.float32)
+    header = DataHeader(session=7, seq=3, op_kind=OpKind.ALL_REDUCE, reduce_op=ReduceOp.SUM,
+                        dtype="float32", shape=(10,), root=-1, src=1, round=2, channel=0,
+                        chunk=1, offset=0, chunk_bytes=40)
+    head = encode_data_header(header, 40)
+    whole = decode(head + payload.tobytes())
+    placed = decode(Placed(head, memoryview(payload.view(np.uint8))))
+    assert placed.header == whole.header and placed.placed and not whole.placed
+    assert bytes(placed.payload) == bytes(whole.payload)
+    peek = peek_part(memoryview(head + b"xx"))
+    assert peek is not None and peek.key == (3, 0, 2, 1, 1) and peek.payload_len == 40
+    assert peek.header_len == len(head) and peek.session == 7
+    assert peek_part(memoryview(encode_control({"type": "bye"}))) is None
+    assert peek_part(memoryview(head[:30])) is None
+    with pytest.raises(ProtocolError, match="announces"):
+        decode(Placed(head, memoryview(b"short")))
