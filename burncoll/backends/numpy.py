@@ -20,8 +20,9 @@ from burncoll.backends import _checks
 from burncoll.backends.base import Array, Backend
 from burncoll.backends.dtypes import dtype_from_name, dtype_name, host_view, is_inexact
 from burncoll.errors import UsageError
+from burncoll.ops import ReduceOp
 
-__all__ = ["CpuDevice", "NumpyBackend"]
+__all__ = ["CpuDevice", "NumpyBackend", "host_ufunc"]
 
 NDArray = np.ndarray[Any, Any]
 
@@ -186,3 +187,17 @@ def _check_device(device: object) -> None:
 
 if TYPE_CHECKING:  # mypy checks that the class satisfies the protocol
     _conforms: Backend = NumpyBackend()
+
+
+_HOST_UFUNCS: dict[ReduceOp, Any] = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.MEAN: np.add,  # the division by the peer count comes after
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.PROD: np.multiply,
+}
+
+
+def host_ufunc(op: ReduceOp) -> Any:
+    """The NumPy ufunc that combines two host arrays element-wise for ``op`` (MEAN sums)."""
+    return _HOST_UFUNCS[op]

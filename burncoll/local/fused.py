@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from burncoll.backends.dtypes import is_inexact
-from burncoll.backends.numpy import NumpyBackend
+from burncoll.backends.numpy import NumpyBackend, host_ufunc
 from burncoll.local.buffers import even_layout
 from burncoll.local.calls import Call
 from burncoll.ops import OpKind, ReduceOp
@@ -35,15 +35,6 @@ __all__ = ["BLOCK_BYTES", "prepare_fused", "run_fused", "wants_fused"]
 
 #: Elements are reduced and copied in blocks of about this size (fits a core's L2 cache).
 BLOCK_BYTES = 256 << 10
-
-_UFUNCS: dict[ReduceOp, Any] = {
-    ReduceOp.SUM: np.add,
-    ReduceOp.MEAN: np.add,
-    ReduceOp.MAX: np.maximum,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.PROD: np.multiply,
-}
-
 
 def wants_fused(server: LocalServer, calls: list[Call]) -> bool:
     """True for a one-node all-reduce of host arrays under ``auto`` (the caller has ruled
@@ -85,7 +76,7 @@ def run_fused(server: LocalServer, state: OpState, index: int, deadline: float,
     inputs, outputs = state.shared["fused"]
     start, stop = even_layout(inputs[0].size, server.size)[index]
     op = call.reduce_op or ReduceOp.SUM
-    ufunc = _UFUNCS[op]
+    ufunc = host_ufunc(op)
     step = max(1, BLOCK_BYTES // inputs[0].itemsize)
     first, rest = outputs[0], outputs[1:]
     for a in range(start, stop, step):

@@ -17,11 +17,12 @@ the rest to the event loop: small messages then leave without waking the loop fi
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from burncoll.backends.dtypes import dtype_from_name
+from burncoll.backends.numpy import host_ufunc
 from burncoll.local.link import GlobalOp, HostArray
 from burncoll.ops import ReduceOp
 from burncoll.transport.wire import DataHeader, encode_data_header
@@ -31,15 +32,6 @@ if TYPE_CHECKING:
     from burncoll.node.executor import GlobalExecutor
 
 __all__ = ["exchange_all_reduce", "exchange_parts"]
-
-_UFUNCS: dict[ReduceOp, Any] = {
-    ReduceOp.SUM: np.add,
-    ReduceOp.MEAN: np.add,  # the division comes after, as for every strategy
-    ReduceOp.MAX: np.maximum,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.PROD: np.multiply,
-}
-
 
 def exchange_parts(service: DataService, op: GlobalOp, buf: HostArray,
                    channel: int) -> list[bytes | memoryview]:
@@ -65,7 +57,7 @@ async def exchange_all_reduce(executor: GlobalExecutor, op: GlobalOp, buf: HostA
     sends = asyncio.gather(*(service.send(dst, parts) for dst in others if dst not in sent_to))
     received = await _receive_all(executor, op, buf, channel, others)
     await sends
-    ufunc = _UFUNCS[op.reduce_op or ReduceOp.SUM]
+    ufunc = host_ufunc(op.reduce_op or ReduceOp.SUM)
     operands = [buf if i == me else received[i] for i in range(len(service.nodes))]
     if len(operands) == 1:
         out[...] = buf

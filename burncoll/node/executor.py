@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from burncoll.backends.dtypes import dtype_from_name
+from burncoll.backends.numpy import host_ufunc
 from burncoll.errors import CollectiveError, CollectiveTimeout, MismatchError
 from burncoll.local.link import GlobalOp, HostArray
 from burncoll.node.data_service import DataService
@@ -35,15 +36,6 @@ PART_BYTES = 4 << 20
 #: Parts received straight into their place must be larger than this (smaller ones are
 #: parsed out of the transport's scratch buffer and copied).
 _PLACE_MIN_BYTES = 64 << 10
-
-_UFUNCS: dict[ReduceOp, Any] = {
-    ReduceOp.SUM: np.add,
-    ReduceOp.MEAN: np.add,
-    ReduceOp.MAX: np.maximum,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.PROD: np.multiply,
-}
-
 
 def describe_fingerprint(kind: OpKind, reduce_op: ReduceOp | None, dtype: str | None,
                          shape: tuple[int, ...], root: int) -> str:
@@ -207,7 +199,7 @@ class GlobalExecutor:
         target = write[step.chunk]
         source = read[step.chunk]
         dtype: Any = None
-        ufunc = _UFUNCS[op.reduce_op] if (
+        ufunc = host_ufunc(op.reduce_op) if (
             step.action is Action.REDUCE and op.reduce_op is not None) else None
         mailbox = self.service.mailbox
         while got < total or total < 0:
