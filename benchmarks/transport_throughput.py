@@ -5,11 +5,13 @@ For each case a receiver process listens on 127.0.0.1; this process connects, se
 acknowledgement that it holds them all, whole. A round's throughput is payload bytes over
 that time; the table shows the median (and range) of ``--rounds`` rounds after one warm-up.
 
-Cases: burncoll's WebSocket and QUIC transports; a bare aioquic stream (aioquic's own
-``StreamReader``/``StreamWriter`` adapters) with the same datagram size and flow-control
-windows but default UDP socket buffers; and plain asyncio TCP streams, one ``readexactly`` per
-message (the simplest Python baseline: it copies each 16 MiB message whole, where the
-WebSocket transport moves 1 MiB frames, so it is not a ceiling). The two ends are pinned to
+Cases: burncoll's WebSocket, QUIC and TCP transports; "websocket (server sends)", where the
+listening side sends and this process times what it receives -- the direction burncoll's
+nodes send arrays in (server frames are not masked; a client must mask every frame, which
+"websocket" pays for); a bare aioquic stream (aioquic's own ``StreamReader``/``StreamWriter``
+adapters) with the same datagram size and flow-control windows but default UDP socket
+buffers; and plain asyncio TCP streams, one ``readexactly`` per message (the simplest Python
+baseline: it copies each 16 MiB message whole, so it is not a ceiling). The two ends are pinned to
 different CPUs when there are two; loopback TCP results still vary from run to run.
 
     python benchmarks/transport_throughput.py [--size MiB] [--messages N] [--rounds N]
@@ -64,6 +66,40 @@ async def _burncoll_sender(name: str, port: int, payload: bytes, messages: int) 
         for _ in range(messages):
             await conn.send([header, payload])
         await conn.recv()
+
+    return one_round, conn.close
+
+
+async def _burncoll_server_sender(messages: int, rounds: int, pipe: Pipe,
+                                  payload: bytes) -> None:
+    """The listening side sends, as a burncoll node does to the node that dialed it."""
+    from burncoll.transport import get_transport
+
+    done = asyncio.Event()
+    header = bytes(68)
+
+    async def handler(conn: Any) -> None:
+        for _ in range(rounds):
+            await conn.recv()  # go
+            for _ in range(messages):
+                await conn.send([header, payload])
+        done.set()
+
+    listener = await get_transport("websocket").listen(HOST, 0, handler)
+    pipe.send(listener.port)
+    await done.wait()
+    await listener.close()
+
+
+async def _burncoll_client_receiver(port: int, messages: int) -> Runner:
+    from burncoll.transport import get_transport
+
+    conn = await get_transport("websocket").connect(HOST, port)
+
+    async def one_round() -> None:
+        await conn.send([b"go"])
+        for _ in range(messages):
+            await conn.recv()
 
     return one_round, conn.close
 
@@ -183,7 +219,8 @@ async def _tcp_sender(port: int, payload: bytes, messages: int) -> Runner:
 # -- driver -----------------------------------------------------------------------------------
 
 Runner = tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]
-CASES = ["websocket", "quic", "aioquic (bare)", "asyncio TCP"]
+CASES = ["websocket", "websocket (server sends)", "tcp", "quic", "aioquic (bare)", "asyncio TCP"]
+_SERVER_SENDS = "websocket (server sends)"
 
 
 def _cpus() -> list[int]:
@@ -197,9 +234,12 @@ def _pin(cpu: int | None) -> None:
         os.sched_setaffinity(0, {cpu})
 
 
-def _receive(case: str, messages: int, rounds: int, pipe: Pipe, cpu: int | None) -> None:
+def _receive(case: str, messages: int, rounds: int, pipe: Pipe, cpu: int | None,
+             size: int = 0) -> None:
     _pin(cpu)
-    if case in ("websocket", "quic"):
+    if case == _SERVER_SENDS:
+        asyncio.run(_burncoll_server_sender(messages, rounds, pipe, os.urandom(size)))
+    elif case in ("websocket", "quic", "tcp"):
         asyncio.run(_burncoll_receiver(case, messages, rounds, pipe))
     elif case == "aioquic (bare)":
         asyncio.run(_aioquic_receiver(messages, rounds, pipe))
@@ -208,7 +248,9 @@ def _receive(case: str, messages: int, rounds: int, pipe: Pipe, cpu: int | None)
 
 
 async def _send(case: str, port: int, payload: bytes, messages: int, rounds: int) -> list[float]:
-    if case in ("websocket", "quic"):
+    if case == _SERVER_SENDS:
+        one_round, close = await _burncoll_client_receiver(port, messages)
+    elif case in ("websocket", "quic", "tcp"):
         one_round, close = await _burncoll_sender(case, port, payload, messages)
     elif case == "aioquic (bare)":
         one_round, close = await _aioquic_sender(port, payload, messages)
@@ -230,7 +272,7 @@ def measure(case: str, size: int, messages: int, rounds: int) -> list[float]:
     cpus = _cpus()
     sender_cpu, receiver_cpu = (cpus[0], cpus[1]) if len(cpus) >= 2 else (None, None)
     receiver = context.Process(
-        target=_receive, args=(case, messages, rounds + 1, theirs, receiver_cpu)
+        target=_receive, args=(case, messages, rounds + 1, theirs, receiver_cpu, size)
     )
     receiver.start()
     try:
@@ -260,11 +302,11 @@ def main() -> None:
         f"median of {args.rounds} rounds; sender and receiver in separate processes"
         + (", each on its own CPU" if len(_cpus()) >= 2 else ", sharing one CPU")
     )
-    print(f"{'transport':<16} {'median GB/s':>12} {'min':>8} {'max':>8}")
+    print(f"{'transport':<26} {'median GB/s':>12} {'min':>8} {'max':>8}")
     for case in args.cases:
         rates = measure(case, args.size * MiB, args.messages, args.rounds)
         median = statistics.median(rates)
-        print(f"{case:<16} {median:>12.3f} {min(rates):>8.3f} {max(rates):>8.3f}")
+        print(f"{case:<26} {median:>12.3f} {min(rates):>8.3f} {max(rates):>8.3f}")
 
 
 if __name__ == "__main__":
