@@ -172,9 +172,14 @@ class Communicator:
         if not backend.same_device(backend.device_of(out), self.device):
             raise UsageError(f"all_reduce: out is on {backend.device_of(out)}, not on this "
                              f"peer's device {self.device}")
-        flags = getattr(out, "flags", None)
-        if flags is not None and not (flags.writeable and flags.c_contiguous):
+        flags = getattr(out, "flags", None)  # CuPy's flags have no "writeable"
+        if flags is not None and not (getattr(flags, "writeable", True) and flags.c_contiguous):
             raise UsageError("all_reduce: out must be writable and C-contiguous")
+        out_dtype = getattr(out, "dtype", None)
+        if isinstance(out_dtype, np.dtype) and not out_dtype.isnative:
+            raise UsageError(f"all_reduce: out has non-native byte order ({out_dtype.str}); "
+                             "pass a native-order array (e.g. out.astype(out.dtype.newbyteorder"
+                             "('=')))")
         if out is not x and _overlap(x, out):
             raise UsageError("all_reduce: out overlaps x without being x; pass out=x to "
                              "reduce in place, or a separate array")

@@ -69,7 +69,7 @@ class CollectiveConfig:
     global_reduce_strategy: Strategy | str = field(default_factory=Auto)
     #: Global-level strategy for broadcast between nodes.
     global_broadcast_strategy: Strategy | str = field(default_factory=Auto)
-    #: Node-to-node transport: ``"websocket"`` or ``"quic"``.
+    #: Node-to-node transport: ``"websocket"``, ``"quic"`` or ``"tcp"``.
     transport: str = "websocket"
     #: Seconds any single wait may take (registration, each operation, finish).
     timeout: float = 60.0

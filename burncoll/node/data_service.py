@@ -398,6 +398,8 @@ class DataService:
         if tell and type(error) is PeerLost:
             error = PeerLost(self._explain_lost(str(error)))
         self.mailbox.fail(error)
+        for conn in [*self._out.values(), *self._dialed.values()]:
+            conn.stop_placing()  # the failed operation's memory is its caller's again
         self._failed.set()
         self.on_failure(error)
         if tell and self._out:

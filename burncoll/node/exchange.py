@@ -54,9 +54,17 @@ async def exchange_all_reduce(executor: GlobalExecutor, op: GlobalOp, buf: HostA
     me = executor.me
     others = [n.index for n in service.nodes if n.index != me]
     parts = exchange_parts(service, op, buf, channel)
-    sends = asyncio.gather(*(service.send(dst, parts) for dst in others if dst not in sent_to))
-    received = await _receive_all(executor, op, buf, channel, others)
-    await sends
+    sends = [asyncio.ensure_future(service.send(dst, parts))
+             for dst in others if dst not in sent_to]
+    try:
+        received = await _receive_all(executor, op, buf, channel, others)
+        await asyncio.gather(*sends)
+    finally:
+        for task in sends:
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled():
+                task.exception()  # retrieved: the session's failure is what is raised
     ufunc = host_ufunc(op.reduce_op or ReduceOp.SUM)
     operands = [buf if i == me else received[i] for i in range(len(service.nodes))]
     if len(operands) == 1:

@@ -89,6 +89,11 @@ class Connection(abc.ABC):
         """
         return None
 
+    def stop_placing(self) -> None:
+        """Undo :meth:`place_with`, and write nothing more into memory the placer chose
+        (a payload arriving now goes to a buffer of the transport's own)."""
+        return None
+
     def limit_incoming(self, max_bytes: int | None) -> None:
         """From the next message on, refuse incoming messages over ``max_bytes`` (``None``:
         back to the transport's own limit). Used while a stranger is not yet authenticated, so

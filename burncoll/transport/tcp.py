@@ -104,6 +104,7 @@ class StreamProtocol(asyncio.BufferedProtocol):
         self._direct: memoryview | None = None  # where the current large payload goes
         self._direct_filled = 0
         self._direct_done: Callable[[memoryview], None] | None = None
+        self._direct_placed = False  # _direct is memory a placer chose
         self._messages: deque[Buffer | Placed] = deque()
         #: Chooses where a large message's payload is received (see :meth:`expect_payload`).
         self.placer: Callable[[memoryview, int], tuple[int, memoryview] | None] | None = None
@@ -162,6 +163,7 @@ class StreamProtocol(asyncio.BufferedProtocol):
             if self._direct_filled == len(self._direct):
                 direct, done = self._direct, self._direct_done
                 self._direct, self._direct_done = None, None
+                self._direct_placed = False
                 assert done is not None
                 done(direct)
             return
@@ -206,9 +208,20 @@ class StreamProtocol(asyncio.BufferedProtocol):
                 head = bytes(have[:head_size])
                 self._receive_into(destination, have[head_size:],
                                    lambda filled: self.deliver(Placed(head, filled)))
+                self._direct_placed = self._direct is not None
                 return
         buffer = memoryview(np.empty(size, dtype=np.uint8)).cast("B")  # type: ignore[arg-type]
         self._receive_into(buffer, have, done)
+
+    def divert(self) -> None:
+        """Place nothing more, and stop filling memory a placer chose (its operation failed,
+        its owner may use it again): the rest of a payload in flight goes to a buffer of this
+        protocol's own."""
+        self.placer = None
+        if self._direct is not None and self._direct_placed:
+            spare = np.empty(len(self._direct), dtype=np.uint8)
+            self._direct = memoryview(spare).cast("B")  # type: ignore[arg-type]
+            self._direct_placed = False
 
     def _receive_into(self, buffer: memoryview, have: memoryview,
                       done: Callable[[memoryview], None]) -> None:
@@ -308,6 +321,12 @@ class StreamProtocol(asyncio.BufferedProtocol):
             if view:
                 transport.write(view)
         return None
+
+    def _write_backlog(self) -> int:
+        """Bytes written but not yet handed to the kernel."""
+        if self._writer is not None:
+            return self._writer.pending_bytes
+        return self.transport.get_write_buffer_size() if self.transport is not None else 0
 
     def _open_transport(self) -> asyncio.Transport:
         transport = self.transport
@@ -409,6 +428,9 @@ class StreamConnection(Connection):
                    ) -> None:
         self._protocol.placer = placer
 
+    def stop_placing(self) -> None:
+        self._protocol.divert()
+
     def goodbye(self) -> None:
         """Called once before the transport closes (a WebSocket sends its close frame)."""
 
@@ -433,15 +455,33 @@ class TcpProtocol(StreamProtocol):
     """Length-prefixed messages after a preamble from the client."""
 
     def __init__(self, max_message_bytes: int, server: bool,
-                 on_open: Callable[[TcpProtocol], None] | None = None) -> None:
+                 on_open: Callable[[TcpProtocol], None] | None = None,
+                 preamble_timeout: float = 10.0) -> None:
         super().__init__(max_message_bytes)
         self._await_preamble = server
         self._on_open = on_open
+        self._preamble_timeout = preamble_timeout
+        self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         if not self._await_preamble:
             self.write_bytes(PREAMBLE)
+        else:  # a stranger that says nothing is dropped, not held forever
+            self._timer = asyncio.get_running_loop().call_later(
+                self._preamble_timeout, self._silent)
+
+    def _silent(self) -> None:
+        if self._await_preamble and self.transport is not None:
+            logger.warning("dropped a connection from %s: no preamble within %g s",
+                           self.remote, self._preamble_timeout)
+            self.protocol_error(ProtocolError(
+                f"{self.remote} sent no preamble within {self._preamble_timeout:g} s"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        super().connection_lost(exc)
 
     def parse(self, view: memoryview) -> int:
         if self._await_preamble:
@@ -453,6 +493,8 @@ class TcpProtocol(StreamProtocol):
                 raise ProtocolError(
                     f"stream opened with {bytes(view[:len(PREAMBLE)])!r}: not a burncoll peer")
             self._await_preamble = False
+            if self._timer is not None:
+                self._timer.cancel()
             if self._on_open is not None:
                 self._on_open(self)
             return len(PREAMBLE)
@@ -577,7 +619,8 @@ class TcpTransport(Transport):
             listener.start(StreamConnection(protocol, self.close_timeout), handler)
 
         await listen_stream(
-            host, port, lambda: TcpProtocol(self.max_message_bytes, server=True, on_open=opened),
+            host, port, lambda: TcpProtocol(self.max_message_bytes, server=True, on_open=opened,
+                                            preamble_timeout=self.connect_timeout),
             listener)
         return listener
 

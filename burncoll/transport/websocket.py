@@ -78,6 +78,9 @@ logger = logging.getLogger("burncoll.transport")
 
 #: Longest opening handshake (request or response head) accepted.
 HANDSHAKE_LIMIT = 16 * 1024
+#: Most frames one incoming message may come in (the byte limit alone would let a stranger
+#: send millions of empty fragments).
+MAX_FRAGMENTS = 4096
 
 OP_CONTINUATION, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
 CLOSE_NORMAL, CLOSE_PROTOCOL, CLOSE_UNSUPPORTED, CLOSE_TOO_BIG = 1000, 1002, 1003, 1009
@@ -305,6 +308,11 @@ class WebSocketProtocol(StreamProtocol):
             return
         if self._fragments is None:
             self._fragments, self._fragment_bytes = [], 0
+        if len(self._fragments) >= MAX_FRAGMENTS:
+            self._send_close(CLOSE_TOO_BIG, "too many fragments")
+            self.protocol_error(ProtocolError(
+                f"{self.remote} sent a message in more than {MAX_FRAGMENTS} fragments"))
+            return
         self._fragments.append(bytes(payload) if payload.obj is self._scratch else payload)
         self._fragment_bytes += len(payload)
         if fin:
@@ -314,7 +322,11 @@ class WebSocketProtocol(StreamProtocol):
 
     def _control(self, opcode: int, payload: memoryview) -> None:
         if opcode == OP_PING:
-            self._write_frame(OP_PONG, bytes(payload))
+            # RFC 6455 section 5.5.3: a pong may answer only the latest ping. Answer none while
+            # earlier bytes still wait to be sent: a peer that pings and never reads cannot
+            # make this side queue pongs without end.
+            if self._write_backlog() == 0:
+                self._write_frame(OP_PONG, bytes(payload))
         elif opcode == OP_CLOSE:
             code = int.from_bytes(payload[:2], "big") if len(payload) >= 2 else CLOSE_NORMAL
             reason = bytes(payload[2:]).decode(errors="replace")

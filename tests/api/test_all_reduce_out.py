@@ -247,6 +247,8 @@ REFUSED: dict[str, tuple[np.ndarray, str, Any, str]] = {
     "partial overlap": (_BUF[:10], "sum", _BUF[5:15], r"out overlaps x without being x"),
     "same memory reinterpreted": (_BUF[:10], "sum", _BUF[:10].view(np.int32).view(np.float32),
                                   r"out overlaps x"),
+    "non-native byte order": (_X, "sum", np.empty(10, ">f4" if np.little_endian else "<f4"),
+                              r"out has non-native byte order"),
 }
 
 

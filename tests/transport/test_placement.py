@@ -82,3 +82,35 @@ def test_a_placed_message_decodes_like_a_whole_one() -> None:
     assert peek_part(memoryview(head[:30])) is None
     with pytest.raises(ProtocolError, match="announces"):
         decode(Placed(head, memoryview(b"short")))
+
+
+def test_stop_placing_leaves_the_chosen_memory_alone() -> None:
+    """An operation failed while its part was arriving: the rest of the payload must not be
+    written into the memory (its owner may already use it again)."""
+    from burncoll.transport.tcp import PREAMBLE, TcpTransport
+    from tests.transport.support import HOST, serving
+
+    async def body() -> None:
+        async with serving(TcpTransport()) as served:
+            _reader, writer = await asyncio.open_connection(HOST, served.port)
+            landing = np.zeros(SIZE - HEAD, np.uint8)
+            message = np.frombuffer(os.urandom(SIZE), np.uint8)
+            writer.write(PREAMBLE)
+            conn = await asyncio.wait_for(served.accepted.get(), 5)
+            conn.place_with(lambda first, size: (HEAD, memoryview(landing)))
+            first = 200_000
+            writer.write(SIZE.to_bytes(8, "little") + message[:first].tobytes())
+            await writer.drain()
+            for _ in range(200):  # until the first bytes have landed
+                if landing[first - HEAD - 1] == message[first - 1] and landing[0] == message[HEAD]:
+                    break
+                await asyncio.sleep(0.01)
+            conn.stop_placing()
+            writer.write(message[first:].tobytes())
+            await writer.drain()
+            got = await asyncio.wait_for(conn.recv(), 10)
+            assert isinstance(got, Placed) and got.payload.obj is not landing
+            assert not landing[first - HEAD:].any()  # nothing after the stop landed
+            writer.close()
+
+    run(body())

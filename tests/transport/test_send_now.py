@@ -78,3 +78,4 @@ def test_a_thread_and_the_loop_interleave_whole_messages(make: MakeTransport) ->
             assert direct == sorted(direct) and sorted(seen["thread"]) == list(range(count))
 
     run(body(), timeout=60)
+
