@@ -201,12 +201,7 @@ class DataService:
             async with self._send_locks[node]:
                 await conn.send(parts)
         except TransportError as exc:
-            # A node that fails closes its connections right after telling the others why, on
-            # another connection: give that message a moment to arrive, so that a live node
-            # is not reported lost.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_EXPLAIN_GRACE):
-                    await self._failed.wait()
+            await self._await_explanation()
             self.fail(PeerLost(f"{self.nodes[node].describe()} is unreachable: {exc}"))
             # the session's failure: this one as fail() worded it, or an earlier one
             raise self.mailbox.error or PeerLost(str(exc)) from exc
@@ -273,12 +268,7 @@ class DataService:
         except TransportError as exc:
             if self._closing or node in self._leaving:
                 return
-            # A node that fails tells the others why and then closes its connections: the
-            # explanation travels on another connection and may come second. Wait for it a
-            # moment before reporting the node lost.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_EXPLAIN_GRACE):
-                    await self._failed.wait()
+            await self._await_explanation()
             self._lost(node, exc)
 
     def _check_hello(self, control: dict[str, Any] | None, frame_type: FrameType) -> int:
@@ -336,6 +326,14 @@ class DataService:
             elif kind == "status":
                 self._statuses[node] = control
                 self._status_event.set()
+
+    async def _await_explanation(self) -> None:
+        """A connection broke. A node that fails tells the others why and then closes its
+        connections: the explanation travels on another connection and may come second, so
+        wait a moment for it before a live node is reported lost."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_EXPLAIN_GRACE):
+                await self._failed.wait()
 
     def _lost(self, node: int, exc: BaseException) -> None:
         if self._closing or node in self._leaving:

@@ -47,13 +47,15 @@ def exchange_parts(service: DataService, op: GlobalOp, buf: HostArray,
 
 async def exchange_all_reduce(executor: GlobalExecutor, op: GlobalOp, buf: HostArray,
                               out: HostArray, channel: int = 0,
-                              sent_to: frozenset[int] = frozenset()) -> None:
+                              sent_to: frozenset[int] = frozenset(),
+                              parts: list[bytes | memoryview] | None = None) -> None:
     """All-reduce ``buf`` (only read) into ``out`` among every node in one round; the nodes
-    in ``sent_to`` already have this node's message."""
+    in ``sent_to`` already have this node's message (``parts``, when the caller built it)."""
     service = executor.service
     me = executor.me
     others = [n.index for n in service.nodes if n.index != me]
-    parts = exchange_parts(service, op, buf, channel)
+    if parts is None:
+        parts = exchange_parts(service, op, buf, channel)
     sends = [asyncio.ensure_future(service.send(dst, parts))
              for dst in others if dst not in sent_to]
     try:

@@ -180,21 +180,22 @@ class NodeLink:
         connection allows (no event-loop wake-up before the bytes leave), then the loop sends
         the rest, collects the other nodes' messages and reduces."""
         service = self._service
+        parts = exchange_parts(service, op, buf, channel)
         sent_to: frozenset[int] = frozenset()
         if service.mailbox.error is None:
-            parts = exchange_parts(service, op, buf, channel)
             sent_to = frozenset(n.index for n in self.nodes if n.index != self.node_index
                                 and service.send_now(n.index, parts))
-        self._call(op, self._exchange_rest(op, buf, out, channel, sent_to))
+        self._call(op, self._exchange_rest(op, buf, out, channel, sent_to, parts))
 
     async def _exchange_rest(self, op: GlobalOp, buf: HostArray, out: HostArray, channel: int,
-                             sent_to: frozenset[int]) -> None:
+                             sent_to: frozenset[int], parts: list[bytes | memoryview]) -> None:
         mailbox = self._service.mailbox
         if mailbox.error is not None:
             raise mailbox.error
         mailbox.expect(op.seq, self._executor.checker(op))
         try:
-            await exchange_all_reduce(self._executor, op, buf, out, channel, sent_to=sent_to)
+            await exchange_all_reduce(self._executor, op, buf, out, channel, sent_to=sent_to,
+                                      parts=parts)
         finally:
             mailbox.done(op.seq)
 

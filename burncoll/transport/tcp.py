@@ -334,7 +334,7 @@ class StreamProtocol(asyncio.BufferedProtocol):
             raise self.error or TransportError(f"connection to {self.remote} is closed")
         return transport
 
-    def write_bytes(self, data: bytes) -> None:
+    def write_bytes(self, data: bytes | bytearray) -> None:
         """Queue ``data`` (the caller's to keep: it is not copied) after everything before."""
         transport = self._open_transport()
         if self._writer is not None:

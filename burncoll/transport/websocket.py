@@ -353,15 +353,25 @@ class WebSocketProtocol(StreamProtocol):
             raise TransportError(f"the WebSocket to {self.remote} is not open")
         if self.server:
             return super().write_message(views, total)  # unmasked: the parts go as they are
-        self._write_frame(OP_BINARY, b"".join(views))
+        self._write_frame(OP_BINARY, *views)
         return None
 
-    def _write_frame(self, opcode: int, payload: Buffer) -> None:
-        data = bytearray(payload)
+    def _write_frame(self, opcode: int, *parts: Buffer) -> None:
+        """One frame of ``parts`` joined: copied once, into the frame's own buffer, and masked
+        there by a client."""
+        views = [memoryview(p).cast("B") for p in parts]
+        size = sum(len(v) for v in views)
         mask = None if self.server else secrets.token_bytes(4)
+        header = frame_header(opcode, size, mask)
+        frame = bytearray(len(header) + size)
+        frame[:len(header)] = header
+        at = len(header)
+        for view in views:
+            frame[at:at + len(view)] = view
+            at += len(view)
         if mask is not None:
-            mask_in_place(memoryview(data), mask)
-        self.write_bytes(frame_header(opcode, len(data), mask) + data)
+            mask_in_place(memoryview(frame)[len(header):], mask)
+        self.write_bytes(frame)
 
     def _send_close(self, code: int, reason: str = "") -> None:
         if self._close_sent or self._handshake is not None:
