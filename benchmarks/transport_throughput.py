@@ -5,14 +5,16 @@ For each case a receiver process listens on 127.0.0.1; this process connects, se
 acknowledgement that it holds them all, whole. A round's throughput is payload bytes over
 that time; the table shows the median (and range) of ``--rounds`` rounds after one warm-up.
 
-Cases: burncoll's WebSocket, QUIC and TCP transports; "websocket (server sends)", where the
-listening side sends and this process times what it receives -- the direction burncoll's
-nodes send arrays in (server frames are not masked; a client must mask every frame, which
-"websocket" pays for); a bare aioquic stream (aioquic's own ``StreamReader``/``StreamWriter``
-adapters) with the same datagram size and flow-control windows but default UDP socket
-buffers; and plain asyncio TCP streams, one ``readexactly`` per message (the simplest Python
-baseline: it copies each 16 MiB message whole, so it is not a ceiling). The two ends are pinned to
-different CPUs when there are two; loopback TCP results still vary from run to run.
+Cases: burncoll's WebSocket, QUIC and TCP transports, each after the token authentication and
+in each security mode (TLS with an ephemeral certificate, per-message integrity tags); "(server
+sends)": the listening side sends and this process times what it receives -- the direction
+burncoll's nodes send arrays in (server frames are not masked; a client must mask every frame,
+which "websocket" pays for); a bare aioquic stream (aioquic's own
+``StreamReader``/``StreamWriter`` adapters) with the same datagram size and flow-control
+windows but default UDP socket buffers; and plain asyncio TCP streams, one ``readexactly`` per
+message (the simplest Python baseline: it copies each 16 MiB message whole, so it is not a
+ceiling). The two ends are pinned to different CPUs when there are two; loopback TCP results
+still vary from run to run.
 
     python benchmarks/transport_throughput.py [--size MiB] [--messages N] [--rounds N]
 """
@@ -27,6 +29,7 @@ import ssl
 import statistics
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
 
@@ -36,70 +39,84 @@ _LEN = 8
 
 
 # -- burncoll transports ----------------------------------------------------------------------
+#
+# Both ends authenticate first (burncoll.transport.auth), as nodes do: the pre-authentication
+# limits are lifted only then, and the security mode (TLS, per-message integrity) is the one a
+# node would use.
+
+TOKEN = "transport benchmark token of enough length"
 
 
-async def _burncoll_receiver(name: str, messages: int, rounds: int, pipe: Pipe) -> None:
-    from burncoll.transport import get_transport
+@dataclass(frozen=True)
+class Mode:
+    """One burncoll case: its transport, security, and which end sends."""
 
-    done = asyncio.Event()
+    transport: str
+    tls: bool = False
+    integrity: bool = False
+    #: The listening side sends (the direction burncoll's nodes send arrays in).
+    server_sends: bool = False
 
-    async def handler(conn: Any) -> None:
-        for _ in range(rounds):
-            for _ in range(messages):
-                await conn.recv()
-            await conn.send([b"a"])
-        done.set()
+    def make(self) -> Any:
+        from burncoll.transport import TlsSettings, get_transport
 
-    listener = await get_transport(name).listen(HOST, 0, handler)
-    pipe.send(listener.port)
-    await done.wait()
-    await listener.close()
+        return get_transport(self.transport, tls=TlsSettings(ephemeral=self.tls))
 
 
-async def _burncoll_sender(name: str, port: int, payload: bytes, messages: int) -> Runner:
-    from burncoll.transport import get_transport
+MODES = {
+    "websocket": Mode("websocket"),
+    "websocket (server sends)": Mode("websocket", server_sends=True),
+    "websocket + integrity (server sends)": Mode("websocket", integrity=True, server_sends=True),
+    "wss, ephemeral cert (server sends)": Mode("websocket", tls=True, server_sends=True),
+    "tcp": Mode("tcp"),
+    "tcp + integrity": Mode("tcp", integrity=True),
+    "quic": Mode("quic"),
+}
 
-    conn = await get_transport(name).connect(HOST, port)
+
+async def _stream(conn: Any, sends: bool, payload: bytes, messages: int) -> None:
+    """One round on an authenticated connection: the receiving end says go, the sending end
+    sends ``messages`` messages, and the receiving end acknowledges once it holds them all
+    (so the round ends on both sides only when every byte has arrived)."""
     header = bytes(68)
-
-    async def one_round() -> None:
+    if sends:
+        await conn.recv()  # go
         for _ in range(messages):
             await conn.send([header, payload])
-        await conn.recv()
-
-    return one_round, conn.close
-
-
-async def _burncoll_server_sender(messages: int, rounds: int, pipe: Pipe,
-                                  payload: bytes) -> None:
-    """The listening side sends, as a burncoll node does to the node that dialed it."""
-    from burncoll.transport import get_transport
-
-    done = asyncio.Event()
-    header = bytes(68)
-
-    async def handler(conn: Any) -> None:
-        for _ in range(rounds):
-            await conn.recv()  # go
-            for _ in range(messages):
-                await conn.send([header, payload])
-        done.set()
-
-    listener = await get_transport("websocket").listen(HOST, 0, handler)
-    pipe.send(listener.port)
-    await done.wait()
-    await listener.close()
-
-
-async def _burncoll_client_receiver(port: int, messages: int) -> Runner:
-    from burncoll.transport import get_transport
-
-    conn = await get_transport("websocket").connect(HOST, port)
-
-    async def one_round() -> None:
+        await conn.recv()  # all received
+    else:
         await conn.send([b"go"])
         for _ in range(messages):
             await conn.recv()
+        await conn.send([b"a"])
+
+
+async def _burncoll_listener(mode: Mode, messages: int, rounds: int, pipe: Pipe,
+                             payload: bytes) -> None:
+    from burncoll.transport.auth import authenticate_server
+
+    done = asyncio.Event()
+
+    async def handler(conn: Any) -> None:
+        conn = await authenticate_server(conn, TOKEN, 30.0, integrity=mode.integrity)
+        for _ in range(rounds):
+            await _stream(conn, mode.server_sends, payload, messages)
+        done.set()
+
+    listener = await mode.make().listen(HOST, 0, handler)
+    pipe.send(listener.port)
+    await done.wait()
+    await listener.close()
+
+
+async def _burncoll_dialer(mode: Mode, port: int, payload: bytes, messages: int) -> Runner:
+    from burncoll.transport.auth import authenticate_client
+
+    conn = await mode.make().connect(HOST, port)
+    conn = await authenticate_client(conn, TOKEN, 30.0, integrity=mode.integrity)
+
+    async def one_round() -> None:
+        await _stream(conn, not mode.server_sends, payload, messages)
 
     return one_round, conn.close
 
@@ -219,8 +236,7 @@ async def _tcp_sender(port: int, payload: bytes, messages: int) -> Runner:
 # -- driver -----------------------------------------------------------------------------------
 
 Runner = tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]
-CASES = ["websocket", "websocket (server sends)", "tcp", "quic", "aioquic (bare)", "asyncio TCP"]
-_SERVER_SENDS = "websocket (server sends)"
+CASES = [*MODES, "aioquic (bare)", "asyncio TCP"]
 
 
 def _cpus() -> list[int]:
@@ -237,10 +253,8 @@ def _pin(cpu: int | None) -> None:
 def _receive(case: str, messages: int, rounds: int, pipe: Pipe, cpu: int | None,
              size: int = 0) -> None:
     _pin(cpu)
-    if case == _SERVER_SENDS:
-        asyncio.run(_burncoll_server_sender(messages, rounds, pipe, os.urandom(size)))
-    elif case in ("websocket", "quic", "tcp"):
-        asyncio.run(_burncoll_receiver(case, messages, rounds, pipe))
+    if case in MODES:
+        asyncio.run(_burncoll_listener(MODES[case], messages, rounds, pipe, os.urandom(size)))
     elif case == "aioquic (bare)":
         asyncio.run(_aioquic_receiver(messages, rounds, pipe))
     else:
@@ -248,10 +262,8 @@ def _receive(case: str, messages: int, rounds: int, pipe: Pipe, cpu: int | None,
 
 
 async def _send(case: str, port: int, payload: bytes, messages: int, rounds: int) -> list[float]:
-    if case == _SERVER_SENDS:
-        one_round, close = await _burncoll_client_receiver(port, messages)
-    elif case in ("websocket", "quic", "tcp"):
-        one_round, close = await _burncoll_sender(case, port, payload, messages)
+    if case in MODES:
+        one_round, close = await _burncoll_dialer(MODES[case], port, payload, messages)
     elif case == "aioquic (bare)":
         one_round, close = await _aioquic_sender(port, payload, messages)
     else:
@@ -302,11 +314,11 @@ def main() -> None:
         f"median of {args.rounds} rounds; sender and receiver in separate processes"
         + (", each on its own CPU" if len(_cpus()) >= 2 else ", sharing one CPU")
     )
-    print(f"{'transport':<26} {'median GB/s':>12} {'min':>8} {'max':>8}")
+    print(f"{'transport':<38} {'median GB/s':>12} {'min':>8} {'max':>8}")
     for case in args.cases:
         rates = measure(case, args.size * MiB, args.messages, args.rounds)
         median = statistics.median(rates)
-        print(f"{case:<26} {median:>12.3f} {min(rates):>8.3f} {max(rates):>8.3f}")
+        print(f"{case:<38} {median:>12.3f} {min(rates):>8.3f} {max(rates):>8.3f}")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def _quic(tls: TlsSettings | None, max_message_bytes: int) -> Transport:
 def _tcp(tls: TlsSettings | None, max_message_bytes: int) -> Transport:
     from burncoll.transport.tcp import TcpTransport
 
-    if tls is not None and any((tls.cert, tls.key, tls.ca)):
+    if tls is not None and tls.wanted:
         raise ConfigError(
             "transport 'tcp' has no TLS: choose transport 'websocket' (wss) or 'quic' to use "
             "the TLS settings"

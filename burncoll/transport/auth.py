@@ -1,22 +1,38 @@
-"""Mutual challenge-response authentication with a shared token; the token never travels.
+"""Mutual challenge-response authentication with a shared token, bound to the channel.
 
 Runs first on every connection (orchestrator and data service), before any array byte is
-read. Three CONTROL frames (:mod:`burncoll.transport.wire`)::
+read; until it succeeds the transport reads no more than
+:data:`~burncoll.transport.base.PREAUTH_BYTES` from the other side. Three CONTROL frames
+(:mod:`burncoll.transport.wire`)::
 
-    server -> client  {"type": "challenge", "nonce": hex(Ns), "version": 1}
-    client -> server  {"type": "response", "nonce": hex(Nc), "mac": hex(HMAC(K, L + Ns + Nc))}
-    server -> client  {"type": "welcome", "mac": hex(HMAC(K, L' + Nc + Ns))}
+    server -> client  {"type": "challenge", "nonce": hex(Ns), "version": 2, "integrity": I}
+    client -> server  {"type": "response", "nonce": hex(Nc), "mac": hex(HMAC(K, Lc|Ns|Nc|B|F))}
+    server -> client  {"type": "welcome", "mac": hex(HMAC(K, Ls|Nc|Ns|B|F))}
                   or  {"type": "denied", "reason": "..."}
 
-``K`` is the token's UTF-8 bytes, empty when no token is configured (so a process without a
-token and one with a token fail to authenticate each other instead of silently agreeing);
-``Ns``/``Nc`` are 32 fresh random bytes each; HMAC is HMAC-SHA256 (RFC 2104). ``L`` is
-``b"burncoll-auth-v1"`` and ``L'`` is ``b"burncoll-auth-v1 server"``: distinct labels, so the
-server's proof can never be replayed as a client's response or the other way round. Fresh
-nonces on both sides defeat replays; digests are compared in constant time.
+``K`` is the token's UTF-8 bytes (empty without a token, so a process with a token and one
+without fail to authenticate each other instead of silently agreeing); ``Ns``/``Nc`` are 32
+fresh random bytes each; HMAC is HMAC-SHA256 (RFC 2104); ``Lc``/``Ls`` are distinct labels, so
+the server's proof can never be replayed as a client's response or the other way round.
+Fresh nonces on both sides defeat replays; digests are compared in constant time.
 
-This authenticates the *peers*, not the channel: without TLS verification (``ca``) an active
-man-in-the-middle could relay the exchange and then read or alter the traffic.
+``B`` is the **channel binding** each end computes for itself
+(:meth:`~burncoll.transport.base.Connection.channel_binding`, RFC 5929
+``tls-server-end-point``: the SHA-256 of the certificate the listener presents, as the
+listener knows it and as the connecting side received it; empty without TLS). A relay that
+terminates TLS -- QUIC, or wss -- must present a certificate of its own, for which it has the
+key, to the connecting side; that side then computes another ``B`` than the listener, and the
+exchange fails even though the relay forwards every message unchanged. So over TLS the token
+authenticates both ends *and* the channel, with ephemeral certificates too. (Python's ``ssl``
+module does not expose the RFC 5705 / RFC 8446 keying-material exporter, so the binding is the
+certificate's, which serves the same purpose against a relay that lacks the listener's key.)
+
+``F`` is ``b"integrity"`` when per-frame integrity is on, else empty; it is in the MAC, so a
+relay cannot switch it off. Both ends must agree on it (the challenge says what the listener
+wants). With it, every later message carries a tag (:mod:`burncoll.transport.integrity`) keyed
+from ``K``, both nonces and ``B``: on plain tcp/ws a relay that passed the exchange still cannot
+alter, drop, reorder or inject a message without the receiver failing the connection. It
+cannot stop a relay from *reading* the traffic: only TLS does that.
 """
 
 from __future__ import annotations
@@ -29,27 +45,34 @@ import secrets
 from typing import Any
 
 from burncoll.errors import AuthenticationError, ProtocolError, TransportError
-from burncoll.transport.base import Connection
+from burncoll.transport.base import PREAUTH_SECONDS, Connection
+from burncoll.transport.integrity import IntegrityConnection, derive_keys
 from burncoll.transport.wire import FrameType, decode, encode_control
 
-__all__ = ["AUTH_MESSAGE_LIMIT", "AUTH_VERSION", "authenticate_client", "authenticate_server"]
+__all__ = ["AUTH_VERSION", "authenticate_client", "authenticate_server"]
 
-AUTH_VERSION = 1
-#: Largest message accepted from a side that has not authenticated yet.
-AUTH_MESSAGE_LIMIT = 64 * 1024
-_CLIENT_LABEL = b"burncoll-auth-v1"
-_SERVER_LABEL = b"burncoll-auth-v1 server"
+AUTH_VERSION = 2
+_CLIENT_LABEL = b"burncoll-auth-v2 client"
+_SERVER_LABEL = b"burncoll-auth-v2 server"
+_INTEGRITY_FLAG = b"integrity"
 _NONCE_BYTES = 32
 _WRONG_TOKEN = "wrong auth token"
 _MISMATCH_HINT = (
     "the node and the orchestrator were given different auth tokens; set the same "
     "BURNCOLL_AUTH_TOKEN on every node and on the orchestrator"
 )
+_RELAY_HINT = (
+    "; or a relay between the two ends terminated TLS (the certificate this side received "
+    "is not the one the listener presents)"
+)
 
 
-def _mac(token: str | None, label: bytes, first: bytes, second: bytes) -> str:
+def _mac(token: str | None, label: bytes, first: bytes, second: bytes, binding: bytes,
+         integrity: bool) -> str:
     key = (token or "").encode("utf-8")
-    return hmac.new(key, label + first + second, hashlib.sha256).hexdigest()
+    flags = _INTEGRITY_FLAG if integrity else b""
+    message = b"|".join((label, first, second, binding, flags))
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
 
 
 async def _recv_control(conn: Connection, expected: tuple[str, ...]) -> dict[str, Any]:
@@ -83,20 +106,39 @@ def _mac_matches(message: dict[str, Any], expected: str) -> bool:
     return isinstance(mac, str) and hmac.compare_digest(mac.encode(), expected.encode())
 
 
-async def authenticate_server(conn: Connection, token: str | None, timeout: float) -> None:
-    """Challenge the side that connected; return once it proved it holds ``token``.
+def _secured(conn: Connection, token: str | None, server_nonce: bytes, client_nonce: bytes,
+             binding: bytes, integrity: bool, server: bool) -> Connection:
+    """The connection to use after a successful exchange: ``conn`` itself, or ``conn`` with a
+    tag on every message when ``integrity`` is on."""
+    conn.authenticated()
+    if not integrity:
+        return conn
+    to_client, to_server = derive_keys((token or "").encode("utf-8"), server_nonce,
+                                       client_nonce, binding)
+    if server:
+        return IntegrityConnection(conn, send_key=to_client, recv_key=to_server)
+    return IntegrityConnection(conn, send_key=to_server, recv_key=to_client)
 
-    Raises :class:`~burncoll.AuthenticationError` for a wrong token, a malformed or
-    unexpected reply, or no reply within ``timeout`` seconds; a ``denied`` message is sent
-    first, so the other side fails at once. The caller then logs and closes ``conn``.
-    :class:`~burncoll.TransportError` propagates when the connection breaks.
+
+async def authenticate_server(conn: Connection, token: str | None, timeout: float, *,
+                              integrity: bool = False) -> Connection:
+    """Challenge the side that connected; return the connection to use once it proved it holds
+    ``token`` over this very channel.
+
+    ``integrity``: tag every later message (see the module docstring); the other side must
+    ask for the same. Waits at most ``min(timeout, PREAUTH_SECONDS)``: a stranger is not held
+    longer. Raises :class:`~burncoll.AuthenticationError` for a wrong token, a relay caught by
+    the channel binding, a malformed or unexpected reply, or no reply in time; a ``denied``
+    message is sent first, so the other side fails at once. The caller then logs and closes
+    ``conn``. :class:`~burncoll.TransportError` propagates when the connection breaks.
     """
     server_nonce = secrets.token_bytes(_NONCE_BYTES)
-    conn.limit_incoming(AUTH_MESSAGE_LIMIT)  # a stranger may not make this side allocate much
+    binding = conn.channel_binding()
+    limit = min(timeout, PREAUTH_SECONDS)
     try:
-        async with asyncio.timeout(timeout):
-            challenge = {"type": "challenge", "nonce": server_nonce.hex(), "version": AUTH_VERSION}
-            await _send_control(conn, challenge)
+        async with asyncio.timeout(limit):
+            await _send_control(conn, {"type": "challenge", "nonce": server_nonce.hex(),
+                                       "version": AUTH_VERSION, "integrity": integrity})
             try:
                 reply = await _recv_control(conn, ("response",))
                 client_nonce = _nonce(reply)
@@ -105,18 +147,20 @@ async def authenticate_server(conn: Connection, token: str | None, timeout: floa
                 raise AuthenticationError(
                     f"{conn.remote} sent a malformed authentication reply: {exc}"
                 ) from exc
-            if not _mac_matches(reply, _mac(token, _CLIENT_LABEL, server_nonce, client_nonce)):
+            expected = _mac(token, _CLIENT_LABEL, server_nonce, client_nonce, binding, integrity)
+            if not _mac_matches(reply, expected):
                 await _deny(conn, _WRONG_TOKEN)
+                relay = _RELAY_HINT if binding else ""
                 raise AuthenticationError(
-                    f"{conn.remote} presented a wrong auth token; {_MISMATCH_HINT}"
+                    f"{conn.remote} presented a wrong auth token; {_MISMATCH_HINT}{relay}"
                 )
-            proof = _mac(token, _SERVER_LABEL, client_nonce, server_nonce)
-            conn.limit_incoming(None)
+            proof = _mac(token, _SERVER_LABEL, client_nonce, server_nonce, binding, integrity)
             await _send_control(conn, {"type": "welcome", "mac": proof})
     except TimeoutError as exc:
         raise AuthenticationError(
-            f"{conn.remote} did not complete authentication within {timeout:g} s"
+            f"{conn.remote} did not complete authentication within {limit:g} s"
         ) from exc
+    return _secured(conn, token, server_nonce, client_nonce, binding, integrity, server=True)
 
 
 async def _deny(conn: Connection, reason: str) -> None:
@@ -125,27 +169,26 @@ async def _deny(conn: Connection, reason: str) -> None:
         await _send_control(conn, {"type": "denied", "reason": reason})
 
 
-async def authenticate_client(conn: Connection, token: str | None, timeout: float) -> None:
-    """Answer the server's challenge with ``token`` and check the server's own proof.
+async def authenticate_client(conn: Connection, token: str | None, timeout: float, *,
+                              integrity: bool = False) -> Connection:
+    """Answer the server's challenge with ``token`` and check the server's own proof; return
+    the connection to use from then on.
 
     Raises :class:`~burncoll.AuthenticationError` when the server refuses the token, cannot
-    prove it holds the same token, speaks another protocol or version, or does not finish
-    within ``timeout`` seconds. :class:`~burncoll.TransportError` propagates when the
-    connection breaks.
+    prove it holds the same token over this channel, wants another ``integrity`` setting,
+    speaks another protocol or version, or does not finish within ``timeout`` seconds.
+    :class:`~burncoll.TransportError` propagates when the connection breaks.
     """
+    binding = conn.channel_binding()
     try:
         async with asyncio.timeout(timeout):
             challenge = await _recv_control(conn, ("challenge", "denied"))
             if challenge["type"] == "denied":
                 raise _denied(conn, challenge)
-            if challenge.get("version") != AUTH_VERSION:
-                raise AuthenticationError(
-                    f"{conn.remote} speaks authentication version {challenge.get('version')!r}"
-                    f", this process {AUTH_VERSION}: run the same burncoll version everywhere"
-                )
+            _check_challenge(conn, challenge, integrity)
             server_nonce = _nonce(challenge)
             client_nonce = secrets.token_bytes(_NONCE_BYTES)
-            mac = _mac(token, _CLIENT_LABEL, server_nonce, client_nonce)
+            mac = _mac(token, _CLIENT_LABEL, server_nonce, client_nonce, binding, integrity)
             await _send_control(conn, {"type": "response", "nonce": client_nonce.hex(), "mac": mac})
             verdict = await _recv_control(conn, ("welcome", "denied"))
     except TimeoutError as exc:
@@ -157,14 +200,35 @@ async def authenticate_client(conn: Connection, token: str | None, timeout: floa
             f"{conn.remote} is not a burncoll endpoint of this version: {exc}"
         ) from exc
     if verdict["type"] == "denied":
-        raise _denied(conn, verdict)
-    if not _mac_matches(verdict, _mac(token, _SERVER_LABEL, client_nonce, server_nonce)):
+        raise _denied(conn, verdict, binding)
+    expected = _mac(token, _SERVER_LABEL, client_nonce, server_nonce, binding, integrity)
+    if not _mac_matches(verdict, expected):
         raise AuthenticationError(
             f"{conn.remote} could not prove it holds the auth token: {_MISMATCH_HINT}"
+            + (_RELAY_HINT if binding else "")
+        )
+    return _secured(conn, token, server_nonce, client_nonce, binding, integrity, server=False)
+
+
+def _check_challenge(conn: Connection, challenge: dict[str, Any], integrity: bool) -> None:
+    if challenge.get("version") != AUTH_VERSION:
+        raise AuthenticationError(
+            f"{conn.remote} speaks authentication version {challenge.get('version')!r}"
+            f", this process {AUTH_VERSION}: run the same burncoll version everywhere"
+        )
+    wanted = challenge.get("integrity")
+    if wanted is not integrity:
+        raise AuthenticationError(
+            f"{conn.remote} runs with integrity={wanted!r}, this process with "
+            f"integrity={integrity}: set the same `integrity` on every node and on the "
+            "orchestrator"
         )
 
 
-def _denied(conn: Connection, message: dict[str, Any]) -> AuthenticationError:
+def _denied(conn: Connection, message: dict[str, Any], binding: bytes = b""
+            ) -> AuthenticationError:
     reason = str(message.get("reason", "no reason given"))[:200]
-    hint = f": {_MISMATCH_HINT}" if reason == _WRONG_TOKEN else ""
+    hint = ""
+    if reason == _WRONG_TOKEN:
+        hint = f": {_MISMATCH_HINT}" + (_RELAY_HINT if binding else "")
     return AuthenticationError(f"{conn.remote} refused this connection ({reason}){hint}")

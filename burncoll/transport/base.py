@@ -19,6 +19,8 @@ from typing import Any
 from burncoll.transport.wire import Placed
 
 __all__ = [
+    "PREAUTH_BYTES",
+    "PREAUTH_SECONDS",
     "Buffer",
     "Connection",
     "Handler",
@@ -29,6 +31,12 @@ __all__ = [
     "format_address",
 ]
 
+#: Most bytes a transport reads from a connection before it is :meth:`Connection.authenticated`
+#: (opening handshake and authentication messages together); see that method.
+PREAUTH_BYTES = 16 * 1024
+#: Seconds a connection may stay unauthenticated; a listener drops it then, whatever it sent.
+PREAUTH_SECONDS = 5.0
+
 #: Anything ``bytes(...)`` accepts without copying semantics surprises.
 Buffer = bytes | bytearray | memoryview
 
@@ -37,14 +45,23 @@ Buffer = bytes | bytearray | memoryview
 class TlsSettings:
     """Certificate paths (PEM); see :mod:`burncoll.transport.tls` for how they are used.
 
-    All ``None``: no TLS where it is optional (WebSocket), and an ephemeral self-signed
-    certificate, not verified by clients, where it is not (QUIC). ``ca`` set: clients verify
-    the listener's certificate against it.
+    All ``None`` (and ``ephemeral`` false): no TLS where it is optional (WebSocket), and an
+    ephemeral self-signed certificate, not verified by clients, where it is not (QUIC).
+    ``ca`` set: clients verify the listener's certificate against it.
     """
 
     cert: str | None = None
     key: str | None = None
     ca: str | None = None
+    #: Use TLS where it is optional (WebSocket: ``wss``) even without certificate paths: the
+    #: listener then presents an ephemeral self-signed certificate, and the token
+    #: authentication, bound to that certificate, authenticates both ends.
+    ephemeral: bool = False
+
+    @property
+    def wanted(self) -> bool:
+        """Whether TLS is asked for where it is optional."""
+        return self.ephemeral or any((self.cert, self.key, self.ca))
 
 
 class Connection(abc.ABC):
@@ -94,12 +111,26 @@ class Connection(abc.ABC):
         (a payload arriving now goes to a buffer of the transport's own)."""
         return None
 
-    def limit_incoming(self, max_bytes: int | None) -> None:
-        """From the next message on, refuse incoming messages over ``max_bytes`` (``None``:
-        back to the transport's own limit). Used while a stranger is not yet authenticated, so
-        that it cannot make this side allocate a large buffer. Transports that cannot change
-        the limit on a live connection keep theirs."""
-        return None  # the default: the transport's limit stays
+    def authenticated(self) -> None:
+        """The other side has proved it holds the token: lift the pre-authentication limits.
+
+        Until this is called a connection is *unauthenticated* and every transport reads at
+        most :data:`PREAUTH_BYTES` bytes from it in total (handshake and authentication
+        messages included, whatever arrives pipelined behind them), grants the other side no
+        more than that much flow-control credit, and allocates nothing larger on its word. A
+        message or frame that would go past the budget drops the connection with a
+        :class:`~burncoll.ProtocolError` that names the limit. Called once, by
+        :mod:`burncoll.transport.auth`, on both ends.
+        """
+        return None
+
+    def channel_binding(self) -> bytes:
+        """What ties an authentication exchange to this channel (RFC 5929
+        ``tls-server-end-point``): the SHA-256 of the DER certificate the *listener* presents
+        -- its own on the accepting side, the one received on the connecting side -- or
+        ``b""`` on a connection without TLS. A relay that terminates TLS presents another
+        certificate, so the two ends compute different bindings and authentication fails."""
+        return b""
 
 
 #: Called once per accepted connection; the connection is closed when it returns.

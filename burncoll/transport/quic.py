@@ -8,6 +8,35 @@ messages whatever the chunking of the data, and rejects a length over ``max_mess
 before buffering it (:class:`~burncoll.ProtocolError`; the receiver then stops the stream with
 code ``ERR_MESSAGE_TOO_BIG`` and the sender's ``recv`` raises ProtocolError too).
 
+Before authentication. Until :meth:`QuicStreamConnection.authenticated` (called on both ends
+by :mod:`burncoll.transport.auth` after the challenge-response) the other side is a stranger:
+
+* it gets :data:`~burncoll.transport.base.PREAUTH_BYTES` of flow-control credit, for the
+  connection and for its stream, and no more (aioquic would double the credit as it is used:
+  that is held back), one bidirectional stream and no unidirectional one. A STREAM frame at a
+  large offset therefore cannot make aioquic zero-fill more than that; out-of-order CRYPTO
+  data is capped at :data:`MAX_PENDING_CRYPTO` per epoch (aioquic's own cap is 512 KiB);
+* the assembler reads at most ``PREAUTH_BYTES`` in total and allocates nothing larger on the
+  stranger's word (see :class:`~burncoll.transport.wire.MessageAssembler`).
+
+``authenticated`` then raises both windows to the working one (``2 * max_message_bytes``, at
+least 16 MiB) and announces it at once (MAX_DATA, MAX_STREAM_DATA), so throughput after
+authentication is what it was without the gate.
+
+A listener defends itself against handshake floods (:class:`_GuardedServer`): at most
+``max_handshakes`` handshakes are in progress (an Initial packet for a new connection beyond
+that is dropped before any cryptographic work); above ``retry_handshakes`` in progress a new
+client must first prove its address with a stateless Retry (RFC 9000 section 8.1); a
+handshake not completed within ``connect_timeout`` is dropped; and every connection whose
+handshake completes passes the listener's :class:`~burncoll.transport.admission.Admission`
+(caps on unauthenticated connections, total and per source host, oldest evicted first; a cap
+on all connections, also checked before a handshake starts; the ``preauth_seconds`` deadline,
+counted from the end of the handshake). Admitting only completed handshakes keeps a flood of
+Initial packets, which never completes one, from evicting a legitimate client that is
+authenticating. A dropped connection is sent a CONNECTION_CLOSE (its client
+sees a :class:`~burncoll.TransportError` and may retry) and forgotten at once: its state is
+released without waiting for QUIC's closing period.
+
 Closing sends the stream's FIN first, so the peer's ``recv`` fails at once instead of after
 QUIC's closing period, then waits (up to ``close_timeout``) for the peer to acknowledge what
 was sent, then closes the QUIC connection. A peer that vanishes without a word is noticed
@@ -31,20 +60,51 @@ import contextlib
 import errno
 import itertools
 import logging
+import os
 import socket
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, cast
 
+from aioquic._buffer import Buffer as QuicBuffer
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import QuicServer
 from aioquic.quic import events
-from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection
+from aioquic.quic.configuration import SMALLEST_MAX_DATAGRAM_SIZE, QuicConfiguration
+from aioquic.quic.connection import NetworkAddress, QuicConnection, QuicConnectionError
+from aioquic.quic.packet import (
+    QuicErrorCode,
+    QuicHeader,
+    QuicPacketType,
+    encode_quic_retry,
+    pull_quic_header,
+)
+from aioquic.quic.packet_builder import QuicPacketBuilder
+from aioquic.quic.recovery import QuicPacketSpace
+from aioquic.quic.retry import QuicRetryTokenHandler
+from aioquic.quic.stream import QuicStream
+from cryptography.hazmat.primitives.serialization import Encoding
 
 from burncoll.errors import ConfigError, ProtocolError, TransportError
-from burncoll.transport.base import Buffer, Connection, Handler, Listener, TlsSettings, Transport
-from burncoll.transport.tls import configure_quic_client, configure_quic_server
+from burncoll.transport.admission import Admission, Ticket
+from burncoll.transport.base import (
+    PREAUTH_BYTES,
+    PREAUTH_SECONDS,
+    Buffer,
+    Connection,
+    Handler,
+    Listener,
+    TlsSettings,
+    Transport,
+)
+from burncoll.transport.tls import (
+    binding_of_certificate,
+    configure_quic_client,
+    configure_quic_server,
+    listener_binding,
+)
 from burncoll.transport.wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
     LENGTH_PREFIX_BYTES,
@@ -63,16 +123,83 @@ PREAMBLE = b"BCQ\x01"
 ERR_NO_ERROR = 0
 ERR_MESSAGE_TOO_BIG = 0x109
 ERR_PROTOCOL = 0x10A
+#: The listener dropped the connection (evicted, refused, or not authenticated in time).
+ERR_DROPPED = 0x10B
 #: aioquic writes a STREAM frame's length as a 2-byte varint (at most 16383) and silently
 #: truncates longer ones, so a datagram must not carry more: larger ones lose data.
 MAX_DATAGRAM_SIZE = 16384
+#: Flow-control credit (connection and stream) granted before authentication.
+PREAUTH_WINDOW = PREAUTH_BYTES
+#: Most out-of-order CRYPTO bytes buffered per epoch (a TLS flight is a few KiB).
+MAX_PENDING_CRYPTO = 64 * 1024
+#: Default caps of a listener: handshakes in progress, and above how many a Retry is asked.
+MAX_HANDSHAKES = 64
+RETRY_HANDSHAKES = 16
 _SOCKET_BUFFER = 8 * 1024 * 1024
 _HANDLER_GRACE = 1.0
 _ping_ids = itertools.count(1)
 
 
+def working_window(max_message_bytes: int) -> int:
+    """The flow-control credit granted once the other side has authenticated."""
+    return max(2 * max_message_bytes, 16 * 1024 * 1024)
+
+
+class _GatedConnection(QuicConnection):
+    """A QuicConnection that grants the other side only its initial credit (the
+    configuration's ``max_data`` / ``max_stream_data``, one bidirectional stream) until
+    :meth:`open_window`. aioquic doubles a window whenever the peer has used half of it --
+    using it means sending at a high offset, not delivering data -- so without the gate a
+    stranger could raise it step by step and make aioquic zero-fill a large buffer."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.window_open = False
+        for limit, value in ((self._local_max_streams_bidi, 1), (self._local_max_streams_uni, 0)):
+            limit.value = limit.sent = value  # read when the transport parameters are sent
+
+    def open_window(self, window: int) -> None:
+        """Raise the connection's and every stream's receive window to ``window``; the next
+        packet sent announces it (MAX_DATA, MAX_STREAM_DATA)."""
+        self.window_open = True
+        limit = self._local_max_data
+        limit.value = max(limit.value, window)
+        self._local_max_stream_data_bidi_local = max(self._local_max_stream_data_bidi_local,
+                                                     window)
+        self._local_max_stream_data_bidi_remote = max(self._local_max_stream_data_bidi_remote,
+                                                      window)
+        for stream in self._streams.values():
+            if stream.max_stream_data_local:  # zero: a stream this side only sends on
+                stream.max_stream_data_local = max(stream.max_stream_data_local, window)
+
+    def _write_connection_limits(self, builder: QuicPacketBuilder,
+                                 space: QuicPacketSpace) -> None:
+        if self.window_open:
+            super()._write_connection_limits(builder=builder, space=space)
+
+    def _write_stream_limits(self, builder: QuicPacketBuilder, space: QuicPacketSpace,
+                             stream: QuicStream) -> None:
+        if self.window_open:
+            super()._write_stream_limits(builder=builder, space=space, stream=stream)
+
+    def _handle_crypto_frame(self, context: Any, frame_type: int, buf: QuicBuffer) -> None:
+        start = buf.tell()
+        offset, length = buf.pull_uint_var(), buf.pull_uint_var()
+        buf.seek(start)
+        stream = self._crypto_streams.get(context.epoch)
+        if stream is not None and (
+                offset + length - stream.receiver.starting_offset() > MAX_PENDING_CRYPTO):
+            raise QuicConnectionError(
+                error_code=QuicErrorCode.CRYPTO_BUFFER_EXCEEDED,
+                frame_type=frame_type,
+                reason_phrase="too much crypto buffering",
+            )
+        super()._handle_crypto_frame(context, frame_type, buf)
+
+
 class QuicStreamConnection(Connection):
-    """A :class:`Connection` over one QUIC stream; see the module docstring for the framing."""
+    """A :class:`Connection` over one QUIC stream; see the module docstring for the framing
+    and for what holds before :meth:`authenticated`."""
 
     def __init__(
         self,
@@ -82,21 +209,37 @@ class QuicStreamConnection(Connection):
         max_message_bytes: int,
         close_timeout: float,
         preamble: bytes = b"",
+        *,
+        binding: bytes = b"",
     ) -> None:
         self.remote = remote
         self._protocol = protocol
         self._stream_id = stream_id
         self._close_timeout = close_timeout
-        self._max_message_bytes = max_message_bytes
-        self._assembler = MessageAssembler(max_message_bytes, preamble)
+        self._window = working_window(max_message_bytes)
+        self._binding = binding
+        self._assembler = MessageAssembler(
+            max_message_bytes, preamble, preauth_bytes=PREAUTH_BYTES)
         self._inbox: deque[bytearray] = deque()
         self._error: TransportError | None = None
         self._changed = asyncio.Event()
         self._closing: asyncio.Task[None] | None = None
 
-    def limit_incoming(self, max_bytes: int | None) -> None:
-        self._assembler.max_message_bytes = (
-            max_bytes if max_bytes is not None else self._max_message_bytes)
+    def authenticated(self) -> None:
+        """Lift the pre-authentication limits: the bytes held so far are cut into messages,
+        and the working flow-control window is granted and announced at once."""
+        if self._assembler.is_authenticated:
+            return
+        try:
+            self._inbox.extend(self._assembler.authenticated())
+        except ProtocolError as exc:
+            self._reject(exc)
+            return
+        self._changed.set()
+        self._protocol.authenticated(self._window)
+
+    def channel_binding(self) -> bytes:
+        return self._binding
 
     # -- called by the protocol --------------------------------------------------------------
 
@@ -104,22 +247,35 @@ class QuicStreamConnection(Connection):
         try:
             messages = self._assembler.feed(data)
         except ProtocolError as exc:
-            self._fail(exc)
-            code = ERR_MESSAGE_TOO_BIG if isinstance(exc, MessageTooBig) else ERR_PROTOCOL
-            self._protocol.abort(self._stream_id, code, str(exc))
+            self._reject(exc)
             return
         if messages:
             self._inbox.extend(messages)
-            self._changed.set()
+        self._changed.set()  # before authentication: recv cuts the next message itself
         if end_stream:
             cut = " in the middle of a message" if self._assembler.mid_message else ""
             self._fail(TransportError(f"{self.remote} closed the connection{cut}"))
+
+    def _reject(self, error: ProtocolError) -> None:
+        """The peer's bytes are unacceptable: fail, and reset the stream and the connection."""
+        self._fail(error)
+        code = ERR_MESSAGE_TOO_BIG if isinstance(error, MessageTooBig) else ERR_PROTOCOL
+        self._protocol.abort(self._stream_id, code, str(error))
 
     def _fail(self, error: TransportError) -> None:
         """Record why the connection is unusable (the first reason wins) and wake ``recv``."""
         if self._error is None:
             self._error = error
         self._changed.set()
+
+    def _next_held(self) -> bytearray | None:
+        """Before authentication: the next message cut from the bytes held (see
+        :class:`MessageAssembler`); a refused one fails the connection and raises."""
+        try:
+            return self._assembler.next_held()
+        except ProtocolError as exc:
+            self._reject(exc)
+            raise
 
     # -- Connection ---------------------------------------------------------------------------
 
@@ -144,8 +300,12 @@ class QuicStreamConnection(Connection):
 
     async def recv(self) -> Buffer:
         while True:
-            if self._inbox and self._closing is None:
-                return self._inbox.popleft()
+            if self._closing is None:
+                if self._inbox:
+                    return self._inbox.popleft()
+                held = self._next_held()
+                if held is not None:
+                    return held
             if self._error is not None:
                 raise type(self._error)(str(self._error))
             self._changed.clear()
@@ -171,7 +331,11 @@ class QuicStreamConnection(Connection):
 
 
 class _Protocol(QuicConnectionProtocol):
-    """One QUIC connection: routes its events to its :class:`QuicStreamConnection`."""
+    """One QUIC connection: routes its events to its :class:`QuicStreamConnection`.
+
+    On a listener it also holds the connection's admission ``ticket`` and a ``forget``
+    callback that makes the server drop every reference to it (see :meth:`drop`).
+    """
 
     def __init__(
         self,
@@ -185,13 +349,21 @@ class _Protocol(QuicConnectionProtocol):
         self.connection: QuicStreamConnection | None = None
         self.handshake: asyncio.Future[None] = self._loop.create_future()
         self.terminated = False
+        self.ticket: Ticket | None = None
+        #: Listener side: called when the handshake completes; False: the connection is dropped.
+        self.admit: Callable[[_Protocol], bool] | None = None
+        self.forget: Callable[[_Protocol], None] | None = None
         self._owns_transport = owns_transport
         self._keepalive = keepalive
         self._keepalive_timer: asyncio.TimerHandle | None = None
+        self._handshake_timer: asyncio.TimerHandle | None = None
         self._on_stream = on_stream
+        self._released = False  # forgotten by the listener: sends nothing, arms no timer
 
     def quic_event_received(self, event: events.QuicEvent) -> None:
         # Deliberately not calling super(): it would build asyncio.StreamReaders we do not use.
+        if self.terminated:
+            return  # dropped: what was in the same datagram is of no interest
         if isinstance(event, events.StreamDataReceived):
             if self.connection is None and self._on_stream is not None and event.stream_id == 0:
                 self.connection = self._on_stream(self)
@@ -209,6 +381,10 @@ class _Protocol(QuicConnectionProtocol):
             if self.connection is not None:
                 self.connection._fail(error)
         elif isinstance(event, events.HandshakeCompleted):
+            self._settle_handshake()
+            admit, self.admit = self.admit, None
+            if admit is not None and not admit(self):
+                return
             if not self.handshake.done():
                 self.handshake.set_result(None)
             self._arm_keepalive()
@@ -231,8 +407,36 @@ class _Protocol(QuicConnectionProtocol):
         udp = self._transport
         return not self.terminated and udp is not None and not udp.is_closing()
 
+    def authenticated(self, window: int) -> None:
+        """The other side authenticated: grant it ``window`` of credit, announced at once,
+        and take the connection off the listener's unauthenticated list."""
+        quic = self._quic
+        if isinstance(quic, _GatedConnection):
+            quic.open_window(window)
+        if self.ticket is not None:
+            self.ticket.authenticated()
+        self.transmit()
+
+    def start_handshake_deadline(self, seconds: float) -> None:
+        """Drop the connection unless its handshake completes within ``seconds``."""
+        self._handshake_timer = self._loop.call_later(seconds, self._handshake_expired, seconds)
+
+    def _handshake_expired(self, seconds: float) -> None:
+        self._handshake_timer = None
+        self.drop(f"handshake not completed within {seconds:g} s")
+
+    def drop(self, reason: str) -> None:
+        """Close the connection at once with ``reason`` (the peer is sent a CONNECTION_CLOSE)
+        and forget it, without waiting for QUIC's closing period."""
+        if self.terminated:
+            return
+        self._quic.close(error_code=ERR_DROPPED, reason_phrase=reason[:200])
+        self.transmit()
+        self._terminate(TransportError(f"dropped the connection from {self._remote()}: {reason}"))
+
     def _terminate(self, error: TransportError) -> None:
         self.terminated = True
+        self._settle_handshake()
         if not self.handshake.done():
             self.handshake.set_exception(error)
             self.handshake.exception()  # retrieved here; the connect path re-raises it
@@ -240,18 +444,52 @@ class _Protocol(QuicConnectionProtocol):
             self.connection._fail(error)
         if self._keepalive_timer is not None:
             self._keepalive_timer.cancel()
+            self._keepalive_timer = None
         if self._owns_transport and self._transport is not None:
             self._transport.close()
         self._closed.set()
+        if self.ticket is not None:
+            self.ticket.release()
+            self.ticket = None
+        if self.forget is not None:
+            self._release()
+
+    def _release(self) -> None:
+        """On a listener, once terminated: stop the connection's timer and make the server
+        forget it, so that nothing keeps its state alive (no reference cycle either)."""
+        forget, self.forget = self.forget, None
+        if forget is not None:
+            forget(self)
+        self._released = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._connection_id_issued_handler = _ignore
+        self._connection_id_retired_handler = _ignore
+        self._connection_terminated_handler = _nothing
+        self.connection = None
+        self._on_stream = None
+        streams = getattr(self._quic, "_streams", None)
+        if isinstance(streams, dict):
+            # aioquic's connection sits in reference cycles of its own (bound methods): free
+            # its stream buffers now rather than at the next garbage collection.
+            streams.clear()
+
+    def _settle_handshake(self) -> None:
+        if self._handshake_timer is not None:
+            self._handshake_timer.cancel()
+            self._handshake_timer = None
 
     def _arm_keepalive(self) -> None:
-        def ping() -> None:
-            if not self.terminated:
-                self._quic.send_ping(next(_ping_ids))
-                self.transmit()
-                self._keepalive_timer = self._loop.call_later(self._keepalive, ping)
+        # A method, not a closure calling itself: that would be a reference cycle keeping
+        # a dropped connection alive until a garbage collection.
+        self._keepalive_timer = self._loop.call_later(self._keepalive, self._ping)
 
-        self._keepalive_timer = self._loop.call_later(self._keepalive, ping)
+    def _ping(self) -> None:
+        if not self.terminated:
+            self._quic.send_ping(next(_ping_ids))
+            self.transmit()
+            self._keepalive_timer = self._loop.call_later(self._keepalive, self._ping)
 
     def _remote(self) -> str:
         address = self._quic.get_peer_address()
@@ -262,7 +500,7 @@ class _Protocol(QuicConnectionProtocol):
 
     def transmit(self) -> None:
         # A closed listener socket must not be written to by connections still closing.
-        if self._transport is not None and not self._transport.is_closing():
+        if not self._released and self._transport is not None and not self._transport.is_closing():
             super().transmit()
 
     def stream_finished(self, stream_id: int) -> bool:
@@ -302,23 +540,186 @@ class _Protocol(QuicConnectionProtocol):
                 self._transport.close()
 
 
+def _ignore(cid: bytes) -> None:
+    return None
+
+
+def _nothing() -> None:
+    return None
+
+
+class _GuardedServer(QuicServer):
+    """aioquic's server, with the new-connection path guarded (see the module docstring):
+    a cap on handshakes in progress, Retry under load, a handshake deadline, admission."""
+
+    def __init__(
+        self,
+        *,
+        configuration: QuicConfiguration,
+        create_protocol: Callable[..., _Protocol],
+        admission: Admission,
+        max_handshakes: int,
+        retry_handshakes: int,
+        handshake_timeout: float,
+    ) -> None:
+        super().__init__(configuration=configuration, create_protocol=create_protocol)
+        self.admission = admission
+        self.max_handshakes = max_handshakes
+        self.retry_handshakes = retry_handshakes
+        self.handshake_timeout = handshake_timeout
+        #: Connections whose handshake is in progress.
+        self.handshaking: set[_Protocol] = set()
+        self._tokens = QuicRetryTokenHandler()
+        self._dropped = 0
+        self._logged_at = 0.0
+
+    def datagram_received(self, data: bytes | str, addr: NetworkAddress) -> None:
+        data = cast(bytes, data)
+        header = self._new_connection(data)
+        if header is None:
+            super().datagram_received(data, addr)  # an existing connection, or stateless
+        else:
+            self._open(header, data, addr)
+
+    def _new_connection(self, data: bytes) -> QuicHeader | None:
+        """The header of ``data`` when it is an Initial packet that would open a connection."""
+        if len(data) < SMALLEST_MAX_DATAGRAM_SIZE:
+            return None
+        try:
+            header = pull_quic_header(
+                QuicBuffer(data=data), host_cid_length=self._configuration.connection_id_length
+            )
+        except ValueError:
+            return None
+        if (header.packet_type != QuicPacketType.INITIAL
+                or header.version not in self._configuration.supported_versions
+                or header.destination_cid in self._protocols):
+            return None
+        return header
+
+    def _open(self, header: QuicHeader, data: bytes, addr: NetworkAddress) -> None:
+        """Screen an Initial packet for a new connection, then open it (or not)."""
+        self.handshaking = {p for p in self.handshaking if not p.handshake.done()}
+        if len(self.handshaking) >= self.max_handshakes:
+            self._refused(f"{self.max_handshakes} handshakes are in progress")
+            return
+        admission = self.admission
+        if admission.connections + len(self.handshaking) >= admission.max_connections:
+            self._refused(f"{admission.max_connections} connections are open or opening")
+            return
+        retry_cid: bytes | None = None
+        if header.token:  # the answer to a Retry: the address is validated
+            try:
+                original_cid = self._tokens.validate_token(
+                    address=addr, destination_cid=header.destination_cid, token=header.token,
+                    now=self._loop.time())
+            except ValueError:
+                return
+            retry_cid = header.destination_cid
+        elif len(self.handshaking) >= self.retry_handshakes:
+            self._send_retry(header, addr)
+            return
+        else:
+            original_cid = header.destination_cid
+        quic = _GatedConnection(
+            configuration=self._configuration,
+            original_destination_connection_id=original_cid,
+            retry_source_connection_id=retry_cid,
+        )
+        protocol = cast(_Protocol, self._create_protocol(quic))
+        self._register(protocol, header.destination_cid)
+        protocol.datagram_received(data, addr)
+
+    def _register(self, protocol: _Protocol, cid: bytes) -> None:
+        """What aioquic's server does for a new connection, plus our bookkeeping."""
+        assert self._transport is not None
+        protocol.connection_made(self._transport)
+        protocol._connection_id_issued_handler = partial(
+            self._connection_id_issued, protocol=protocol)
+        protocol._connection_id_retired_handler = partial(
+            self._connection_id_retired, protocol=protocol)
+        protocol._connection_terminated_handler = partial(
+            self._connection_terminated, protocol=protocol)
+        self._protocols[cid] = protocol
+        self._protocols[protocol._quic.host_cid] = protocol
+        protocol.admit = self._admit
+        protocol.forget = self._forget
+        self.handshaking.add(protocol)
+        protocol.start_handshake_deadline(self.handshake_timeout)
+
+    def _admit(self, protocol: _Protocol) -> bool:
+        """A handshake completed: ask the admission (which may evict an older unauthenticated
+        connection, and starts the pre-authentication deadline). Refused: dropped."""
+        address = protocol._quic.get_peer_address()
+        source = str(address[0]).removeprefix("::ffff:") if address is not None else "?"
+        ticket = self.admission.admit(source, protocol.drop)
+        if ticket is None:
+            protocol.drop(f"refused: {self.admission.max_connections} connections are open")
+            return False
+        protocol.ticket = ticket
+        return True
+
+    def _forget(self, protocol: _Protocol) -> None:
+        """Drop every reference the server holds to ``protocol``."""
+        self.handshaking.discard(protocol)
+        for cid in [cid for cid, p in self._protocols.items() if p is protocol]:
+            del self._protocols[cid]
+
+    def _send_retry(self, header: QuicHeader, addr: NetworkAddress) -> None:
+        assert self._transport is not None and header.version is not None
+        source_cid = os.urandom(8)
+        token = self._tokens.create_token(
+            address=addr, original_destination_connection_id=header.destination_cid,
+            retry_source_connection_id=source_cid, now=self._loop.time())
+        self._transport.sendto(
+            encode_quic_retry(
+                version=header.version, source_cid=source_cid,
+                destination_cid=header.source_cid,
+                original_destination_cid=header.destination_cid, retry_token=token),
+            addr,
+        )
+
+    def _refused(self, why: str) -> None:
+        """Count a dropped Initial packet; log at most one line a second."""
+        self._dropped += 1
+        now = time.monotonic()
+        if now - self._logged_at >= 1.0:
+            logger.warning("%s: dropped %d Initial packet(s) for new connections: %s",
+                           self.admission.name, self._dropped, why)
+            self._logged_at, self._dropped = now, 0
+
+
 class QuicListener(Listener):
     """A bound UDP socket accepting QUIC connections; one handler task per connection."""
 
-    def __init__(self, transport: QuicTransport, handler: Handler) -> None:
+    def __init__(self, transport: QuicTransport, handler: Handler, binding: bytes) -> None:
         self.host, self.port = "", 0
         self._transport = transport
         self._handler = handler
+        self._binding = binding
         self._udp: asyncio.DatagramTransport | None = None
-        self._server: Any = None
+        self._server: _GuardedServer | None = None
         self._connections: set[QuicStreamConnection] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing: asyncio.Task[None] | None = None
 
-    def _bind(self, udp: asyncio.DatagramTransport, server: Any) -> None:
+    def _bind(self, udp: asyncio.DatagramTransport, server: _GuardedServer) -> None:
         self._udp, self._server = udp, server
         sockname = udp.get_extra_info("sockname")
         self.host, self.port = sockname[0], sockname[1]
+        server.admission.name = f"QUIC listener {self.host}:{self.port}"
+
+    @property
+    def admission(self) -> Admission:
+        """The caps on this listener's connections (see :mod:`burncoll.transport.admission`)."""
+        assert self._server is not None
+        return self._server.admission
+
+    @property
+    def tracked(self) -> int:
+        """Connection ids the server still routes (aioquic's ``_protocols``): every dropped or
+        closed connection's are removed, so this returns to zero when all are gone."""
+        return len(self._server._protocols) if self._server is not None else 0
 
     def _accept(self, protocol: _Protocol) -> QuicStreamConnection:
         """Called on a new connection's first stream data: start its handler."""
@@ -329,6 +730,7 @@ class QuicListener(Listener):
             self._transport.max_message_bytes,
             self._transport.close_timeout,
             preamble=PREAMBLE,
+            binding=self._binding,
         )
         if self._closing is not None:
             conn._fail(TransportError("the listener is closing"))
@@ -359,6 +761,8 @@ class QuicListener(Listener):
         await asyncio.shield(self._closing)
 
     async def _close(self) -> None:
+        assert self._server is not None
+        self._server.admission.close()  # drops the unauthenticated connections
         connections = list(self._connections)
         if connections:
             await asyncio.gather(*(c.close() for c in connections), return_exceptions=True)
@@ -381,9 +785,18 @@ class QuicTransport(Transport):
         max_datagram_size: the largest UDP payload sent: 1200 (aioquic's default) to
             :data:`MAX_DATAGRAM_SIZE`.
         congestion_control: ``"reno"`` or ``"cubic"``.
-        connect_timeout: seconds for the QUIC handshake.
+        connect_timeout: seconds for the QUIC handshake (a listener drops a handshake that
+            takes longer).
         close_timeout: seconds ``close`` waits for the peer to acknowledge what was sent.
         idle_timeout: seconds of silence after which a peer is declared gone.
+        preauth_seconds: a listener drops a connection not authenticated this long after
+            its first packet.
+        max_handshakes: handshakes in progress at a listener beyond which new connections'
+            Initial packets are dropped unread.
+        retry_handshakes: handshakes in progress beyond which a new client must validate its
+            address with a Retry first.
+        max_connections, max_pending, max_pending_per_source: a listener's
+            :class:`~burncoll.transport.admission.Admission` caps.
     """
 
     name = "quic"
@@ -398,10 +811,21 @@ class QuicTransport(Transport):
         connect_timeout: float = 10.0,
         close_timeout: float = 2.0,
         idle_timeout: float = 30.0,
+        preauth_seconds: float = PREAUTH_SECONDS,
+        max_handshakes: int = MAX_HANDSHAKES,
+        retry_handshakes: int = RETRY_HANDSHAKES,
+        max_connections: int = 1024,
+        max_pending: int = 64,
+        max_pending_per_source: int = 16,
     ) -> None:
         if not 1200 <= max_datagram_size <= MAX_DATAGRAM_SIZE:
             raise ConfigError(
                 f"max_datagram_size must be in [1200, {MAX_DATAGRAM_SIZE}], not {max_datagram_size}"
+            )
+        if not 0 <= retry_handshakes <= max_handshakes or max_handshakes < 1:
+            raise ConfigError(
+                "QUIC needs 0 <= retry_handshakes <= max_handshakes and max_handshakes >= 1, "
+                f"not retry_handshakes={retry_handshakes}, max_handshakes={max_handshakes}"
             )
         self.tls = tls
         self.max_message_bytes = max_message_bytes
@@ -410,17 +834,23 @@ class QuicTransport(Transport):
         self.connect_timeout = connect_timeout
         self.close_timeout = close_timeout
         self.idle_timeout = idle_timeout
+        self.preauth_seconds = preauth_seconds
+        self.max_handshakes = max_handshakes
+        self.retry_handshakes = retry_handshakes
+        self.max_connections = max_connections
+        self.max_pending = max_pending
+        self.max_pending_per_source = max_pending_per_source
 
     def _configuration(self, is_client: bool) -> QuicConfiguration:
-        window = max(2 * self.max_message_bytes, 16 * 1024 * 1024)
+        # The initial credit is the pre-authentication one; authenticated() opens the window.
         return QuicConfiguration(
             is_client=is_client,
             alpn_protocols=[ALPN],
             congestion_control_algorithm=self.congestion_control,
             idle_timeout=self.idle_timeout,
             max_datagram_size=self.max_datagram_size,
-            max_data=window,
-            max_stream_data=window,
+            max_data=PREAUTH_WINDOW,
+            max_stream_data=PREAUTH_WINDOW,
         )
 
     def _protocol_factory(self, **kwargs: Any) -> Callable[..., _Protocol]:
@@ -432,12 +862,20 @@ class QuicTransport(Transport):
     async def listen(self, host: str, port: int, handler: Handler) -> QuicListener:
         configuration = self._configuration(is_client=False)
         configure_quic_server(configuration, self.tls, host)
-        listener = QuicListener(self, handler)
+        listener = QuicListener(self, handler, listener_binding(self.tls, host))
         create_protocol = self._protocol_factory(owns_transport=False, on_stream=listener._accept)
+        admission = Admission(
+            max_pending=self.max_pending, max_pending_per_source=self.max_pending_per_source,
+            max_connections=self.max_connections, preauth_seconds=self.preauth_seconds,
+            name=f"QUIC listener {host}:{port}")
         loop = asyncio.get_running_loop()
         try:
             udp, server = await loop.create_datagram_endpoint(
-                lambda: QuicServer(configuration=configuration, create_protocol=create_protocol),
+                lambda: _GuardedServer(
+                    configuration=configuration, create_protocol=create_protocol,
+                    admission=admission, max_handshakes=self.max_handshakes,
+                    retry_handshakes=self.retry_handshakes,
+                    handshake_timeout=self.connect_timeout),
                 local_addr=(host, port),
             )
         except OSError as exc:
@@ -457,7 +895,7 @@ class QuicTransport(Transport):
         try:
             infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
             family, address = infos[0][0], cast(tuple[str, int], infos[0][4])
-            quic = QuicConnection(configuration=configuration)
+            quic = _GatedConnection(configuration=configuration)
             create_protocol = self._protocol_factory(owns_transport=True)
             udp, protocol = await loop.create_datagram_endpoint(
                 lambda: create_protocol(quic),
@@ -468,6 +906,7 @@ class QuicTransport(Transport):
             protocol.connect(address)
             async with asyncio.timeout(self.connect_timeout):
                 await asyncio.shield(protocol.handshake)
+            binding = _peer_binding(quic, where)
         except (OSError, TimeoutError, TransportError) as exc:
             if protocol is not None:
                 await protocol.shutdown(0)
@@ -475,12 +914,21 @@ class QuicTransport(Transport):
             raise TransportError(f"cannot connect to {where} over QUIC: {detail}") from exc
         stream_id = quic.get_next_available_stream_id()
         conn = QuicStreamConnection(
-            protocol, stream_id, where, self.max_message_bytes, self.close_timeout
+            protocol, stream_id, where, self.max_message_bytes, self.close_timeout,
+            binding=binding,
         )
         protocol.connection = conn
         quic.send_stream_data(stream_id, PREAMBLE)
         protocol.transmit()
         return conn
+
+
+def _peer_binding(quic: QuicConnection, where: str) -> bytes:
+    """The channel binding of the certificate the listener presented in the handshake."""
+    certificate = getattr(quic.tls, "_peer_certificate", None)  # aioquic: no public accessor
+    if certificate is None:
+        raise TransportError(f"{where} presented no certificate in the QUIC handshake")
+    return binding_of_certificate(certificate.public_bytes(Encoding.DER))
 
 
 def _grow_socket_buffers(udp: asyncio.BaseTransport) -> None:

@@ -8,6 +8,17 @@ it, as on every transport. No TLS: choose ``websocket`` with TLS settings (wss) 
 The core, :class:`StreamProtocol`, is an :class:`asyncio.BufferedProtocol` that avoids copying
 array bytes:
 
+* **before authentication** (:meth:`StreamConnection.authenticated`): at most
+  :data:`~burncoll.transport.base.PREAUTH_BYTES` bytes are read from the socket in all
+  (preamble or HTTP upgrade included): the buffer handed to the kernel is never larger than
+  what is left of that budget, so bytes a stranger pipelines behind its handshake stay in the
+  kernel; a frame whose header announces more than is left is refused at once, before anything
+  is allocated (:class:`~burncoll.ProtocolError` naming the pre-authentication limit). The
+  scratch buffer is that small, the socket's kernel buffers keep their defaults, and one
+  message at a time is parsed (the next is parsed when ``recv`` takes this one, so a message
+  pipelined behind the authentication exchange is read under the limits in force once the
+  exchange is done). A listener's connections are admitted, capped and dropped when they do
+  not authenticate in time by an :class:`~burncoll.transport.admission.Admission`.
 * **receive**: small messages are parsed out of a 256 KiB scratch buffer that the kernel fills;
   a message whose payload does not fit is given its own uninitialised buffer
   (``numpy.empty``: no zero-filling), and the kernel then writes the rest of it *directly* into
@@ -36,7 +47,9 @@ from typing import Any
 import numpy as np
 
 from burncoll.errors import ProtocolError, TransportError
+from burncoll.transport.admission import Admission, BoundedLog, Ticket
 from burncoll.transport.base import (
+    PREAUTH_BYTES,
     Buffer,
     Connection,
     Handler,
@@ -45,8 +58,9 @@ from burncoll.transport.base import (
     byte_view,
     format_address,
 )
+from burncoll.transport.tls import binding_of_certificate
 from burncoll.transport.wire import DEFAULT_MAX_MESSAGE_BYTES, LENGTH_PREFIX_BYTES, Placed
-from burncoll.transport.writer import SocketWriter
+from burncoll.transport.writer import SocketWriter, fresh_error
 
 __all__ = [
     "PREAMBLE",
@@ -59,6 +73,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger("burncoll.transport")
+#: WARNING lines about strangers (bad handshakes, silence), bounded: a flood cannot fill the log.
+stranger_log = BoundedLog()
 
 #: The first bytes a TCP client sends: a listener drops a connection that opens otherwise.
 PREAMBLE = b"BCTCP\x00\x01\n"
@@ -76,28 +92,62 @@ SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 HANDLER_GRACE = 1.0
 
 
+def _set_no_delay(transport: asyncio.BaseTransport) -> None:
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def _tune_socket(transport: asyncio.BaseTransport) -> None:
+def _enlarge_socket_buffers(transport: asyncio.BaseTransport) -> None:
+    """Ask the kernel for :data:`SOCKET_BUFFER_BYTES` socket buffers (only once the peer has
+    authenticated: a stranger gets the kernel's defaults)."""
     sock = transport.get_extra_info("socket")
     if sock is None:
         return
-    for option, value in ((socket.SO_SNDBUF, SOCKET_BUFFER_BYTES),
-                          (socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)):
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         with contextlib.suppress(OSError):  # the kernel's defaults then
-            sock.setsockopt(socket.SOL_SOCKET, option, value)
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+
+
+def _binding_of_peer(transport: asyncio.BaseTransport) -> bytes:
+    """The channel binding of the certificate the other end presented (``b""`` without TLS)."""
+    ssl_object = transport.get_extra_info("ssl_object")
+    if ssl_object is None:
+        return b""
+    der = ssl_object.getpeercert(binary_form=True)
+    return binding_of_certificate(der) if der else b""
+
+
+def _host_of(address: Any) -> str:
+    """The host part of a socket address (what admission counts sources by)."""
+    return str(address[0]) if isinstance(address, tuple) and address else "?"
 
 
 class StreamProtocol(asyncio.BufferedProtocol):
-    """Receives framed messages into their own buffers; see the module docstring."""
+    """Receives framed messages into their own buffers; see the module docstring.
 
-    def __init__(self, max_message_bytes: int) -> None:
+    Args:
+        max_message_bytes: the largest message accepted once authenticated.
+        admission: on a listener's side, the :class:`Admission` that admits this connection
+            when it is accepted (refused: it is closed before anything is read).
+        binding: on a listener's side, :meth:`StreamConnection.channel_binding` (the
+            listener's certificate's binding over TLS, ``b""`` without); ``None`` on a
+            connecting side, which reads it off the certificate it receives.
+    """
+
+    def __init__(self, max_message_bytes: int, *, admission: Admission | None = None,
+                 binding: bytes | None = None) -> None:
         self.max_message_bytes = max_message_bytes
         self.transport: asyncio.Transport | None = None
         self.remote = "?"
-        self._scratch = bytearray(SCRATCH_BYTES)
+        self.binding = binding
+        self._admission = admission
+        self._ticket: Ticket | None = None
+        #: Bytes that may still be read before authentication; ``None`` once authenticated.
+        self._budget: int | None = PREAUTH_BYTES
+        self._budget_paused = False  # reading paused because the budget is spent
+        self._scratch = bytearray(PREAUTH_BYTES)
         self._view = memoryview(self._scratch)
         self._start = 0  # parsed up to here
         self._end = 0  # received up to here
@@ -136,13 +186,72 @@ class StreamProtocol(asyncio.BufferedProtocol):
         """Whether a message goes out as ``frame_header`` plus its bytes, unchanged."""
         return True
 
+    # -- pre-authentication limits -------------------------------------------------------------
+    @property
+    def unauthenticated(self) -> bool:
+        """Whether the pre-authentication limits are in force."""
+        return self._budget is not None
+
+    def over_budget(self, frame_bytes: int, have: int) -> bool:
+        """Whether a frame of ``frame_bytes`` (header included), of which ``have`` bytes are
+        buffered, needs more bytes than the pre-authentication budget has left."""
+        return self._budget is not None and frame_bytes - have > self._budget
+
+    def preauth_error(self) -> ProtocolError:
+        """The error for a peer that goes past the pre-authentication budget."""
+        return ProtocolError(
+            f"message from {self.remote} exceeds the pre-authentication limit "
+            f"({PREAUTH_BYTES} bytes): a peer may send no more before it authenticates")
+
+    def authenticated(self) -> None:
+        """Lift the pre-authentication limits: tell the admission ticket, grow the scratch
+        buffer and the socket's kernel buffers, read on. Idempotent."""
+        if self._budget is None:
+            return
+        self._budget = None
+        if self._ticket is not None:
+            self._ticket.authenticated()
+        if self.transport is None or self.error is not None:
+            return  # closed or failing: nothing more will be read
+        left = self._end - self._start
+        scratch = bytearray(SCRATCH_BYTES)
+        scratch[:left] = self._view[self._start:self._end]
+        self._scratch, self._view = scratch, memoryview(scratch)
+        self._start, self._end = 0, left
+        transport = self.transport
+        _enlarge_socket_buffers(transport)
+        if self._budget_paused:
+            self._budget_paused = False
+            if not self._reading_paused:
+                transport.resume_reading()
+        if self._start < self._end:
+            self._parse_buffered()
+
+    def drop(self, reason: str) -> None:
+        """Close the connection at once (an admission evicted it or its deadline passed)."""
+        self.fail(TransportError(f"dropped the connection from {self.remote}: {reason}"))
+        self._direct = None
+        if self.transport is not None:
+            self.transport.abort()
+
     # -- asyncio callbacks -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        self.remote = format_address(transport.get_extra_info("peername"))
+        peer = transport.get_extra_info("peername")
+        self.remote = format_address(peer)
+        if self._admission is not None:
+            self._ticket = self._admission.admit(_host_of(peer), self.drop)
+            self._admission = None
+            if self._ticket is None:  # refused (and logged)
+                self.fail(TransportError(f"refused the connection from {self.remote}: too "
+                                         "many connections"))
+                transport.abort()
+                return
+        if self.binding is None:  # a connecting side: the listener's certificate, if any
+            self.binding = _binding_of_peer(transport)
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
-        _tune_socket(transport)
+        _set_no_delay(transport)
         self._writer = SocketWriter.for_transport(transport, self._write_failed)
 
     def _write_failed(self, exc: OSError) -> None:
@@ -152,12 +261,23 @@ class StreamProtocol(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._direct is not None:
-            return self._direct[self._direct_filled:]
-        if self._end == len(self._scratch):
-            self._compact()
-        return self._view[self._end:]
+            view = self._direct[self._direct_filled:]
+        else:
+            if self._end == len(self._scratch):
+                self._compact()
+            view = self._view[self._end:]
+        budget = self._budget
+        if budget is not None and len(view) > budget:
+            # Before authentication the kernel may hand over no more than the budget left
+            # (reading is paused once it is spent, so it is never 0 here).
+            view = view[:max(budget, 1)]
+        return view
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._budget is not None:
+            self._budget -= nbytes
+            if self._budget <= 0:
+                self._pause_for_budget()
         if self._direct is not None:
             self._direct_filled += nbytes
             if self._direct_filled == len(self._direct):
@@ -168,13 +288,28 @@ class StreamProtocol(asyncio.BufferedProtocol):
                 done(direct)
             return
         self._end += nbytes
+        self._parse_buffered()
+
+    def _pause_for_budget(self) -> None:
+        if not self._budget_paused and self.transport is not None:
+            self._budget_paused = True
+            self.transport.pause_reading()
+
+    def _parse_buffered(self) -> None:
+        """Parse what the scratch buffer holds; before authentication, stop after one message
+        until ``recv`` takes it, and refuse a frame the spent budget cannot complete."""
         try:
             while self._direct is None and self._start < self._end and self.error is None:
+                if self._budget is not None and self._messages:
+                    break  # one message at a time before authentication
                 used = self.parse(self._view[self._start:self._end])
                 if used == 0:
+                    if self._budget is not None and self._budget <= 0:
+                        raise self.preauth_error()  # it can never be complete
                     break
                 self._start += used
         except ProtocolError as exc:
+            exc.__traceback__ = None  # its frames hold this protocol: no cycle
             self.protocol_error(exc)
             return
         if self._start == self._end:
@@ -252,9 +387,17 @@ class StreamProtocol(asyncio.BufferedProtocol):
             cut = ""
         reason = f": {exc}" if exc is not None else ""
         self.fail(TransportError(f"connection to {self.remote} closed{cut}{reason}"))
+        if self._ticket is not None:
+            self._ticket.release()
+            self._ticket = None
         if self._writer is not None:
             assert self.error is not None
             self._writer.close(self.error)
+        # Forget every callback that refers back to this protocol, and the transport (over
+        # TLS, asyncio's SSL protocol keeps this one's methods): with no reference cycle left,
+        # the buffers are freed as soon as the last outside reference goes.
+        self._direct, self._direct_done, self.placer = None, None, None
+        self.transport = None
         if not self.lost.done():
             self.lost.set_result(None)
         waiter = self._drain_waiter
@@ -288,9 +431,14 @@ class StreamProtocol(asyncio.BufferedProtocol):
 
     # -- used by the connection -------------------------------------------------------------------
     async def next_message(self) -> Buffer | Placed:
+        if not self._messages and self._budget is not None and self._start < self._end:
+            # The message held back before authentication (see _parse_buffered), parsed only
+            # now: had the caller authenticated after taking the last one, the limits would be
+            # lifted already.
+            self._parse_buffered()
         while not self._messages:
             if self.error is not None:
-                raise self.error
+                raise fresh_error(self.error)
             self._recv_waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._recv_waiter
@@ -300,7 +448,8 @@ class StreamProtocol(asyncio.BufferedProtocol):
         self._queued -= len(message)
         if self._reading_paused and self._queued <= RECV_QUEUE_BYTES // 2 and self.transport:
             self._reading_paused = False
-            self.transport.resume_reading()
+            if not self._budget_paused:
+                self.transport.resume_reading()
         return message
 
     def write_message(self, views: list[memoryview], total: int) -> int | None:
@@ -330,8 +479,10 @@ class StreamProtocol(asyncio.BufferedProtocol):
 
     def _open_transport(self) -> asyncio.Transport:
         transport = self.transport
-        if self.error is not None or transport is None or transport.is_closing():
-            raise self.error or TransportError(f"connection to {self.remote} is closed")
+        if self.error is not None:
+            raise fresh_error(self.error)
+        if transport is None or transport.is_closing():
+            raise TransportError(f"connection to {self.remote} is closed")
         return transport
 
     def write_bytes(self, data: bytes | bytearray) -> None:
@@ -375,8 +526,8 @@ class StreamProtocol(asyncio.BufferedProtocol):
                 await self._drain_waiter
             finally:
                 self._drain_waiter = None
-        if self.error is not None and self.transport is not None and self.transport.is_closing():
-            raise self.error
+        if self.error is not None and (self.transport is None or self.transport.is_closing()):
+            raise fresh_error(self.error)
 
 
 class StreamConnection(Connection):
@@ -387,7 +538,6 @@ class StreamConnection(Connection):
         self.remote = protocol.remote
         self.close_timeout = close_timeout
         self._closing = False
-        self._max_message_bytes = protocol.max_message_bytes
 
     def send_now(self, parts: Sequence[Buffer]) -> bool:
         protocol = self._protocol
@@ -401,9 +551,11 @@ class StreamConnection(Connection):
             return False  # a large message waits on the loop until it is sent
         return writer.write_now(b"".join([protocol.frame_header(total), *views]))
 
-    def limit_incoming(self, max_bytes: int | None) -> None:
-        self._protocol.max_message_bytes = (
-            max_bytes if max_bytes is not None else self._max_message_bytes)
+    def authenticated(self) -> None:
+        self._protocol.authenticated()
+
+    def channel_binding(self) -> bytes:
+        return self._protocol.binding or b""
 
     @property
     def transport(self) -> asyncio.Transport | None:
@@ -456,8 +608,9 @@ class TcpProtocol(StreamProtocol):
 
     def __init__(self, max_message_bytes: int, server: bool,
                  on_open: Callable[[TcpProtocol], None] | None = None,
-                 preamble_timeout: float = 10.0) -> None:
-        super().__init__(max_message_bytes)
+                 preamble_timeout: float = 10.0, admission: Admission | None = None) -> None:
+        super().__init__(max_message_bytes, admission=admission,
+                         binding=b"" if server else None)
         self._await_preamble = server
         self._on_open = on_open
         self._preamble_timeout = preamble_timeout
@@ -465,6 +618,8 @@ class TcpProtocol(StreamProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        if self.error is not None:  # refused
+            return
         if not self._await_preamble:
             self.write_bytes(PREAMBLE)
         else:  # a stranger that says nothing is dropped, not held forever
@@ -472,15 +627,18 @@ class TcpProtocol(StreamProtocol):
                 self._preamble_timeout, self._silent)
 
     def _silent(self) -> None:
+        self._timer = None
         if self._await_preamble and self.transport is not None:
-            logger.warning("dropped a connection from %s: no preamble within %g s",
-                           self.remote, self._preamble_timeout)
+            stranger_log.warning("silent", f"dropped a connection from {self.remote}: no "
+                                 f"preamble within {self._preamble_timeout:g} s")
             self.protocol_error(ProtocolError(
                 f"{self.remote} sent no preamble within {self._preamble_timeout:g} s"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
             self._timer.cancel()
+            self._timer = None
+        self._on_open = None
         super().connection_lost(exc)
 
     def parse(self, view: memoryview) -> int:
@@ -495,12 +653,15 @@ class TcpProtocol(StreamProtocol):
             self._await_preamble = False
             if self._timer is not None:
                 self._timer.cancel()
+                self._timer = None
             if self._on_open is not None:
                 self._on_open(self)
             return len(PREAMBLE)
         if len(view) < LENGTH_PREFIX_BYTES:
             return 0
         size = int.from_bytes(view[:LENGTH_PREFIX_BYTES], "little")
+        if self.over_budget(LENGTH_PREFIX_BYTES + size, len(view)):
+            raise self.preauth_error()
         if size > self.max_message_bytes:
             raise ProtocolError(
                 f"message from {self.remote} exceeds the size limit ({size} bytes announced, "
@@ -520,11 +681,16 @@ class TcpProtocol(StreamProtocol):
 
 
 class StreamListener(Listener):
-    """A bound server; each accepted connection runs the handler in its own task."""
+    """A bound server; each accepted connection runs the handler in its own task.
 
-    def __init__(self, host: str, port: int) -> None:
+    ``admission`` (a default :class:`Admission` when ``None``) admits every accepted
+    connection; the protocol factory passes it to each protocol.
+    """
+
+    def __init__(self, host: str, port: int, admission: Admission | None = None) -> None:
         self.host = host
         self.port = port
+        self.admission = admission if admission is not None else Admission()
         self._server: asyncio.Server | None = None
         self._handler_tasks: set[asyncio.Task[Any]] = set()
         self._connections: set[StreamConnection] = set()
@@ -534,6 +700,7 @@ class StreamListener(Listener):
         self._server = server
         sockname = server.sockets[0].getsockname()
         self.host, self.port = sockname[0], sockname[1]
+        self.admission.name = f"listener {format_address(sockname)}"
 
     def start(self, conn: StreamConnection, handler: Handler) -> None:
         """Run ``handler(conn)`` in a task of its own (unless the listener is closing)."""
@@ -568,6 +735,7 @@ class StreamListener(Listener):
 
     async def _close(self, server: asyncio.Server) -> None:
         server.close()  # stop accepting
+        self.admission.close()  # drops the connections still waiting to authenticate
         connections = list(self._connections)
         if connections:
             await asyncio.gather(*(c.close() for c in connections))
@@ -599,29 +767,36 @@ class TcpTransport(Transport):
     """Length-prefixed messages on plain TCP (no TLS); see the module docstring.
 
     Args:
-        max_message_bytes: the largest message this side accepts.
+        max_message_bytes: the largest message this side accepts (once authenticated).
         connect_timeout: seconds for the TCP connect.
         close_timeout: seconds ``close`` waits for the written bytes to leave.
+        admission: makes each listener's :class:`Admission` (its caps and pre-authentication
+            deadline); the defaults when ``None``.
     """
 
     name = "tcp"
 
     def __init__(self, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 connect_timeout: float = 10.0, close_timeout: float = 2.0) -> None:
+                 connect_timeout: float = 10.0, close_timeout: float = 2.0,
+                 admission: Callable[[], Admission] | None = None) -> None:
         self.max_message_bytes = max_message_bytes
         self.connect_timeout = connect_timeout
         self.close_timeout = close_timeout
+        self.admission = admission or Admission
 
     async def listen(self, host: str, port: int, handler: Handler) -> StreamListener:
-        listener = StreamListener(host, port)
+        listener = StreamListener(host, port, self.admission())
+        close_timeout, max_message_bytes = self.close_timeout, self.max_message_bytes
+        preamble_timeout, admission = self.connect_timeout, listener.admission
 
         def opened(protocol: TcpProtocol) -> None:
-            listener.start(StreamConnection(protocol, self.close_timeout), handler)
+            listener.start(StreamConnection(protocol, close_timeout), handler)
 
-        await listen_stream(
-            host, port, lambda: TcpProtocol(self.max_message_bytes, server=True, on_open=opened,
-                                            preamble_timeout=self.connect_timeout),
-            listener)
+        def factory() -> TcpProtocol:
+            return TcpProtocol(max_message_bytes, server=True, on_open=opened,
+                               preamble_timeout=preamble_timeout, admission=admission)
+
+        await listen_stream(host, port, factory, listener)
         return listener
 
     async def connect(self, host: str, port: int) -> StreamConnection:

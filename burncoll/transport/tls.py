@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import functools
+import hashlib
 import ipaddress
 import os
 import ssl
@@ -31,9 +32,11 @@ from burncoll.errors import ConfigError
 from burncoll.transport.base import TlsSettings
 
 __all__ = [
+    "binding_of_certificate",
     "client_ssl_context",
     "configure_quic_client",
     "configure_quic_server",
+    "listener_binding",
     "make_self_signed",
     "server_certificate",
     "server_ssl_context",
@@ -120,6 +123,33 @@ def server_certificate(settings: TlsSettings, host: str) -> tuple[str, str]:
     if settings.cert is None or settings.key is None:
         raise ConfigError("TLS needs both a certificate and its private key (cert and key)")
     return settings.cert, settings.key
+
+
+def binding_of_certificate(der: bytes) -> bytes:
+    """The RFC 5929 ``tls-server-end-point`` channel binding of a DER certificate: its
+    SHA-256 (the hash RFC 5929 section 4.1 prescribes for SHA-256 and weaker signatures; this
+    module makes ECDSA-SHA256 certificates)."""
+    return hashlib.sha256(der).digest()
+
+
+@functools.cache
+def _certificate_der(cert_path: str) -> bytes:
+    with open(cert_path, "rb") as f:
+        pem = f.read()
+    start = pem.find(b"-----BEGIN CERTIFICATE-----")
+    if start < 0:
+        raise ConfigError(f"{cert_path} holds no PEM certificate")
+    return ssl.PEM_cert_to_DER_cert(pem[start:].decode("ascii", errors="replace"))
+
+
+def listener_binding(settings: TlsSettings | None, host: str) -> bytes:
+    """The channel binding of the certificate a listener on ``host`` presents (the first one
+    of its chain); see :func:`binding_of_certificate`."""
+    cert, _ = server_certificate(settings or TlsSettings(), host)
+    try:
+        return binding_of_certificate(_certificate_der(cert))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read TLS certificate {cert}: {exc}") from exc
 
 
 def server_ssl_context(settings: TlsSettings, host: str = "127.0.0.1") -> ssl.SSLContext:

@@ -25,18 +25,27 @@ The framing follows RFC 6455 section 5:
 * No compression (permessage-deflate costs far more CPU than array bytes save) and no
   keepalive pings: liveness is the collective's business (every operation has a deadline,
   and a dead peer's kernel resets the TCP connection).
-* ``wss``: the same over TLS (:mod:`burncoll.transport.tls`).
+* ``wss``: the same over TLS (:mod:`burncoll.transport.tls`), used whenever the TLS settings
+  ask for it (``TlsSettings.wanted``: certificate paths, or ``ephemeral=True`` for an ephemeral
+  self-signed certificate that clients do not verify; the token authentication, bound to the
+  certificate by :meth:`~burncoll.transport.base.Connection.channel_binding`, then
+  authenticates both ends).
+* Before authentication (:meth:`~burncoll.transport.base.Connection.authenticated`): the
+  pre-authentication byte budget of :mod:`burncoll.transport.tcp` covers the opening handshake
+  and every frame (an HTTP head that does not end within it is refused), and a message may come
+  in at most :data:`PREAUTH_FRAGMENTS` frames.
 
 A stranger that fails the opening handshake gets the library's HTTP refusal (400/426) and is
-dropped with a WARNING naming its address; one that says nothing is dropped after
-``connect_timeout``.
+dropped with a WARNING naming its address (bounded:
+:class:`~burncoll.transport.admission.BoundedLog`); one that says nothing is dropped after
+``connect_timeout`` (sooner by its listener's :class:`~burncoll.transport.admission.Admission`
+deadline).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import secrets
 import ssl
 from collections.abc import Callable
@@ -50,6 +59,7 @@ from websockets.server import ServerProtocol
 from websockets.uri import parse_uri
 
 from burncoll.errors import ProtocolError, TransportError
+from burncoll.transport.admission import Admission
 from burncoll.transport.base import (
     Buffer,
     Handler,
@@ -62,9 +72,11 @@ from burncoll.transport.tcp import (
     StreamListener,
     StreamProtocol,
     listen_stream,
+    stranger_log,
 )
-from burncoll.transport.tls import client_ssl_context, server_ssl_context
+from burncoll.transport.tls import client_ssl_context, listener_binding, server_ssl_context
 from burncoll.transport.wire import DEFAULT_MAX_MESSAGE_BYTES
+from burncoll.transport.writer import fresh_error
 
 __all__ = [
     "WebSocketConnection",
@@ -74,13 +86,13 @@ __all__ = [
     "mask_in_place",
 ]
 
-logger = logging.getLogger("burncoll.transport")
-
 #: Longest opening handshake (request or response head) accepted.
 HANDSHAKE_LIMIT = 16 * 1024
 #: Most frames one incoming message may come in (the byte limit alone would let a stranger
 #: send millions of empty fragments).
 MAX_FRAGMENTS = 4096
+#: Most frames one incoming message may come in before the peer authenticates.
+PREAUTH_FRAGMENTS = 4
 
 OP_CONTINUATION, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
 CLOSE_NORMAL, CLOSE_PROTOCOL, CLOSE_UNSUPPORTED, CLOSE_TOO_BIG = 1000, 1002, 1003, 1009
@@ -113,7 +125,7 @@ def frame_header(opcode: int, size: int, mask: bytes | None, fin: bool = True) -
 class _Refused(ProtocolError):
     """The peer broke the framing; ``code`` is the close code it is told."""
 
-    def __init__(self, message: str, code: int) -> None:
+    def __init__(self, message: str, code: int = CLOSE_PROTOCOL) -> None:
         super().__init__(message)
         self.code = code
 
@@ -123,8 +135,10 @@ class WebSocketProtocol(StreamProtocol):
 
     def __init__(self, max_message_bytes: int, *, server: bool, uri: str = "ws://localhost/",
                  handshake_timeout: float = 10.0,
-                 on_open: Callable[[WebSocketProtocol], None] | None = None) -> None:
-        super().__init__(max_message_bytes)
+                 on_open: Callable[[WebSocketProtocol], None] | None = None,
+                 admission: Admission | None = None, binding: bytes | None = None) -> None:
+        super().__init__(max_message_bytes, admission=admission,
+                         binding=(binding or b"") if server else None)
         self.server = server
         self._on_open = on_open
         self._handshake_timeout = handshake_timeout
@@ -137,10 +151,13 @@ class WebSocketProtocol(StreamProtocol):
         self._fragments: list[bytes | memoryview] | None = None  # a fragmented message so far
         self._fragment_bytes = 0
         self._close_sent = False
+        self._searched = 0  # bytes of the handshake head searched for its end already
 
     # -- opening handshake ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        if self.error is not None:  # refused
+            return
         loop = asyncio.get_running_loop()
         self._timer = loop.call_later(self._handshake_timeout, self._handshake_too_slow)
         handshake = self._handshake
@@ -149,10 +166,11 @@ class WebSocketProtocol(StreamProtocol):
             self._write_handshake()
 
     def _handshake_too_slow(self) -> None:
+        self._timer = None
         if self._handshake is not None and self.transport is not None:
             if self.server:
-                logger.warning("dropped a connection from %s: no WebSocket handshake within "
-                               "%g s", self.remote, self._handshake_timeout)
+                stranger_log.warning("silent", f"dropped a connection from {self.remote}: no "
+                                     f"WebSocket handshake within {self._handshake_timeout:g} s")
             self.protocol_error(ProtocolError(
                 f"no WebSocket handshake with {self.remote} within {self._handshake_timeout:g} s"))
 
@@ -163,8 +181,11 @@ class WebSocketProtocol(StreamProtocol):
                 self.write_bytes(data)
 
     def _parse_handshake(self, view: memoryview) -> int:
-        end = bytes(view[:HANDSHAKE_LIMIT]).find(b"\r\n\r\n")
+        start = max(self._searched - 3, 0)  # what was searched before, but a partial end
+        found = bytes(view[start:HANDSHAKE_LIMIT]).find(b"\r\n\r\n")
+        end = found + start if found >= 0 else -1
         if end < 0:
+            self._searched = min(len(view), HANDSHAKE_LIMIT)
             if len(view) >= HANDSHAKE_LIMIT:
                 self._refuse_handshake(f"an opening handshake over {HANDSHAKE_LIMIT} bytes")
             return 0
@@ -200,8 +221,8 @@ class WebSocketProtocol(StreamProtocol):
             self.protocol_error(ProtocolError(f"bad WebSocket handshake from {self.remote}: "
                                               f"{why}"))
             return
-        logger.warning("dropped a connection from %s: it failed the WebSocket handshake (%s)",
-                       self.remote, why)
+        stranger_log.warning("handshake", f"dropped a connection from {self.remote}: it failed "
+                             f"the WebSocket handshake ({why})")
         if not answered and self.transport is not None:
             body = b"not a WebSocket handshake\n"
             self.write_bytes(b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\n"
@@ -210,9 +231,10 @@ class WebSocketProtocol(StreamProtocol):
         self.close_after_writes()  # after the refusal is written
 
     def _opened(self) -> None:
-        self._handshake = None
+        self._discard_handshake()
         if self._timer is not None:
             self._timer.cancel()
+            self._timer = None
         if not self.opened.done():
             self.opened.set_result(None)
         if self._on_open is not None:
@@ -248,6 +270,8 @@ class WebSocketProtocol(StreamProtocol):
                 return 0
             key, at = bytes(view[at:at + 4]), at + 4
         self._check_frame(first & 0x70, opcode, bool(masked), bool(fin), size)
+        if self.over_budget(at + size, len(view)):
+            raise _Refused(str(self.preauth_error()), CLOSE_TOO_BIG)
         body = view[at:]
         if opcode >= OP_CLOSE:
             if len(body) < size:
@@ -308,10 +332,13 @@ class WebSocketProtocol(StreamProtocol):
             return
         if self._fragments is None:
             self._fragments, self._fragment_bytes = [], 0
-        if len(self._fragments) >= MAX_FRAGMENTS:
+        most = PREAUTH_FRAGMENTS if self.unauthenticated else MAX_FRAGMENTS
+        if len(self._fragments) >= most:
             self._send_close(CLOSE_TOO_BIG, "too many fragments")
+            before = " before authenticating" if self.unauthenticated else ""
             self.protocol_error(ProtocolError(
-                f"{self.remote} sent a message in more than {MAX_FRAGMENTS} fragments"))
+                f"{self.remote} sent a message in more than {most} fragments{before} "
+                "(the limit)"))
             return
         self._fragments.append(bytes(payload) if payload.obj is self._scratch else payload)
         self._fragment_bytes += len(payload)
@@ -381,7 +408,12 @@ class WebSocketProtocol(StreamProtocol):
             self._write_frame(OP_CLOSE, code.to_bytes(2, "big") + reason.encode()[:120])
 
     def protocol_error(self, error: ProtocolError) -> None:
-        """Tell the peer why (a close frame), then drop the connection once it is written."""
+        """Tell the peer why (a close frame), then drop the connection once it is written.
+        Before authentication, drop it at once: a stranger is owed no graceful close (and a
+        TLS shutdown would wait on a socket that the spent budget no longer reads)."""
+        if self.unauthenticated:
+            super().protocol_error(error)
+            return
         self.fail(error)
         self._direct = None
         self.close_after_writes()
@@ -389,14 +421,27 @@ class WebSocketProtocol(StreamProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
             self._timer.cancel()
+            self._timer = None
         if self.server and self._handshake is not None and self.error is None:
-            logger.warning("dropped a connection from %s: it failed the WebSocket handshake "
-                           "(closed before it was complete)", self.remote)
+            stranger_log.warning("handshake", f"dropped a connection from {self.remote}: it "
+                                 "failed the WebSocket handshake (closed before it was "
+                                 "complete)")
         if not self.opened.done():
-            self.opened.set_exception(self.error or TransportError(
+            self.opened.set_exception(fresh_error(self.error) if self.error else TransportError(
                 f"connection to {self.remote} closed during the WebSocket handshake"))
             self.opened.exception()  # retrieved: connect() may have given up already
+        self._discard_handshake()
+        self._on_open = None
         super().connection_lost(exc)
+
+    def _discard_handshake(self) -> None:
+        """Drop the library's handshake state (its parser, a generator, refers back to it)."""
+        handshake, self._handshake = self._handshake, None
+        if handshake is not None:
+            parser = getattr(handshake, "parser", None)
+            close = getattr(parser, "close", None)
+            if callable(close):
+                close()
 
 
 class WebSocketConnection(StreamConnection):
@@ -416,12 +461,15 @@ class WebSocketTransport(Transport):
     """Listen and connect with WebSocket; ``wss`` when ``tls`` is given.
 
     Args:
-        tls: ``wss`` when it sets any of ``cert``, ``key``, ``ca``, as described in
-            :mod:`burncoll.transport.tls`; plain ``ws`` for ``None`` or ``TlsSettings()``.
+        tls: ``wss`` when it asks for TLS (``tls.wanted``: any of ``cert``, ``key``, ``ca``, or
+            ``ephemeral=True``), as described in :mod:`burncoll.transport.tls`; plain ``ws``
+            for ``None`` or ``TlsSettings()``.
         max_message_bytes: the largest message this side accepts.
         connect_timeout: seconds for the TCP connect, TLS and WebSocket handshakes together
             (also how long a listener waits for a stranger's handshake).
         close_timeout: seconds ``close`` waits for the written bytes to leave.
+        admission: makes each listener's :class:`~burncoll.transport.admission.Admission`
+            (its caps and pre-authentication deadline); the defaults when ``None``.
     """
 
     name = "websocket"
@@ -433,9 +481,11 @@ class WebSocketTransport(Transport):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         connect_timeout: float = 10.0,
         close_timeout: float = 2.0,
+        admission: Callable[[], Admission] | None = None,
     ) -> None:
         #: The TLS settings when ``wss`` is used, else ``None``.
-        self.tls = tls if tls is not None and any((tls.cert, tls.key, tls.ca)) else None
+        self.tls = tls if tls is not None and tls.wanted else None
+        self.admission = admission or Admission
         self.max_message_bytes = max_message_bytes
         self.connect_timeout = connect_timeout
         self.close_timeout = close_timeout
@@ -443,15 +493,19 @@ class WebSocketTransport(Transport):
 
     async def listen(self, host: str, port: int, handler: Handler) -> WebSocketListener:
         """Bind and serve; a stranger that fails the opening handshake is logged and dropped."""
-        listener = WebSocketListener(host, port)
+        listener = WebSocketListener(host, port, self.admission())
         context = None if self.tls is None else server_ssl_context(self.tls, host)
+        binding = b"" if self.tls is None else listener_binding(self.tls, host)
+        close_timeout, max_message_bytes = self.close_timeout, self.max_message_bytes
+        handshake_timeout, admission = self.connect_timeout, listener.admission
 
         def opened(protocol: WebSocketProtocol) -> None:
-            listener.start(WebSocketConnection(protocol, self.close_timeout), handler)
+            listener.start(WebSocketConnection(protocol, close_timeout), handler)
 
         def factory() -> WebSocketProtocol:
-            return WebSocketProtocol(self.max_message_bytes, server=True, on_open=opened,
-                                     handshake_timeout=self.connect_timeout)
+            return WebSocketProtocol(max_message_bytes, server=True, on_open=opened,
+                                     handshake_timeout=handshake_timeout, admission=admission,
+                                     binding=binding)
 
         extra: dict[str, Any] = {} if context is None else {
             "ssl": context, "ssl_handshake_timeout": self.connect_timeout}
@@ -481,5 +535,6 @@ class WebSocketTransport(Transport):
         except (OSError, TimeoutError, ssl.SSLError, TransportError) as exc:
             if protocol is not None and protocol.transport is not None:
                 protocol.transport.abort()
+            protocol = None  # this frame, kept by the traceback, must not keep it alive
             raise TransportError(f"cannot connect to {netloc} over {scheme}: {exc}") from exc
         return WebSocketConnection(protocol, self.close_timeout)

@@ -18,6 +18,7 @@ A lock keeps whole messages in order whichever thread writes them.
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import socket
 import threading
@@ -26,10 +27,32 @@ from collections.abc import Callable, Sequence
 
 from burncoll.errors import TransportError
 
-__all__ = ["SocketWriter"]
+__all__ = ["SocketWriter", "fresh_error"]
 
 #: Buffers per ``sendmsg`` call (Linux allows 1024).
 _IOV_BATCH = 512
+
+
+def fresh_error(error: TransportError) -> TransportError:
+    """A copy of ``error`` to raise (same class, message and attributes, no traceback).
+
+    A connection keeps the reason it failed and raises it to every later caller. Raising the
+    kept object itself would attach a traceback whose frames hold the connection's protocol,
+    which holds the error: a reference cycle that keeps the connection's buffers alive until a
+    garbage collection. Raise a copy instead.
+    """
+    try:
+        fresh = copy.copy(error)
+    except Exception:  # a subclass whose constructor copy cannot call
+        fresh = type(error).__new__(type(error))
+        fresh.args = error.args
+        fresh.__dict__.update(error.__dict__)
+    fresh.__traceback__ = None
+    return fresh
+
+
+def _ignore(exc: OSError) -> None:
+    """The error callback of a closed writer."""
 
 
 class SocketWriter:
@@ -78,7 +101,7 @@ class SocketWriter:
         takes now. Returns the offset at which they are all sent."""
         with self._lock:
             if self.error is not None:
-                raise self.error
+                raise fresh_error(self.error)
             for buffer in buffers:
                 if len(buffer):
                     self._pending.append(buffer)
@@ -119,7 +142,7 @@ class SocketWriter:
         if self._sent >= offset:
             return None
         if self.error is not None:
-            raise self.error
+            raise fresh_error(self.error)
         waiter = self._loop.create_future()
         self._waiters.append((offset, waiter))
         return waiter
@@ -147,8 +170,9 @@ class SocketWriter:
             except OSError as exc:
                 failure = exc
         if failure is not None:
+            on_error = self._on_error
             self.close(TransportError(f"sending failed: {failure}"))
-            self._on_error(failure)
+            on_error(failure)
             return
         if pending and not self._watching:
             self._loop.add_writer(self._fd, self._flush)
@@ -178,7 +202,8 @@ class SocketWriter:
                 n = 0
 
     def close(self, error: TransportError) -> None:
-        """Stop: drop what is queued, fail the waiters with ``error``; idempotent."""
+        """Stop: drop what is queued, fail the waiters with (a copy of) ``error``, forget the
+        error callback; idempotent."""
         if self._watching:
             self._loop.remove_writer(self._fd)
             self._watching = False
@@ -190,6 +215,7 @@ class SocketWriter:
         while self._waiters:
             _, waiter = self._waiters.popleft()
             if not waiter.done():
-                waiter.set_exception(error)
+                waiter.set_exception(fresh_error(error))
                 waiter.exception()  # retrieved: its sender may be gone
         self._when_empty = None
+        self._on_error = _ignore  # no reference back to the protocol (no cycle)

@@ -93,6 +93,12 @@ class FaultyConnection(Connection):
     async def close(self) -> None:
         await self.inner.close()
 
+    def authenticated(self) -> None:
+        self.inner.authenticated()
+
+    def channel_binding(self) -> bytes:
+        return self.inner.channel_binding()
+
 
 class FaultyTransport(Transport):
     """Wraps a real transport; accepted connections (the ones a node sends on) tamper with

@@ -306,7 +306,7 @@ def quic_attacks() -> list[Attack]:
             Attack(f"quic-frame-{kind}", _frame_attack(QuicTransport, kind), reason)
             for kind, reason in FRAME_REASONS.items()
         ),
-        Attack("quic-oversized", _quic_length(1 << 40), "exceeds the limit"),
+        Attack("quic-oversized", _quic_length(1 << 40), "exceeds the pre-authentication limit"),
         Attack("quic-cut-short", _quic_length(1000), "in the middle of a message"),
     ]
 

@@ -8,8 +8,8 @@ import pytest
 
 from burncoll.errors import AuthenticationError, TransportError
 from burncoll.transport import get_transport
-from burncoll.transport.auth import AUTH_MESSAGE_LIMIT, authenticate_server
-from burncoll.transport.base import Connection
+from burncoll.transport.auth import authenticate_server
+from burncoll.transport.base import PREAUTH_BYTES, Connection
 
 
 @pytest.mark.parametrize("name", ["websocket", "quic", "tcp"])
@@ -29,7 +29,7 @@ def test_a_large_message_before_authentication_is_refused(name: str) -> None:
         try:
             client = await transport.connect("127.0.0.1", listener.port)
             await client.recv()  # the challenge
-            await client.send([b"\0" * (AUTH_MESSAGE_LIMIT + 1024)])  # too big, and not a reply
+            await client.send([b"\0" * (PREAUTH_BYTES + 1024)])  # too big, and not a reply
             async with asyncio.timeout(5.0):
                 result = await outcome
             await client.close()
@@ -40,4 +40,4 @@ def test_a_large_message_before_authentication_is_refused(name: str) -> None:
     result = asyncio.run(scenario())
     assert isinstance(result, (AuthenticationError, TransportError)), result
     # refused for its size (the pre-authentication limit), not merely for being garbage
-    assert str(AUTH_MESSAGE_LIMIT) in str(result) and "limit" in str(result), result
+    assert str(PREAUTH_BYTES) in str(result) and "limit" in str(result), result

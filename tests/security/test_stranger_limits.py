@@ -1,7 +1,8 @@
-"""A stranger that has not authenticated cannot make a listener grow without bound or hold a
-connection forever: over WebSocket pings are not answered while earlier bytes wait to leave
-and a message may not come in unlimited empty fragments; a TCP listener drops a connection
-that never sends its preamble."""
+"""A peer cannot make a listener grow without bound or hold a connection forever: over
+WebSocket pings are not answered while earlier bytes wait to leave and a message may not come
+in unlimited empty fragments, even after authentication (before it, tighter limits hold:
+tests/transport/test_preauth_stream.py); a TCP listener drops a connection that never sends
+its preamble."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def test_a_ping_flood_from_a_peer_that_never_reads_queues_almost_nothing() -> No
         async with serving(WebSocketTransport()) as served:
             _reader, writer = await _upgraded(served.port)
             conn = await asyncio.wait_for(served.accepted.get(), 5)
+            conn.authenticated()  # the limits after authentication (before it: 16 KiB in all)
             ping = _masked(0x9, bytes(125))
             for _ in range(100):
                 writer.write(ping * 2000)  # 200,000 pings of 125 bytes, never reading
@@ -56,6 +58,7 @@ def test_a_message_in_too_many_fragments_is_refused() -> None:
         async with serving(WebSocketTransport()) as served:
             reader, writer = await _upgraded(served.port)
             conn = await asyncio.wait_for(served.accepted.get(), 5)
+            conn.authenticated()  # the limits after authentication (before it: 4 fragments)
             writer.write(_masked(0x2, b"x", fin=False))
             writer.write(_masked(0x0, b"", fin=False) * (MAX_FRAGMENTS + 10))
             await writer.drain()

@@ -158,7 +158,8 @@ def test_a_server_without_the_token_is_caught_by_the_client(make: MakeTransport)
 
     async def impostor(conn: Connection) -> None:
         nonce = bytes(32)
-        await conn.send([encode_control({"type": "challenge", "nonce": nonce.hex(), "version": 1})])
+        await conn.send([encode_control(
+            {"type": "challenge", "nonce": nonce.hex(), "version": 2, "integrity": False})])
         response = decode(await conn.recv()).control
         assert response is not None
         # Replaying the client's own MAC as the proof must not work either.
@@ -179,23 +180,24 @@ def test_a_server_of_another_version_is_reported(make: MakeTransport) -> None:
 
 
 def test_the_client_mac_follows_the_documented_formula(make: MakeTransport) -> None:
-    """HMAC-SHA256(token, b"burncoll-auth-v1" + server_nonce + client_nonce), hex."""
+    """HMAC-SHA256(token, b"burncoll-auth-v2 client|Ns|Nc|B|F"), hex; B is empty without TLS,
+    F empty without integrity."""
     server_nonce = bytes(range(32))
 
     async def recorder(conn: Connection) -> dict[str, Any]:
-        await conn.send(
-            [encode_control({"type": "challenge", "nonce": server_nonce.hex(), "version": 1})]
-        )
+        binding = conn.channel_binding()
+        await conn.send([encode_control({"type": "challenge", "nonce": server_nonce.hex(),
+                                         "version": 2, "integrity": False})])
         response = decode(await conn.recv()).control
         assert response is not None
         await conn.send([encode_control({"type": "denied", "reason": "recorded"})])
-        return response
+        return {"response": response, "binding": binding}
 
-    response, client, _ = run(_exchange(make, recorder, _client("token")))
-    assert isinstance(response, dict)
+    recorded, client, _ = run(_exchange(make, recorder, _client("token")))
+    assert isinstance(recorded, dict)
+    response, binding = recorded["response"], recorded["binding"]
     client_nonce = bytes.fromhex(response["nonce"])
-    expected = hmac.new(
-        b"token", b"burncoll-auth-v1" + server_nonce + client_nonce, hashlib.sha256
-    ).hexdigest()
+    message = b"|".join((b"burncoll-auth-v2 client", server_nonce, client_nonce, binding, b""))
+    expected = hmac.new(b"token", message, hashlib.sha256).hexdigest()
     assert response["mac"] == expected and len(client_nonce) == 32
     assert isinstance(client, AuthenticationError) and "recorded" in str(client)

@@ -1,0 +1,324 @@
+"""Listener admission: pending caps with oldest-first eviction, a total cap, a deadline.
+
+The first tests drive :class:`Admission` directly (its callers are the listeners); the rest
+attack a real TCP or WebSocket listener on 127.0.0.1 with raw sockets. Strangers come from
+several loopback addresses (127.0.0.2, 127.0.0.3, ...: Linux routes all of 127/8 to ``lo``)
+so that the per-source and the overall caps can be told apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from collections.abc import Callable
+
+import pytest
+
+from burncoll.errors import TransportError
+from burncoll.transport.admission import LOG_BURST, Admission
+from burncoll.transport.base import Connection, Transport
+from burncoll.transport.tcp import StreamListener, TcpTransport
+from burncoll.transport.websocket import WebSocketTransport
+from burncoll.transport.wire import Placed
+from tests.transport.support import HOST, run, serving
+
+STREAM_TRANSPORTS = [pytest.param(TcpTransport, id="tcp"),
+                     pytest.param(WebSocketTransport, id="websocket")]
+
+
+async def _recv_bytes(conn: Connection, timeout: float = 5.0) -> bytes:
+    """The next message's bytes (these tests place nothing)."""
+    message = await asyncio.wait_for(conn.recv(), timeout)
+    assert not isinstance(message, Placed)
+    return bytes(message)
+
+
+class Dropped:
+    """Records ``drop(reason)`` calls by connection name."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def drop_for(self, name: str) -> Callable[[str], None]:
+        return lambda reason: self.calls.append((name, reason))
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+
+def test_the_oldest_pending_connection_of_the_source_is_evicted_first() -> None:
+    async def body() -> None:
+        admission = Admission(max_pending=10, max_pending_per_source=3, max_connections=100)
+        dropped = Dropped()
+        tickets = {}
+        for name, source in [("a1", "A"), ("b1", "B"), ("a2", "A"), ("a3", "A")]:
+            tickets[name] = admission.admit(source, dropped.drop_for(name))
+        assert dropped.names == []
+        tickets["a4"] = admission.admit("A", dropped.drop_for("a4"))  # A is full: a1 goes
+        assert dropped.names == ["a1"]
+        assert "max_pending_per_source" in dropped.calls[0][1]
+        assert tickets["a1"] is not None and tickets["a1"].released
+        tickets["a2"].authenticated()  # type: ignore[union-attr]
+        tickets["a5"] = admission.admit("A", dropped.drop_for("a5"))  # room again: nobody goes
+        assert dropped.names == ["a1"]
+        assert admission.pending == 4 and admission.connections == 5  # b1 a3 a4 a5; + a2
+        admission.close()
+
+    run(body())
+
+
+def test_the_oldest_pending_connection_overall_is_evicted_when_all_are_full() -> None:
+    async def body() -> None:
+        admission = Admission(max_pending=4, max_pending_per_source=4, max_connections=100)
+        dropped = Dropped()
+        for i in range(4):
+            admission.admit(f"S{i}", dropped.drop_for(f"c{i}"))
+        admission.admit("S9", dropped.drop_for("new1"))
+        admission.admit("S9", dropped.drop_for("new2"))
+        assert dropped.names == ["c0", "c1"]
+        assert all("max_pending" in reason for _, reason in dropped.calls)
+        assert admission.pending == 4
+        admission.close()
+        assert dropped.names == ["c0", "c1", "c2", "c3", "new1", "new2"]
+        assert admission.admit("S0", dropped.drop_for("late")) is None  # closed
+
+    run(body())
+
+
+def test_max_connections_refuses_and_release_is_idempotent() -> None:
+    async def body() -> None:
+        admission = Admission(max_pending=8, max_pending_per_source=8, max_connections=2)
+        dropped = Dropped()
+        first = admission.admit("A", dropped.drop_for("first"))
+        second = admission.admit("A", dropped.drop_for("second"))
+        assert first is not None and second is not None
+        first.authenticated()
+        assert admission.admit("A", dropped.drop_for("third")) is None  # refused, nobody evicted
+        assert dropped.names == []
+        first.release()
+        first.release()
+        assert admission.connections == 1
+        assert admission.admit("A", dropped.drop_for("fourth")) is not None
+        admission.close()
+
+    run(body())
+
+
+def test_a_connection_still_pending_at_the_deadline_is_dropped_once() -> None:
+    async def body() -> None:
+        admission = Admission(preauth_seconds=0.1)
+        dropped = Dropped()
+        slow = admission.admit("A", dropped.drop_for("slow"))
+        quick = admission.admit("A", dropped.drop_for("quick"))
+        assert slow is not None and quick is not None
+        quick.authenticated()
+        await asyncio.sleep(0.3)
+        assert dropped.names == ["slow"] and "not authenticated within 0.1 s" in dropped.calls[0][1]
+        assert slow.released and not quick.released and admission.connections == 1
+
+    run(body())
+
+
+def test_evictions_are_logged_at_most_ten_a_second_with_a_count(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async def body() -> None:
+        admission = Admission(max_pending=1, max_pending_per_source=1, max_connections=10_000)
+        for _ in range(500):
+            admission.admit("A", lambda reason: None)
+        await asyncio.sleep(1.05)
+        admission.admit("A", lambda reason: None)
+        admission.close()
+
+    with caplog.at_level(logging.WARNING, logger="burncoll.transport"):
+        run(body())
+    lines = [r.getMessage() for r in caplog.records if "dropped the oldest" in r.getMessage()]
+    assert len(lines) == LOG_BURST + 1, lines
+    assert all("from A" in line for line in lines)
+    assert f"(and {499 - LOG_BURST} more like it" in lines[-1]
+
+
+# -- against a real listener ---------------------------------------------------------------------
+
+async def _stranger(port: int, source: str) -> socket.socket:
+    """A connection from ``source`` that says nothing."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((source, 0))
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (HOST, port))
+    return sock
+
+
+async def _strangers(port: int, sources: list[str]) -> list[socket.socket]:
+    socks = []
+    for source in sources:
+        socks.append(await _stranger(port, source))
+    await asyncio.sleep(0.1)  # all accepted (and the oldest evicted)
+    return socks
+
+
+async def _is_closed(sock: socket.socket, timeout: float) -> bool:
+    """Whether the other end closes ``sock`` within ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                data = await loop.sock_recv(sock, 4096)
+                if not data:
+                    return True
+    except ConnectionError:
+        return True
+    except TimeoutError:
+        return False
+
+
+async def _legitimate_exchange(transport: Transport, port: int,
+                               accepted: asyncio.Queue[Connection]) -> None:
+    """What a node does: connect, a short exchange standing for authentication, then a
+    message far over the pre-authentication budget."""
+    client = await transport.connect(HOST, port)
+    try:
+        server = await asyncio.wait_for(accepted.get(), 5)
+        await server.send([b"challenge"])
+        assert await _recv_bytes(client, 5) == b"challenge"
+        client.authenticated()
+        await client.send([b"response"])
+        assert await _recv_bytes(server, 5) == b"response"
+        server.authenticated()
+        payload = os.urandom(1 << 20)
+        await client.send([payload])
+        assert await _recv_bytes(server, 5) == payload
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("make", STREAM_TRANSPORTS)
+def test_a_node_registers_while_200_idle_strangers_hold_every_pending_slot(
+        make: Callable[..., Transport]) -> None:
+    async def body() -> None:
+        transport = make()
+        async with serving(transport) as served:
+            # 20 sources x 10: under the per-source cap, far over the overall one
+            strangers = await _strangers(served.port, [f"127.0.0.{2 + i % 20}"
+                                                       for i in range(200)])
+            try:
+                listener = served.listener
+                assert isinstance(listener, StreamListener)
+                assert listener.admission.pending <= listener.admission.max_pending
+                await _legitimate_exchange(transport, served.port, served.accepted)
+                closed = await asyncio.gather(*(_is_closed(s, 0.5) for s in strangers))
+                # the oldest were evicted; the newest still wait (for the deadline)
+                assert sum(closed) >= 200 - listener.admission.max_pending
+                assert not all(closed[-10:])
+            finally:
+                for sock in strangers:
+                    sock.close()
+
+    run(body())
+
+
+@pytest.mark.parametrize("make", STREAM_TRANSPORTS)
+def test_a_source_over_its_cap_evicts_only_its_own_connections(
+        make: Callable[..., Transport]) -> None:
+    async def body() -> None:
+        transport = make()
+        async with serving(transport) as served:
+            bystander = await _stranger(served.port, "127.0.0.3")
+            flood = await _strangers(served.port, ["127.0.0.2"] * 40)
+            try:
+                closed = await asyncio.gather(*(_is_closed(s, 0.3) for s in flood))
+                assert sum(closed) == 40 - 16  # max_pending_per_source stay
+                assert not await _is_closed(bystander, 0.1)
+            finally:
+                for sock in [bystander, *flood]:
+                    sock.close()
+
+    run(body())
+
+
+@pytest.mark.parametrize("make", STREAM_TRANSPORTS)
+def test_idle_connections_are_dropped_at_the_preauth_deadline(
+        make: Callable[..., Transport]) -> None:
+    async def body() -> None:
+        transport = make(admission=lambda: Admission(preauth_seconds=0.3))
+        errors: list[str] = []
+
+        async def handler(conn: Connection) -> None:
+            try:
+                await conn.recv()
+            except TransportError as exc:
+                errors.append(str(exc))
+
+        async with serving(transport, handler) as served:
+            silent = await _strangers(served.port, ["127.0.0.2"] * 3)
+            # opened (the handler runs) but never authenticates
+            opened = await transport.connect(HOST, served.port)
+            try:
+                await asyncio.sleep(0.05)
+                started = asyncio.get_running_loop().time()
+                assert all(await asyncio.gather(*(_is_closed(s, 2) for s in silent)))
+                with pytest.raises(TransportError):
+                    await asyncio.wait_for(opened.recv(), 2)
+                assert asyncio.get_running_loop().time() - started < 1.0
+                await asyncio.sleep(0.05)
+                assert len(errors) == 1 and "not authenticated within 0.3 s" in errors[0]
+            finally:
+                await opened.close()
+                for sock in silent:
+                    sock.close()
+
+    run(body())
+
+
+@pytest.mark.parametrize("make", STREAM_TRANSPORTS)
+def test_over_max_connections_a_connection_is_refused_and_logged(
+        make: Callable[..., Transport], caplog: pytest.LogCaptureFixture) -> None:
+    async def body() -> None:
+        transport = make(admission=lambda: Admission(max_connections=2))
+        async with serving(transport) as served:
+            first = await transport.connect(HOST, served.port)
+            second = await transport.connect(HOST, served.port)
+            for conn in (first, second, await served.accepted.get(), await served.accepted.get()):
+                conn.authenticated()
+            try:
+                with pytest.raises(TransportError):
+                    refused = await transport.connect(HOST, served.port)
+                    try:
+                        await asyncio.wait_for(refused.recv(), 2)  # tcp: connected, then closed
+                    finally:
+                        await refused.close()
+                await first.close()
+                await asyncio.sleep(0.1)
+                third = await transport.connect(HOST, served.port)  # room again
+                third.authenticated()
+                await third.send([b"hello"])
+                assert await _recv_bytes((await served.accepted.get()), 2) == b"hello"
+                await third.close()
+            finally:
+                await first.close()
+                await second.close()
+
+    with caplog.at_level(logging.WARNING, logger="burncoll.transport"):
+        run(body())
+    assert any("refused a connection from 127.0.0.1" in r.getMessage()
+               and "max_connections" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("make", STREAM_TRANSPORTS)
+def test_closing_the_listener_drops_the_strangers_still_waiting(
+        make: Callable[..., Transport]) -> None:
+    async def body() -> None:
+        transport = make()
+        async with serving(transport) as served:
+            strangers = await _strangers(served.port, ["127.0.0.2"] * 3)
+            assert served.listener is not None
+            await served.listener.close()
+            try:
+                assert all(await asyncio.gather(*(_is_closed(s, 1) for s in strangers)))
+            finally:
+                for sock in strangers:
+                    sock.close()
+
+    run(body())
