@@ -3,12 +3,21 @@
 Values come from, in increasing priority: the field defaults, the constructor (or a YAML file
 through :meth:`CollectiveConfig.from_yaml`), then ``BURNCOLL_<FIELD>`` environment variables
 (``BURNCOLL_NUM_NODES=2``). ``burncoll launch`` hands each node its addresses that way.
+
+Secure by default: a multi-node config whose ``node_address`` is not a loopback address
+(``127.0.0.0/8``, ``::1``, ``localhost``) must carry an ``auth_token`` (or ``auth_token_file``)
+unless ``insecure`` is set; an empty token is refused and one shorter than
+:data:`MIN_TOKEN_BYTES` bytes draws a :class:`UserWarning`. ``repr`` and
+:meth:`~CollectiveConfig.to_dict` never show the token.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
+import stat
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -19,12 +28,32 @@ import yaml
 
 from burncoll.errors import ConfigError
 from burncoll.strategies import Auto, Strategy, parse_strategy
+from burncoll.transport.base import TlsSettings
 
-__all__ = ["BACKENDS", "TRANSPORTS", "CollectiveConfig", "parse_host_port"]
+__all__ = [
+    "BACKENDS",
+    "MIN_TOKEN_BYTES",
+    "TRANSPORTS",
+    "CollectiveConfig",
+    "check_bind_address",
+    "check_tls_mode",
+    "check_token",
+    "is_loopback",
+    "parse_host_port",
+    "read_token_file",
+    "resolve_token",
+]
 
 BACKENDS = ("numpy", "jax", "cupy")
 TRANSPORTS = ("websocket", "quic", "tcp")
 ENV_PREFIX = "BURNCOLL_"
+#: Tokens shorter than this (in UTF-8 bytes) draw a warning: an HMAC over a sniffed handshake
+#: lets anyone test guesses offline, and a 4-letter token fell in 0.2 s.
+MIN_TOKEN_BYTES = 16
+#: Largest token file read (a token is a line; anything larger is a wrong path).
+TOKEN_FILE_LIMIT = 4096
+#: What :func:`repr` and :meth:`CollectiveConfig.to_dict` show instead of a token.
+REDACTED = "***"
 _STRATEGY_FIELDS = (
     "local_all_reduce_strategy",
     "local_reduce_strategy",
@@ -73,14 +102,31 @@ class CollectiveConfig:
     transport: str = "websocket"
     #: Seconds any single wait may take (registration, each operation, finish).
     timeout: float = 60.0
-    #: Shared secret authenticating every connection (challenge-response; never sent).
+    #: Shared secret authenticating every connection (challenge-response; never sent). Prefer
+    #: ``auth_token_file`` or the ``BURNCOLL_AUTH_TOKEN`` environment variable to writing it
+    #: in a file others read. ``""`` is refused; under 16 bytes draws a warning.
     auth_token: str | None = None
+    #: A file holding the token (its trailing newline stripped), read on creation; a missing,
+    #: unreadable or empty file is an error. Must agree with ``auth_token`` when both are set.
+    auth_token_file: str | None = None
+    #: Allow a multi-node ``node_address`` other than loopback *without* a token: anyone who
+    #: reaches the address can then join the collective and read or change its data.
+    insecure: bool = False
+    #: Tag every message on tcp/websocket connections with a per-connection HMAC (key derived
+    #: from the token and both nonces), so a relay cannot alter data undetected. Every node
+    #: and the orchestrator must agree.
+    integrity: bool = False
     #: PEM certificate for this node's listeners (wss / QUIC); ``None`` = ephemeral self-signed.
     tls_cert: str | None = None
     #: PEM private key matching ``tls_cert``.
     tls_key: str | None = None
     #: PEM CA bundle used to verify other nodes' certificates; ``None`` = trust by token only.
     tls_ca: str | None = None
+    #: TLS mode. ``None`` (automatic): QUIC always uses TLS, WebSocket uses ``wss`` when a
+    #: ``tls_*`` path is set. ``True``: ``wss`` even without certificates (ephemeral ones; the
+    #: token authentication is then bound to the certificate, which defeats a relay).
+    #: ``False``: plain ``ws`` (an error with QUIC, or with ``tls_*`` paths). Not for tcp.
+    tls: bool | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -97,6 +143,21 @@ class CollectiveConfig:
         """True when more than one node takes part."""
         return (self.num_nodes or 1) > 1
 
+    @property
+    def uses_tls(self) -> bool:
+        """Whether node-to-node connections run TLS (QUIC always; ``wss`` for WebSocket)."""
+        if self.transport == "quic":
+            return True
+        if self.transport != "websocket":
+            return False
+        return self.tls_settings().wanted
+
+    def tls_settings(self) -> TlsSettings:
+        """The transports' TLS settings: the certificate paths, ephemeral when ``tls`` is on."""
+        if self.tls is False:
+            return TlsSettings()
+        return TlsSettings(self.tls_cert, self.tls_key, self.tls_ca, ephemeral=bool(self.tls))
+
     def strategy(self, name: str) -> Strategy:
         """The validated strategy of field ``name`` (e.g. ``"global_reduce_strategy"``)."""
         value = getattr(self, name)
@@ -112,15 +173,28 @@ class CollectiveConfig:
             "global_reduce_strategy": self.strategy("global_reduce_strategy").spec,
             "global_broadcast_strategy": self.strategy("global_broadcast_strategy").spec,
             "transport": self.transport,
+            "integrity": self.integrity,
+            "tls": self.uses_tls,
         }
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain values (strategies as their spelling), as a YAML file would hold them."""
+    def to_dict(self, *, reveal_token: bool = False) -> dict[str, Any]:
+        """Plain values (strategies as their spelling), as a YAML file would hold them.
+
+        The token shows as ``"***"`` unless ``reveal_token`` (nothing in burncoll needs it:
+        child processes get the token through their environment).
+        """
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
             out[f.name] = value.spec if isinstance(value, Strategy) else value
+        if out["auth_token"] is not None and not reveal_token:
+            out["auth_token"] = REDACTED
         return out
+
+    def __repr__(self) -> str:
+        """Every field, the token shown as ``'***'``."""
+        shown = ", ".join(f"{name}={value!r}" for name, value in self.to_dict().items())
+        return f"CollectiveConfig({shown})"
 
     # -- construction helpers ---------------------------------------------------------------
     @classmethod
@@ -201,6 +275,19 @@ class CollectiveConfig:
     def with_auth_token(self, value: str | None) -> CollectiveConfig:
         return self.replace(auth_token=value)
 
+    def with_auth_token_file(self, value: str | None) -> CollectiveConfig:
+        return self.replace(auth_token_file=value)
+
+    def with_insecure(self, value: bool) -> CollectiveConfig:
+        return self.replace(insecure=value)
+
+    def with_integrity(self, value: bool) -> CollectiveConfig:
+        return self.replace(integrity=value)
+
+    def with_tls_mode(self, value: bool | None) -> CollectiveConfig:
+        """Set ``tls`` (``None`` automatic, ``True`` wss, ``False`` plain ws)."""
+        return self.replace(tls=value)
+
     def with_tls(
         self, cert: str | None, key: str | None, ca: str | None = None
     ) -> CollectiveConfig:
@@ -252,6 +339,25 @@ def _parse_optional_str(text: str) -> str | None:
     return None if text.strip().lower() in ("", "none", "null") else text
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _parse_bool(text: str) -> bool:
+    word = text.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise ValueError(text)
+
+
+def _parse_optional_bool(text: str) -> bool | None:
+    if text.strip().lower() in ("", "auto", "none", "null"):
+        return None
+    return _parse_bool(text)
+
+
 _ENV_PARSERS: dict[str, Callable[[str], Any]] = {
     "num_devices": int,
     "num_nodes": _parse_optional_int,
@@ -259,7 +365,11 @@ _ENV_PARSERS: dict[str, Callable[[str], Any]] = {
     "timeout": float,
     "global_address": _parse_optional_str,
     "node_address": _parse_optional_str,
-    "auth_token": _parse_optional_str,
+    "auth_token": str,  # "" stays "": an empty token is refused, never read as "no token"
+    "auth_token_file": _parse_optional_str,
+    "insecure": _parse_bool,
+    "integrity": _parse_bool,
+    "tls": _parse_optional_bool,
     "tls_cert": _parse_optional_str,
     "tls_key": _parse_optional_str,
     "tls_ca": _parse_optional_str,
@@ -297,12 +407,23 @@ def _validate(cfg: CollectiveConfig) -> None:
     timeout = cfg.timeout
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
         raise ConfigError(f"timeout={timeout!r}: expected a number of seconds > 0")
-    for name in ("auth_token", "tls_cert", "tls_key", "tls_ca", "global_address", "node_address"):
+    for name in ("auth_token", "auth_token_file", "tls_cert", "tls_key", "tls_ca",
+                 "global_address", "node_address"):
         value = getattr(cfg, name)
         if value is not None and not isinstance(value, str):
-            raise ConfigError(f"{name}={value!r}: expected a string or None")
+            shown = REDACTED if name == "auth_token" else repr(value)
+            raise ConfigError(f"{name}={shown}: expected a string or None")
+    for name in ("insecure", "integrity"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ConfigError(f"{name}={getattr(cfg, name)!r}: expected true or false")
+    if isinstance(cfg.tls, str) and cfg.tls.strip().lower() == "auto":
+        object.__setattr__(cfg, "tls", None)  # YAML ``tls: auto``, as BURNCOLL_TLS=auto
+    if cfg.tls is not None and not isinstance(cfg.tls, bool):
+        raise ConfigError(f"tls={cfg.tls!r}: expected true, false or auto (null)")
     if (cfg.tls_cert is None) != (cfg.tls_key is None):
         raise ConfigError("tls_cert and tls_key must be given together (PEM file paths)")
+    check_tls_mode(cfg.transport, cfg.tls, (cfg.tls_cert, cfg.tls_key, cfg.tls_ca))
+    object.__setattr__(cfg, "auth_token", resolve_token(cfg.auth_token, cfg.auth_token_file))
     if cfg.is_multi_node:
         missing = [n for n in ("global_address", "node_address") if getattr(cfg, n) is None]
         if missing:
@@ -314,4 +435,138 @@ def _validate(cfg: CollectiveConfig) -> None:
     if cfg.global_address is not None:
         parse_host_port(cfg.global_address, "global_address")
     if cfg.node_address is not None:
-        parse_host_port(cfg.node_address, "node_address", default_port=0)
+        host, _ = parse_host_port(cfg.node_address, "node_address", default_port=0)
+        if cfg.is_multi_node:
+            check_bind_address(host, cfg.auth_token, cfg.insecure, f"node_address={host!r}",
+                               "insecure: true (BURNCOLL_INSECURE=1)")
+
+
+# -- security checks, shared with the orchestrator and the CLI -------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only: ``127.0.0.0/8``, ``::1`` or ``localhost``.
+
+    Any other name is taken as reachable from elsewhere (``0.0.0.0`` and ``::`` bind every
+    interface; a host name may resolve to anything).
+    """
+    name = host.strip().strip("[]").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(name.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
+
+
+_HOW_TO_SET_A_TOKEN = (
+    "set a shared token on every node and on the orchestrator: BURNCOLL_AUTH_TOKEN=<secret> "
+    "or BURNCOLL_AUTH_TOKEN_FILE=<path> in the environment, or auth_token_file: <path> in the "
+    "config (make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+)
+
+
+def check_bind_address(
+    host: str, token: str | None, insecure: bool, subject: str, override: str
+) -> None:
+    """Refuse to listen on a non-loopback ``host`` without a token unless ``insecure``.
+
+    :class:`ConfigError` naming the ``subject`` (``"node_address='0.0.0.0'"``), how to set a
+    token, and the ``override`` that accepts the risk.
+    """
+    if token is not None or insecure or is_loopback(host):
+        return
+    raise ConfigError(
+        f"{subject} is reachable from other machines, and no auth token is set: anyone who "
+        "reaches it could join the collective and read or change its data. To fix it, "
+        f"{_HOW_TO_SET_A_TOKEN}; or, on a network you fully trust, set {override} to run "
+        "without authentication"
+    )
+
+
+def check_token(token: str | None, what: str = "auth_token") -> None:
+    """Refuse an empty token; warn (:class:`UserWarning`) about one under 16 bytes."""
+    if token is None:
+        return
+    if token == "":
+        raise ConfigError(
+            f"{what}: an empty auth_token authenticates nothing; {_HOW_TO_SET_A_TOKEN}, or "
+            "leave it unset (no authentication: loopback only)"
+        )
+    size = len(token.encode("utf-8"))
+    if size < MIN_TOKEN_BYTES:
+        warnings.warn(
+            f"{what} is only {size} bytes: anyone who sniffs one handshake can test guesses "
+            f"offline (a 4-letter token was recovered in 0.2 s); use at least "
+            f"{MIN_TOKEN_BYTES} random bytes, e.g. python -c 'import secrets; "
+            "print(secrets.token_urlsafe(32))'",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def read_token_file(path: str) -> str:
+    """The token in file ``path``, its trailing newline stripped.
+
+    :class:`ConfigError` naming the path when it is missing, unreadable, too large, not UTF-8
+    or empty; a :class:`UserWarning` when group or others may read it.
+    """
+    try:
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            raw = f.read(TOKEN_FILE_LIMIT + 1)
+    except OSError as exc:
+        raise ConfigError(
+            f"auth_token_file={path!r}: cannot read the token file: {exc.strerror or exc}"
+        ) from None
+    if len(raw) > TOKEN_FILE_LIMIT:
+        raise ConfigError(f"auth_token_file={path!r}: over {TOKEN_FILE_LIMIT} bytes; a token "
+                          "file holds one line, the token")
+    try:
+        token = raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError:
+        raise ConfigError(f"auth_token_file={path!r}: the token is not UTF-8 text") from None
+    if not token:
+        raise ConfigError(f"auth_token_file={path!r}: the file is empty; write the token in it")
+    if os.name == "posix" and stat.S_ISREG(mode) and mode & 0o077:
+        warnings.warn(
+            f"auth_token_file={path!r} may be read by other users (mode "
+            f"{stat.S_IMODE(mode):o}); restrict it: chmod 600 {path}",
+            UserWarning,
+            stacklevel=3,
+        )
+    return token
+
+
+def resolve_token(token: str | None, token_file: str | None) -> str | None:
+    """The token to use: ``token``, or the one read from ``token_file``, checked.
+
+    Both given: they must agree (:class:`ConfigError` otherwise, neither shown). The result
+    passes :func:`check_token`.
+    """
+    if token_file is not None:
+        from_file = read_token_file(token_file)
+        if token is not None and token != from_file:
+            raise ConfigError(
+                f"auth_token and auth_token_file={token_file!r} give different tokens; give "
+                "the token one way (BURNCOLL_AUTH_TOKEN or the file), not both"
+            )
+        token = from_file
+    check_token(token)
+    return token
+
+
+def check_tls_mode(transport: str, tls: bool | None, paths: tuple[str | None, ...]) -> None:
+    """Refuse ``tls`` settings that ``transport`` cannot honour (:class:`ConfigError`)."""
+    if tls is False and transport == "quic":
+        raise ConfigError("tls=false: QUIC always runs TLS; leave tls unset (automatic), or "
+                          "choose transport websocket for plain ws")
+    if tls is False and any(p is not None for p in paths):
+        raise ConfigError("tls=false (plain ws) conflicts with the tls_cert/tls_key/tls_ca "
+                          "paths given; remove them, or leave tls unset to use wss")
+    if tls is True and transport == "tcp":
+        raise ConfigError("tls=true: the tcp transport has no TLS; choose transport websocket "
+                          "(wss) or quic, or leave tls unset")

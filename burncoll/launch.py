@@ -4,11 +4,18 @@ Like ``torchrun --standalone``: each node gets its node rank, the orchestrator's
 its own settings through ``BURNCOLL_*`` environment variables, which ``CollectiveConfig``
 reads. Each node's output is prefixed with ``[node R]``. The exit code is the first failing
 node's; once a node fails, the others get ``grace`` seconds to finish before they are stopped.
+
+Everything binds loopback, and the run is authenticated all the same: without a token given,
+a fresh random one (:func:`secrets.token_urlsafe`, 32 bytes) is made for the run and handed
+to the orchestrator and to the nodes through their environment (never their argv, which
+every user can read in ``/proc/PID/cmdline``). The orchestrator accepts only registrations of
+``nodes`` nodes.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -18,7 +25,12 @@ from typing import IO
 
 from burncoll.orchestrator import start_orchestrator
 
-__all__ = ["launch_nodes", "node_environment"]
+__all__ = ["launch_nodes", "new_token", "node_environment"]
+
+
+def new_token() -> str:
+    """A fresh random token for one run: 32 random bytes, URL-safe base64 (43 characters)."""
+    return secrets.token_urlsafe(32)
 
 
 def node_environment(
@@ -48,6 +60,15 @@ def _pump(rank: int, stream: IO[str], sink: IO[str], lock: threading.Lock) -> No
             sink.flush()
 
 
+def _security_environment(token: str, integrity: bool, tls: bool | None) -> dict[str, str]:
+    """The settings every node must share with the orchestrator, as environment variables."""
+    return {
+        "BURNCOLL_AUTH_TOKEN": token,
+        "BURNCOLL_INTEGRITY": "1" if integrity else "0",
+        "BURNCOLL_TLS": "auto" if tls is None else ("1" if tls else "0"),
+    }
+
+
 def launch_nodes(
     command: Sequence[str],
     nodes: int,
@@ -56,20 +77,29 @@ def launch_nodes(
     auth_token: str | None = None,
     grace: float = 30.0,
     extra_env: dict[str, str] | None = None,
+    *,
+    integrity: bool = False,
+    tls: bool | None = None,
 ) -> int:
     """Run ``command`` as ``nodes`` node processes around a fresh orchestrator.
 
-    Returns 0 when every node exits 0, else the exit code of the first node that failed.
+    ``auth_token``: the run's token; ``None`` makes a fresh random one (:func:`new_token`).
+    It reaches the nodes as ``BURNCOLL_AUTH_TOKEN`` (``BURNCOLL_AUTH_TOKEN_FILE`` is removed
+    from their environment, the token having been read already). ``integrity``, ``tls``: as
+    the config fields, set on the orchestrator and on every node. Returns 0 when every node
+    exits 0, else the exit code of the first node that failed.
     """
+    token = new_token() if auth_token is None else auth_token
     extra = dict(extra_env or {})
-    if auth_token is not None:
-        extra["BURNCOLL_AUTH_TOKEN"] = auth_token
-    with start_orchestrator(transport=transport, auth_token=auth_token) as orchestrator:
+    extra.update(_security_environment(token, integrity, tls))
+    with start_orchestrator(transport=transport, auth_token=token, integrity=integrity,
+                            tls=tls, expected_nodes=nodes) as orchestrator:
         lock = threading.Lock()
         procs: list[subprocess.Popen[str]] = []
         pumps: list[threading.Thread] = []
         for rank in range(nodes):
             env = node_environment(rank, nodes, devices, orchestrator.address, transport, extra)
+            env.pop("BURNCOLL_AUTH_TOKEN_FILE", None)
             proc = subprocess.Popen(
                 list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 text=True, bufsize=1,

@@ -287,6 +287,8 @@ def _run_multi_node(
             config.num_devices,
             config.transport,
             config.auth_token,
+            integrity=config.integrity,
+            tls=config.tls,
         )
         if code != 0:
             print(
@@ -359,7 +361,5 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _redacted(config: CollectiveConfig) -> dict[str, Any]:
-    data = config.to_dict()
-    if data.get("auth_token") is not None:
-        data["auth_token"] = "<redacted>"
-    return data
+    """The config as recorded in ``--json``: the token never appears (``to_dict`` hides it)."""
+    return config.to_dict()

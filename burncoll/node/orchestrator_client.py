@@ -21,21 +21,34 @@ from burncoll.transport.wire import decode, encode_control
 
 __all__ = ["OrchestratorClient"]
 
+#: Longest notice text kept from the orchestrator (it is only shown in an error message).
+_NOTICE_LIMIT = 2000
+#: Length of a session secret, hex digits (32 random bytes).
+_SECRET_HEX = 64
+
 
 class OrchestratorClient:
     """The node's connection to the orchestrator, kept open after the rendezvous."""
 
     def __init__(self, transport: Transport, host: str, port: int, token: str | None,
-                 timeout: float) -> None:
+                 timeout: float, *, integrity: bool = False) -> None:
         self.transport = transport
         self.host = host
         self.port = port
         self.token = token
         self.timeout = timeout
+        #: Per-message integrity tags on the connection (the config's ``integrity``).
+        self.integrity = integrity
         self.conn: Connection | None = None
         self.session = 0
         self.index = -1
         self.nodes: tuple[NodeInfo, ...] = ()
+        #: The session's secret (64 hex digits, 32 random bytes), sent by the orchestrator
+        #: to the session's members only; ``None`` before the table.
+        self.secret: str | None = None
+        #: The orchestrator's last notice while this node waited (other nodes waiting with
+        #: a config that differs), shown if registration times out.
+        self.notice: str | None = None
         self.gone: BaseException | None = None
         self._finished = asyncio.Event()
         self._reader: asyncio.Task[None] | None = None
@@ -49,38 +62,66 @@ class OrchestratorClient:
     async def join(self, message: dict[str, Any], deadline: float) -> None:
         """Register with the orchestrator and wait for the node table (until ``deadline``).
 
-        A not-yet-listening orchestrator is retried with backoff.
+        A not-yet-listening orchestrator is retried with backoff. Raises
+        :class:`~burncoll.ConfigError` when the orchestrator refuses this node,
+        :class:`~burncoll.CollectiveTimeout` (naming any config differences the orchestrator
+        noticed) when the other nodes do not come, :class:`~burncoll.ProtocolError` for a
+        reply that is not a valid table.
         """
         conn = await self._connect(deadline)
         self.conn = conn
         await conn.send([encode_control(message)])
+        reply = await self._await_table(conn, message, deadline)
+        if reply.get("type") == "refused":
+            raise ConfigError(f"the orchestrator refused this node: {reply.get('reason')}")
+        if reply.get("type") != "table":
+            raise ProtocolError(f"unexpected reply from the orchestrator: {reply.get('type')}")
+        self._take_table(reply)
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _await_table(self, conn: Connection, message: dict[str, Any],
+                           deadline: float) -> dict[str, Any]:
+        """The orchestrator's verdict (table or refusal), keeping the notices before it."""
         try:
             async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
-                reply = decode(await conn.recv()).control or {}
+                while True:
+                    reply = decode(await conn.recv()).control or {}
+                    if reply.get("type") != "notice":
+                        return reply
+                    self.notice = str(reply.get("reason", ""))[:_NOTICE_LIMIT]
         except TimeoutError:
+            noticed = f"; the orchestrator noticed: {self.notice}" if self.notice else ""
             raise CollectiveTimeout(
                 f"register timed out after {self.timeout:g} s waiting at the orchestrator "
                 f"{self.address} for all {message['fingerprint'].get('num_nodes')} nodes "
-                "to join; start every node (or check num_nodes)"
+                f"to join; start every node (or check num_nodes){noticed}"
             ) from None
         except TransportError as exc:
             raise TransportError(
                 f"the orchestrator at {self.address} closed the connection during "
                 f"registration: {exc}"
             ) from exc
-        if reply.get("type") == "refused":
-            raise ConfigError(f"the orchestrator refused this node: {reply.get('reason')}")
-        if reply.get("type") != "table":
-            raise ProtocolError(f"unexpected reply from the orchestrator: {reply.get('type')}")
-        self.session = int(reply["session"])
-        self.index = int(reply["index"])
-        self.nodes = tuple(
-            NodeInfo(int(n["index"]), str(n["host"]), int(n["port"]),
-                     tuple(int(p) for p in n["peer_ids"]),
-                     bool((n.get("meta") or {}).get("local_ring", False)))
-            for n in reply["nodes"]
-        )
-        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    def _take_table(self, reply: dict[str, Any]) -> None:
+        """Store the session, this node's index, the node table and the session secret."""
+        try:
+            self.session = int(reply["session"])
+            self.index = int(reply["index"])
+            self.nodes = tuple(
+                NodeInfo(int(n["index"]), str(n["host"]), int(n["port"]),
+                         tuple(int(p) for p in n["peer_ids"]),
+                         bool((n.get("meta") or {}).get("local_ring", False)))
+                for n in reply["nodes"]
+            )
+            secret = reply.get("secret")
+            if secret is not None:
+                if not isinstance(secret, str) or len(secret) != _SECRET_HEX:
+                    raise ValueError("the session secret is not 64 hex digits")
+                bytes.fromhex(secret)
+            self.secret = secret
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ProtocolError(f"the orchestrator at {self.address} sent a malformed node "
+                                f"table: {exc!r}") from None
 
     async def _connect(self, deadline: float) -> Connection:
         delay = 0.05
@@ -90,11 +131,11 @@ class OrchestratorClient:
                 async with asyncio.timeout(max(deadline - time.monotonic(), 0.01)):
                     conn = await self.transport.connect(self.host, self.port)
                     try:
-                        await authenticate_client(conn, self.token, self.timeout)
+                        return await authenticate_client(conn, self.token, self.timeout,
+                                                         integrity=self.integrity)
                     except BaseException:
                         await conn.close()
                         raise
-                    return conn
             except AuthenticationError:
                 raise
             except (TransportError, TimeoutError, OSError) as exc:
