@@ -8,6 +8,17 @@ servers never do, so array bytes travel unmasked from a server and land in their
 a pass over them on either side. Every connection is authenticated (challenge-response on the
 shared token) before any frame is read, and every connection is read on both ends.
 
+Without a configured token, member connections authenticate with the session's secret, which
+the orchestrator hands every member with the node table (:meth:`DataService.set_session`): a
+stranger who reaches a data port cannot pose as a member. The accepting side waits (at most
+:data:`~burncoll.transport.base.PREAUTH_SECONDS`) until it knows the session before it
+challenges the dialer. The dialer's first frame is ``hello`` naming its node and the session.
+
+A member connection carries frames of the member at its other end only (a DATA header naming
+another sender is a protocol error). Its reader stops reading while the mailbox holds too many
+frames of operations not started here (see :mod:`burncoll.node.mailbox`: backpressure, not
+hoarding).
+
 Incoming DATA frames go to the :class:`Mailbox`; CONTROL frames carry aborts (another node
 failed), ``bye`` (a node leaving cleanly) and status queries. A member connection that breaks
 without ``bye``, or that sends bytes that are not a valid frame, fails the session with
@@ -35,7 +46,7 @@ from burncoll.errors import (
 )
 from burncoll.node.mailbox import Mailbox
 from burncoll.transport.auth import authenticate_client, authenticate_server
-from burncoll.transport.base import Buffer, Connection, Listener, Transport
+from burncoll.transport.base import PREAUTH_SECONDS, Buffer, Connection, Listener, Transport
 from burncoll.transport.wire import FrameType, decode, encode_control, peek_part
 
 __all__ = ["DataService", "NodeInfo", "error_from_abort"]
@@ -80,15 +91,20 @@ class DataService:
     """Listener plus outgoing connections of one node; lives on the node's event loop."""
 
     def __init__(self, transport: Transport, host: str, port: int, token: str | None,
-                 timeout: float) -> None:
+                 timeout: float, *, integrity: bool = False) -> None:
         self.transport = transport
         self.host = host
         self.requested_port = port
         self.token = token
         self.timeout = timeout
-        self.mailbox = Mailbox()
+        #: Tag every message of member connections (see :mod:`burncoll.transport.auth`).
+        self.integrity = integrity
+        self.mailbox = Mailbox(self._describe)
         self.mailbox.on_error = self.fail
         self.session: int | None = None
+        #: The session's secret (hex), when the orchestrator gave one: the token of member
+        #: connections when no ``token`` is configured.
+        self.secret: str | None = None
         self.node_index = -1
         self.nodes: tuple[NodeInfo, ...] = ()
         self._listener: Listener | None = None
@@ -128,11 +144,24 @@ class DataService:
                 "(0 picks a free one) or node_address"
             ) from exc
 
-    def set_session(self, session: int, node_index: int, nodes: Sequence[NodeInfo]) -> None:
+    def set_session(self, session: int, node_index: int, nodes: Sequence[NodeInfo],
+                    secret: str | None = None) -> None:
+        """This node's session (from the orchestrator's table); ``secret`` authenticates
+        member connections when no token is configured."""
         self.session = session
         self.node_index = node_index
         self.nodes = tuple(nodes)
+        self.secret = secret
         self._known.set()
+
+    @property
+    def member_token(self) -> str | None:
+        """What member connections authenticate with: the token, else the session's secret."""
+        return self.token if self.token is not None else self.secret
+
+    def _describe(self, node: int) -> str:
+        nodes = self.nodes
+        return nodes[node].describe() if 0 <= node < len(nodes) else f"node {node}"
 
     # -- connections ---------------------------------------------------------------------------
     async def connect_all(self, deadline: float) -> None:
@@ -158,10 +187,12 @@ class DataService:
     async def _connect(self, node: NodeInfo, deadline: float) -> None:
         delay = 0.02
         while True:
+            conn: Connection | None = None
             try:
                 async with asyncio.timeout(max(deadline - time.monotonic(), 0.01)):
                     conn = await self.transport.connect(node.host, node.port)
-                    await authenticate_client(conn, self.token, self.timeout)
+                    conn = await authenticate_client(conn, self.member_token, self.timeout,
+                                                     integrity=self.integrity)
                     await conn.send([encode_control(
                         {"type": "hello", "node": self.node_index, "session": self.session},
                         self.session or 0)])
@@ -172,8 +203,12 @@ class DataService:
                 reader.add_done_callback(self._readers.discard)
                 return
             except AuthenticationError:
+                if conn is not None:
+                    await conn.close()
                 raise
             except (TransportError, TimeoutError, OSError) as exc:
+                if conn is not None:
+                    await conn.close()
                 if time.monotonic() + delay >= deadline:
                     raise TransportError(
                         f"could not connect to {node.describe()} within {self.timeout:g} s: "
@@ -229,8 +264,17 @@ class DataService:
     async def _serve(self, conn: Connection) -> None:
         """An accepted connection: after authentication and ``hello``, this node sends to the
         dialer on it (and still reads it, as every connection)."""
+        if self.token is None and not self._known.is_set():
+            try:  # the session's secret is the key: wait for the table (bounded)
+                async with asyncio.timeout(PREAUTH_SECONDS):
+                    await self._known.wait()
+            except TimeoutError:
+                log.warning("data service: dropped %s: no session yet to authenticate it "
+                            "with (within %g s)", conn.remote, PREAUTH_SECONDS)
+                return
         try:
-            await authenticate_server(conn, self.token, self.timeout)
+            conn = await authenticate_server(conn, self.member_token, self.timeout,
+                                             integrity=self.integrity)
         except (AuthenticationError, TransportError) as exc:
             log.warning("data service: refused a connection from %s: %s", conn.remote, exc)
             return
@@ -279,7 +323,9 @@ class DataService:
             node == self.node_index
         ):
             raise ProtocolError(f"hello from an unknown node {node!r}")
-        session = control.get("session", self.session)
+        session = control.get("session")
+        if session is None:
+            raise ProtocolError(f"hello from node {node} without its session")
         if session != self.session:
             # a node of an earlier (failed) session reusing this address: never mix the two
             raise ProtocolError(f"hello from node {node} of another session ({session!r})")
@@ -303,16 +349,24 @@ class DataService:
                 self.fail(error)
                 continue
             if frame.frame_type == FrameType.DATA:
+                held = False
                 try:
-                    if frame.header is not None and frame.header.session != self.session:
+                    header = frame.header
+                    if header is not None and header.session != self.session:
                         raise ProtocolError(
-                            f"sent a frame of another session ({frame.header.session:#x})")
-                    self.mailbox.put(frame)
+                            f"sent a frame of another session ({header.session:#x})")
+                    if header is not None and header.src != node:
+                        raise ProtocolError(f"sent a frame in the name of node {header.src}")
+                    held = self.mailbox.put(frame)
                 except ProtocolError as exc:
                     self.fail(ProtocolError(
                         f"{self.nodes[node].describe()} {exc}; the connection between members "
                         "is corrupted, so the operation cannot be trusted"
                     ))
+                if held and self.mailbox.crowded:
+                    # Backpressure: read no further until this node starts the operations
+                    # whose frames it holds (see burncoll.node.mailbox for why that comes).
+                    await self.mailbox.drained()
                 continue
             control = frame.control or {}
             kind = control.get("type")

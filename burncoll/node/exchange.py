@@ -24,6 +24,7 @@ import numpy as np
 from burncoll.backends.dtypes import dtype_from_name
 from burncoll.backends.numpy import host_ufunc
 from burncoll.local.link import GlobalOp, HostArray
+from burncoll.node.mailbox import FrameKey, Receives
 from burncoll.ops import ReduceOp
 from burncoll.transport.wire import DataHeader, encode_data_header
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from burncoll.node.data_service import DataService
     from burncoll.node.executor import GlobalExecutor
 
-__all__ = ["exchange_all_reduce", "exchange_parts"]
+__all__ = ["exchange_all_reduce", "exchange_parts", "exchange_receives"]
 
 def exchange_parts(service: DataService, op: GlobalOp, buf: HostArray,
                    channel: int) -> list[bytes | memoryview]:
@@ -43,6 +44,16 @@ def exchange_parts(service: DataService, op: GlobalOp, buf: HostArray,
         channel=channel, chunk=0, offset=0, chunk_bytes=raw.nbytes,
     ), raw.nbytes)
     return [header, raw]
+
+
+def exchange_receives(service: DataService, op: GlobalOp, buf: HostArray,
+                      channel: int) -> Receives:
+    """What this node receives in the exchange (for ``Mailbox.expect``): from every other
+    node, one part of exactly ``buf``'s size."""
+    totals: dict[FrameKey, int | None] = {
+        (op.seq, channel, 0, n.index, 0): buf.nbytes
+        for n in service.nodes if n.index != service.node_index}
+    return Receives(op.seq, channel, totals, part_bytes=max(buf.nbytes, 1))
 
 
 async def exchange_all_reduce(executor: GlobalExecutor, op: GlobalOp, buf: HostArray,

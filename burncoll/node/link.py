@@ -17,17 +17,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from burncoll.config import CollectiveConfig, parse_host_port
-from burncoll.errors import CollectiveError, CollectiveTimeout, PeerLost
+from burncoll.errors import CollectiveError, CollectiveTimeout, PeerLost, UsageError
 from burncoll.local.buffers import even_layout
 from burncoll.local.link import GlobalOp, HostArray
 from burncoll.node.data_service import DataService
-from burncoll.node.exchange import exchange_all_reduce, exchange_parts
+from burncoll.node.exchange import exchange_all_reduce, exchange_parts, exchange_receives
 from burncoll.node.executor import GlobalExecutor
 from burncoll.node.loop import IoLoop
 from burncoll.node.orchestrator_client import OrchestratorClient
 from burncoll.strategies import Auto, Ring, Schedule, resolve
 from burncoll.strategies.auto import exchange_limit
-from burncoll.transport import TlsSettings, get_transport
+from burncoll.transport import get_transport
 
 if TYPE_CHECKING:
     from burncoll.local.server import LocalServer
@@ -164,9 +164,10 @@ class NodeLink:
         mailbox = self._service.mailbox
         if mailbox.error is not None:
             raise mailbox.error
-        mailbox.expect(op.seq, self._executor.checker(op))
+        executor = self._executor
+        mailbox.expect(executor.checker(op), executor.receives(op, schedule, chunks, channel))
         try:
-            return await self._executor.run(op, schedule, chunks, channel, out=out)
+            return await executor.run(op, schedule, chunks, channel, out=out)
         finally:
             mailbox.done(op.seq)
 
@@ -192,7 +193,8 @@ class NodeLink:
         mailbox = self._service.mailbox
         if mailbox.error is not None:
             raise mailbox.error
-        mailbox.expect(op.seq, self._executor.checker(op))
+        mailbox.expect(self._executor.checker(op),
+                       exchange_receives(self._service, op, buf, channel))
         try:
             await exchange_all_reduce(self._executor, op, buf, out, channel, sent_to=sent_to,
                                       parts=parts)
@@ -298,12 +300,12 @@ def _check_out(buf: HostArray, out: HostArray) -> None:
     """``out`` must be a separate flat array like ``buf``: the executor writes chunk views of
     it while still reading the same chunks of ``buf``."""
     if out.dtype != buf.dtype or out.shape != buf.shape or buf.ndim != 1:
-        raise ValueError(f"all_reduce: out {out.dtype}{list(out.shape)} does not match the "
+        raise UsageError(f"all_reduce: out {out.dtype}{list(out.shape)} does not match the "
                          f"flat input {buf.dtype}{list(buf.shape)}")
     if not (out.flags.c_contiguous and out.flags.writeable):
-        raise ValueError("all_reduce: out must be C-contiguous and writable")
+        raise UsageError("all_reduce: out must be C-contiguous and writable")
     if np.may_share_memory(buf, out):
-        raise ValueError("all_reduce: out must not overlap the input")
+        raise UsageError("all_reduce: out must not overlap the input")
 
 
 def join_collective(config: CollectiveConfig, local_peer_ids: Sequence[int]) -> NodeLink:
@@ -313,13 +315,13 @@ def join_collective(config: CollectiveConfig, local_peer_ids: Sequence[int]) -> 
                                            default_port=0)
     port = config.data_service_port or node_port
     orch_host, orch_port = parse_host_port(config.global_address or "", "global_address")
-    tls = TlsSettings(config.tls_cert, config.tls_key, config.tls_ca)
-    transport = get_transport(config.transport, tls=tls)
+    transport = get_transport(config.transport, tls=config.tls_settings())
     io = IoLoop(f"burncoll-node-{min(local_peer_ids)}")
     try:
-        service = DataService(transport, node_host, port, config.auth_token, config.timeout)
+        service = DataService(transport, node_host, port, config.auth_token, config.timeout,
+                              integrity=config.integrity)
         orch = OrchestratorClient(transport, orch_host, orch_port, config.auth_token,
-                                  config.timeout)
+                                  config.timeout, integrity=config.integrity)
         io.run(_join(service, orch, config, local_peer_ids, deadline), deadline, "register")
     except BaseException:
         io.stop()
@@ -338,7 +340,9 @@ async def _join(service: DataService, orch: OrchestratorClient, config: Collecti
             "meta": {"local_ring": isinstance(config.strategy("local_all_reduce_strategy"),
                                               Ring)},
         }, deadline)
-        service.set_session(orch.session, orch.index, orch.nodes)
+        # Without a token, member connections authenticate with the session's own secret
+        # (from the orchestrator's table): a stranger cannot pose as a member.
+        service.set_session(orch.session, orch.index, orch.nodes, secret=orch.secret)
         await service.connect_all(deadline)
     except BaseException:
         await service.close()

@@ -4,11 +4,37 @@ Frames are keyed by ``(seq, channel, round, src, chunk)``: a node can receive pa
 operation before it starts it (a faster neighbour), and those wait here. Every wait has a
 deadline; a failure wakes every waiter with the error.
 
-Every part of every chunk is expected exactly once, during its operation: the receiver counts
-bytes to know when a chunk is whole, so a part received twice would complete a chunk with
-another part missing -- a silently wrong result. :meth:`Mailbox.put` therefore refuses a part
-it has already seen, and a part of an operation this node has already left behind (it started
-a later one), with a :class:`~burncoll.ProtocolError`.
+**Every byte of a receive buffer is written exactly once.** A sender sends the parts of a chunk
+in order on one ordered connection, so :meth:`Mailbox.put` holds every key to that schedule:
+the first part is at byte 0, each next one starts where the previous one ended, every part
+but the last is :attr:`Receives.part_bytes` long (the last one the rest), the chunk's size
+(``chunk_bytes``) never changes, and nothing comes after the last part. A part that overlaps
+one already received, skips ahead, comes out of order, is sent twice, or belongs to an
+operation this node has left behind is a :class:`~burncoll.ProtocolError` (the sender's
+fault: the caller names it). A receiver that counts bytes therefore never completes a chunk
+with a byte unwritten.
+
+**Sizes are what the operation needs.** When an operation starts here, :meth:`Mailbox.expect`
+registers what this node receives in it (one ``(seq, channel)``, a *lane*): every key and its
+chunk's size in bytes (:class:`Receives`). From then on a frame of that lane with another key,
+or of a size other than the registered one, or bytes beyond it, is a ProtocolError; frames that
+came before the start are checked against the registration then.
+
+**Frames of operations not started yet are bounded**: at most :data:`HELD_FRAMES` frames and
+:data:`HELD_BYTES` bytes wait here for lanes not started (plus the frame that crossed the line:
+at most one part of :data:`PART_BYTES` per member connection). Past that, :meth:`put` says the
+mailbox is :attr:`~Mailbox.crowded` and the connection's reader stops reading
+(:meth:`Mailbox.drained`) until a lane starts and its frames stop counting. The transport then
+stops reading that socket and TCP's flow control slows the sender: a legitimate broadcast
+root running operations ahead only slows down.
+
+Why this cannot deadlock an honest session: a reader pauses only right after it stored a frame
+of a lane not started here. On one connection an honest node sends every frame of operation
+*k* before any frame of *k+1* (it finishes *k* -- its sends returned -- before it starts
+*k+1*), and the channels of one operation start on this node without waiting for each other's
+network data. So every frame this node needs before it can start the paused lane is ahead of
+the paused point, on that connection or on another one whose reader is not paused for it; the
+lane starts, its frames stop counting as held, and the reader resumes.
 """
 
 from __future__ import annotations
@@ -16,14 +42,33 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from burncoll.errors import CollectiveError, ProtocolError
 from burncoll.transport.wire import DataHeader, Frame
 
-__all__ = ["FrameKey", "Mailbox", "key_of"]
+__all__ = [
+    "HELD_BYTES",
+    "HELD_FRAMES",
+    "PART_BYTES",
+    "FrameKey",
+    "Lane",
+    "Mailbox",
+    "Receives",
+    "key_of",
+]
 
 FrameKey = tuple[int, int, int, int, int]
+#: ``(seq, channel)``: one channel of one operation, started by one :meth:`Mailbox.expect`.
+Lane = tuple[int, int]
+
+#: Largest payload of one frame; bigger chunks travel in several parts.
+PART_BYTES = 4 << 20
+#: Most frames held for lanes this node has not started.
+HELD_FRAMES = 1024
+#: Most payload bytes held for lanes this node has not started (plus one part per connection).
+HELD_BYTES = 64 << 20
 
 
 def key_of(h: DataHeader) -> FrameKey:
@@ -35,10 +80,42 @@ def _part(h: DataHeader) -> str:
             f"(round {h.round + 1})")
 
 
+def _derived_elsewhere(h: DataHeader) -> int:
+    raise ProtocolError(f"sent {_part(h)}, a chunk of unknown size")
+
+
+@dataclass(frozen=True, slots=True)
+class Receives:
+    """What one lane of this node receives: each key, and its chunk's size in bytes.
+
+    ``None`` as a size: the chunk is allocated on receipt, its size follows from the first
+    header's dtype and shape: ``size_of(header)`` (which raises ProtocolError for a shape this
+    node cannot hold).
+    """
+
+    seq: int
+    channel: int
+    totals: Mapping[FrameKey, int | None]
+    size_of: Callable[[DataHeader], int] = field(default=_derived_elsewhere)
+    #: Bytes of every part but a chunk's last (the sender's ``PART_BYTES``).
+    part_bytes: int = PART_BYTES
+
+
+class _Stream:
+    """What arrived of one key: its chunk's size and the bytes received in order."""
+
+    __slots__ = ("complete", "received", "total")
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.received = 0
+        self.complete = False
+
+
 class Mailbox:
     """Frames of one session, and the failure that ends it."""
 
-    def __init__(self) -> None:
+    def __init__(self, describe: Callable[[int], str] | None = None) -> None:
         self._frames: dict[FrameKey, deque[Frame]] = {}
         self._waiters: dict[FrameKey, asyncio.Future[None]] = {}
         self._error: BaseException | None = None
@@ -47,8 +124,8 @@ class Mailbox:
         #: Called with a mismatch found while checking frames (the data service fails the
         #: whole session with it); defaults to failing only this mailbox.
         self.on_error: Callable[[BaseException], None] = self.fail
-        #: The parts ``(key, offset)`` received of each operation not yet left behind.
-        self._seen: dict[int, set[tuple[FrameKey, int]]] = {}
+        #: Names a node in errors (the data service's table).
+        self.describe: Callable[[int], str] = describe or (lambda node: f"node {node}")
         #: The latest operation this node started (``expect``), and when; -1 before the first.
         self.current = -1
         self.current_started = 0.0
@@ -57,7 +134,18 @@ class Mailbox:
         #: Memory a receiver has made ready for a part not yet arrived: ``(key, offset)`` ->
         #: the part's final place (the transport may read the payload straight into it).
         self._landing: dict[tuple[FrameKey, int], memoryview] = {}
+        #: Progress of every key of the lanes not left behind.
+        self._streams: dict[FrameKey, _Stream] = {}
+        #: The lanes started here (not yet left behind), and what each receives.
+        self._started: dict[Lane, Receives] = {}
+        #: Frames and payload bytes held per lane not started, and in total.
+        self._held: dict[Lane, list[int]] = {}
+        self._held_frames = 0
+        self._held_bytes = 0
+        self._room = asyncio.Event()
+        self._room.set()
 
+    # -- placement ----------------------------------------------------------------------------
     def land(self, key: FrameKey, offset: int, memory: memoryview) -> None:
         """The part ``(key, offset)`` may be received straight into ``memory``."""
         self._landing[(key, offset)] = memory
@@ -78,23 +166,63 @@ class Mailbox:
     def error(self) -> BaseException | None:
         return self._error
 
-    def expect(self, seq: int, check: Callable[[DataHeader], CollectiveError | None]) -> None:
-        """Start checking frames of ``seq``; frames already here are checked now.
+    # -- operations ---------------------------------------------------------------------------
+    def expect(self, check: Callable[[DataHeader], CollectiveError | None],
+               receives: Receives) -> None:
+        """Start lane ``(receives.seq, receives.channel)``: from now on its frames are checked
+        against ``check`` (the fingerprint) and ``receives`` (keys and sizes); the frames
+        already here are checked now, and stop counting against the held budget.
 
         Starting ``seq`` means every earlier operation is over on this node: what is left of
-        them is forgotten, and their frames are refused from now on.
+        them is forgotten, and their frames are refused from now on. A frame found wrong here
+        fails the session (``on_error``), naming its sender.
         """
+        seq, lane = receives.seq, (receives.seq, receives.channel)
         if seq > self.current:
             self.current, self.current_started = seq, time.monotonic()
-            for old in [s for s in self._seen if s < seq]:
-                del self._seen[old]
-            for key in [k for k in self._frames if k[0] < seq]:  # pragma: no cover - defensive
-                del self._frames[key]
+            self._forget_before(seq)
         self._active[seq] = self._active.get(seq, 0) + 1
         self._checks[seq] = check
-        queued = [f for key, frames in self._frames.items() if key[0] == seq for f in frames]
-        for frame in queued:
-            self._check(frame)
+        if lane in self._started:  # pragma: no cover - one expect per lane
+            return
+        self._started[lane] = receives
+        self._release(lane)
+        keys = [k for k in self._frames if (k[0], k[1]) == lane]
+        for key in keys:  # held frames were only checked for order: check them in full now
+            self._streams.pop(key, None)
+            for frame in self._frames[key]:
+                header = frame.header
+                assert header is not None  # the mailbox holds DATA frames only
+                self._check(frame)
+                if self._error is not None:
+                    return
+                try:
+                    self._accept(header, len(frame.payload), receives)
+                except ProtocolError as exc:
+                    self.on_error(ProtocolError(
+                        f"{self.describe(header.src)} {exc}; the connection between members "
+                        "is corrupted, so the operation cannot be trusted"))
+                    return
+
+    def _forget_before(self, seq: int) -> None:
+        """Every operation before ``seq`` is over here: drop what is left of it."""
+        for lane in [lane for lane in self._held if lane[0] < seq]:
+            self._release(lane)
+        for lane in [lane for lane in self._started if lane[0] < seq]:
+            del self._started[lane]
+        for key in [k for k in self._streams if k[0] < seq]:
+            del self._streams[key]
+        for key in [k for k in self._frames if k[0] < seq]:  # frames no lane took
+            del self._frames[key]
+
+    def _release(self, lane: Lane) -> None:
+        """The frames of ``lane`` stop counting against the held budget."""
+        held = self._held.pop(lane, None)
+        if held is not None:
+            self._held_frames -= held[0]
+            self._held_bytes -= held[1]
+            if not self.crowded:
+                self._room.set()
 
     @property
     def running(self) -> bool:
@@ -123,30 +251,106 @@ class Mailbox:
             if error is not None:
                 self.on_error(error)
 
-    def put(self, frame: Frame) -> None:
-        """Store a DATA frame and wake whoever waits for its key.
+    # -- the held budget ----------------------------------------------------------------------
+    @property
+    def crowded(self) -> bool:
+        """Whether the frames held for lanes not started have reached the budget."""
+        return self._held_frames >= HELD_FRAMES or self._held_bytes >= HELD_BYTES
 
-        Raises :class:`~burncoll.ProtocolError` for a part received twice, or one of an
+    @property
+    def held(self) -> tuple[int, int]:
+        """Frames and payload bytes held for lanes not started."""
+        return self._held_frames, self._held_bytes
+
+    async def drained(self) -> None:
+        """Return once the held frames are below the budget (or the session failed)."""
+        while self.crowded and self._error is None:
+            self._room.clear()
+            await self._room.wait()
+
+    # -- frames -------------------------------------------------------------------------------
+    def put(self, frame: Frame) -> bool:
+        """Store a DATA frame and wake whoever waits for its key; ``True`` if it is held for a
+        lane not started (its reader then checks :attr:`crowded`).
+
+        Raises :class:`~burncoll.ProtocolError` for a part off its chunk's schedule (see the
+        module docstring), a key or size the started lane does not receive, or a part of an
         operation this node has left behind (the sender's fault: the caller names it).
         """
         header = frame.header
         if header is None or self._error is not None:
-            return
-        key = key_of(header)
+            return False
         if header.seq < self.current:
             raise ProtocolError(
                 f"sent {_part(header)} after that operation was over here (this node is at "
                 f"#{self.current}): a duplicated or stray frame"
             )
-        seen = self._seen.setdefault(header.seq, set())
-        if (key, header.offset) in seen:
-            raise ProtocolError(f"sent {_part(header)} twice")
-        seen.add((key, header.offset))
+        self._check(frame)  # a call with other arguments is a MismatchError, named first
+        if self._error is not None:
+            return False
+        lane = (header.seq, header.channel)
+        receives = self._started.get(lane)
+        size = len(frame.payload)
+        self._accept(header, size, receives)
+        key = key_of(header)
         self._frames.setdefault(key, deque()).append(frame)
-        self._check(frame)
+        if receives is None:
+            held = self._held.setdefault(lane, [0, 0])
+            held[0] += 1
+            held[1] += size
+            self._held_frames += 1
+            self._held_bytes += size
         waiter = self._waiters.pop(key, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        return receives is None
+
+    def _accept(self, h: DataHeader, size: int, receives: Receives | None) -> None:
+        """Advance the key of ``h`` by its part of ``size`` bytes, or raise ProtocolError.
+
+        ``receives``: the started lane's registration (every check); ``None`` for a lane not
+        started: the part is checked for order and an upper bound on its size only (the exact
+        checks run when the lane starts).
+        """
+        key = key_of(h)
+        stream = self._streams.get(key)
+        if stream is None:
+            if receives is None:
+                total = h.chunk_bytes
+            elif key not in receives.totals:
+                raise ProtocolError(
+                    f"sent {_part(h)}, which this node does not receive in that operation "
+                    "(no such round, sender or chunk in its schedule)")
+            else:
+                registered = receives.totals[key]
+                total = receives.size_of(h) if registered is None else registered
+            if h.chunk_bytes != total:
+                raise ProtocolError(
+                    f"sent {_part(h)} announcing a chunk of {h.chunk_bytes} bytes where this "
+                    f"node expects {total}")
+            stream = _Stream(total)
+            self._streams[key] = stream
+        elif h.chunk_bytes != stream.total:
+            raise ProtocolError(
+                f"sent {_part(h)} announcing a chunk of {h.chunk_bytes} bytes after parts of "
+                f"a chunk of {stream.total}")
+        if stream.complete or h.offset < stream.received:
+            raise ProtocolError(
+                f"sent {_part(h)} twice, or bytes overlapping a part already received (byte "
+                f"{stream.received} of {stream.total} comes next)")
+        if h.offset > stream.received:
+            raise ProtocolError(
+                f"sent {_part(h)} out of order: byte {stream.received} comes next (the parts "
+                "of a chunk follow each other, without gaps)")
+        part = receives.part_bytes if receives is not None else PART_BYTES
+        want = min(part, stream.total - h.offset)
+        fits = size == want if receives is not None else (
+            size <= want and (size > 0 or want == 0))
+        if not fits:
+            raise ProtocolError(
+                f"sent {_part(h)} of {size} bytes where the schedule has {want}")
+        stream.received += size
+        stream.complete = stream.received >= stream.total
 
     async def get(self, key: FrameKey, deadline: float, on_timeout: Callable[[], BaseException]
                   ) -> Frame:
@@ -178,6 +382,10 @@ class Mailbox:
         self._error = error
         self._frames.clear()
         self._landing.clear()
+        self._streams.clear()
+        self._held.clear()
+        self._held_frames = self._held_bytes = 0
+        self._room.set()
         for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_exception(error)

@@ -38,7 +38,7 @@ import burncoll
 from burncoll.backends.dtypes import dtype_from_name
 from burncoll.local.buffers import even_layout
 from burncoll.local.link import GlobalOp
-from burncoll.node.exchange import exchange_all_reduce
+from burncoll.node.exchange import exchange_all_reduce, exchange_receives
 from burncoll.node.executor import GlobalExecutor
 from burncoll.ops import OpKind, parse_reduce_op
 from burncoll.strategies.auto import exchange_limit
@@ -94,7 +94,8 @@ def _exchange(bufs: list[np.ndarray], ops: list[GlobalOp],
 
     async def node(i: int) -> np.ndarray:
         ex = GlobalExecutor(services[i])  # type: ignore[arg-type]
-        services[i].mailbox.expect(ops[i].seq, ex.checker(ops[i]))
+        receives = exchange_receives(services[i], ops[i], bufs[i], 1)  # type: ignore[arg-type]
+        services[i].mailbox.expect(ex.checker(ops[i]), receives)
         try:
             await exchange_all_reduce(ex, ops[i], bufs[i], outs[i], channel=1)
         finally:
@@ -168,7 +169,8 @@ def test_a_buffer_of_the_wrong_size_is_a_protocol_error() -> None:
     bufs = [np.ones(4), np.ones(4)]
     outs = _exchange(bufs, [_op("sum", b) for b in bufs], sizes=[4, 5])
     assert isinstance(outs[0], burncoll.ProtocolError), outs[0]
-    assert "a buffer of the wrong size" in str(outs[0])
+    # refused on arrival: the exchange receives one part of exactly its own buffer's size
+    assert "where this node expects" in str(outs[0]), outs[0]
 
 
 def test_a_missing_node_times_out_naming_it() -> None:
@@ -182,7 +184,8 @@ def test_a_missing_node_times_out_naming_it() -> None:
     async def node(i: int) -> None:
         ex = GlobalExecutor(services[i])  # type: ignore[arg-type]
         op = _op("sum", x, timeout=0.5)
-        services[i].mailbox.expect(op.seq, ex.checker(op))
+        receives = exchange_receives(services[i], op, x, 0)  # type: ignore[arg-type]
+        services[i].mailbox.expect(ex.checker(op), receives)
         await exchange_all_reduce(ex, op, x, np.empty_like(x))
 
     async def two_nodes() -> list[Any]:

@@ -29,6 +29,7 @@ import pytest
 import burncoll
 import burncoll.node.executor as executor_module
 from burncoll.backends.dtypes import dtype_from_name
+from burncoll.errors import ProtocolError
 from burncoll.local.buffers import even_layout
 from burncoll.local.link import GlobalOp
 from burncoll.node.data_service import NodeInfo
@@ -56,7 +57,10 @@ class _MemoryService:
         self.others: list[_MemoryService] = []
 
     async def send(self, node: int, parts: Sequence[Any]) -> None:
-        self.others[node].mailbox.put(decode(b"".join(bytes(p) for p in parts)))
+        try:
+            self.others[node].mailbox.put(decode(b"".join(bytes(p) for p in parts)))
+        except ProtocolError as exc:  # as the data service's reader does
+            self.fail(ProtocolError(f"node {self.node_index} {exc}"))
         await asyncio.sleep(0)  # let the receivers run between parts
 
     def fail(self, error: BaseException) -> None:
@@ -77,8 +81,8 @@ def _walk(schedule: Schedule, op: GlobalOp, inputs: list[np.ndarray],
 
     async def node(i: int) -> None:
         ex = GlobalExecutor(services[i])  # type: ignore[arg-type]
-        services[i].mailbox.expect(op.seq, ex.checker(op))
         chunks: list[np.ndarray | None] = [bufs[i][a:b] for a, b in layout]
+        services[i].mailbox.expect(ex.checker(op), ex.receives(op, schedule, chunks))
         out: list[np.ndarray | None] | None = (
             [outs[i][a:b] for a, b in layout] if out_of_place else None)
         await ex.run(op, schedule, chunks, out=out)
