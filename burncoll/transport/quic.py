@@ -146,15 +146,27 @@ def working_window(max_message_bytes: int) -> int:
 
 
 class _GatedConnection(QuicConnection):
-    """A QuicConnection that grants the other side only its initial credit (the
-    configuration's ``max_data`` / ``max_stream_data``, one bidirectional stream) until
-    :meth:`open_window`. aioquic doubles a window whenever the peer has used half of it --
-    using it means sending at a high offset, not delivering data -- so without the gate a
-    stranger could raise it step by step and make aioquic zero-fill a large buffer."""
+    """A QuicConnection whose receive credit this side decides.
+
+    Before :meth:`open_window` it grants the other side only its initial credit (the
+    configuration's ``max_data`` / ``max_stream_data``, one bidirectional stream). aioquic
+    doubles a window whenever the peer has used half of it -- using it means sending at a high
+    offset, not delivering data -- so without the gate a stranger could raise it step by step
+    and make aioquic zero-fill a large buffer.
+
+    After it, the credit follows what the application has *read*: the other side may send at
+    most ``window`` bytes beyond the last byte of the messages ``recv`` has returned
+    (:attr:`unread` counts the bytes of whole messages not yet returned). A reader that stops
+    reading (the data service pausing a member that runs ahead) stops the sender, as TCP's
+    flow control does on the stream transports: what waits here is bounded by ``window`` and
+    the message in progress. aioquic's own doubling, which follows arrival, is kept out."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.window_open = False
+        self.window = 0
+        #: Bytes of whole messages delivered to the connection's inbox and not yet read.
+        self.unread = 0
         for limit, value in ((self._local_max_streams_bidi, 1), (self._local_max_streams_uni, 0)):
             limit.value = limit.sent = value  # read when the transport parameters are sent
 
@@ -162,6 +174,7 @@ class _GatedConnection(QuicConnection):
         """Raise the connection's and every stream's receive window to ``window``; the next
         packet sent announces it (MAX_DATA, MAX_STREAM_DATA)."""
         self.window_open = True
+        self.window = window
         limit = self._local_max_data
         limit.value = max(limit.value, window)
         self._local_max_stream_data_bidi_local = max(self._local_max_stream_data_bidi_local,
@@ -172,15 +185,40 @@ class _GatedConnection(QuicConnection):
             if stream.max_stream_data_local:  # zero: a stream this side only sends on
                 stream.max_stream_data_local = max(stream.max_stream_data_local, window)
 
+    def _credit(self, granted: int, received: int) -> int:
+        """The limit to grant once ``received`` bytes arrived: ``window`` beyond what the
+        application has read, raised only when less than half of that is left (so that a
+        MAX_DATA frame goes out now and then, not in every packet)."""
+        read = received - self.unread
+        if granted - read >= self.window // 2:
+            return granted
+        return read + self.window
+
     def _write_connection_limits(self, builder: QuicPacketBuilder,
                                  space: QuicPacketSpace) -> None:
-        if self.window_open:
+        if not self.window_open:
+            return
+        limit = self._local_max_data
+        limit.value = self._credit(limit.value, limit.used)
+        used, limit.used = limit.used, 0  # aioquic doubles on arrival when used > value / 2
+        try:
             super()._write_connection_limits(builder=builder, space=space)
+        finally:
+            limit.used = used
 
     def _write_stream_limits(self, builder: QuicPacketBuilder, space: QuicPacketSpace,
                              stream: QuicStream) -> None:
-        if self.window_open:
+        if not self.window_open:
+            return
+        receiver = stream.receiver
+        if stream.max_stream_data_local:
+            stream.max_stream_data_local = self._credit(stream.max_stream_data_local,
+                                                        receiver.highest_offset)
+        highest, receiver.highest_offset = receiver.highest_offset, 0  # no doubling on arrival
+        try:
             super()._write_stream_limits(builder=builder, space=space, stream=stream)
+        finally:
+            receiver.highest_offset = highest
 
     def _handle_crypto_frame(self, context: Any, frame_type: int, buf: QuicBuffer) -> None:
         start = buf.tell()
@@ -231,7 +269,9 @@ class QuicStreamConnection(Connection):
         if self._assembler.is_authenticated:
             return
         try:
-            self._inbox.extend(self._assembler.authenticated())
+            messages = self._assembler.authenticated()
+            self._inbox.extend(messages)
+            self._count_unread(sum(len(m) + LENGTH_PREFIX_BYTES for m in messages))
         except ProtocolError as exc:
             self._reject(exc)
             return
@@ -251,10 +291,23 @@ class QuicStreamConnection(Connection):
             return
         if messages:
             self._inbox.extend(messages)
+            self._count_unread(sum(len(m) + LENGTH_PREFIX_BYTES for m in messages))
         self._changed.set()  # before authentication: recv cuts the next message itself
         if end_stream:
             cut = " in the middle of a message" if self._assembler.mid_message else ""
             self._fail(TransportError(f"{self.remote} closed the connection{cut}"))
+
+    def _count_unread(self, change: int) -> None:
+        """Messages were delivered (``change`` > 0) or read: the credit granted the other
+        side follows (see :class:`_GatedConnection`). A read that frees a large part of the
+        window announces the new credit at once: the sender may be waiting for it."""
+        quic = self._protocol._quic
+        if not isinstance(quic, _GatedConnection):
+            return
+        before = quic.unread
+        quic.unread = max(before + change, 0)
+        if change < 0 and quic.window_open and before >= quic.window // 2:
+            self._protocol.transmit()
 
     def _reject(self, error: ProtocolError) -> None:
         """The peer's bytes are unacceptable: fail, and reset the stream and the connection."""
@@ -302,7 +355,9 @@ class QuicStreamConnection(Connection):
         while True:
             if self._closing is None:
                 if self._inbox:
-                    return self._inbox.popleft()
+                    message = self._inbox.popleft()
+                    self._count_unread(-len(message) - LENGTH_PREFIX_BYTES)
+                    return message
                 held = self._next_held()
                 if held is not None:
                     return held

@@ -85,7 +85,7 @@ JOIN_BYTES = 64 * 1024
 #: ``send`` waits while more than this many bytes wait in the transport's buffer.
 WRITE_HIGH_WATER = 16 * 1024 * 1024
 #: Reading pauses while more than this many received bytes wait for ``recv``.
-RECV_QUEUE_BYTES = 256 * 1024 * 1024
+RECV_QUEUE_BYTES = 16 * 1024 * 1024
 #: Socket buffer sizes asked of the kernel (it may grant less).
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 #: How long ``Listener.close`` lets handlers finish before cancelling them.

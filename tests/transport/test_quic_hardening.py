@@ -345,6 +345,46 @@ def test_authentication_opens_the_window_and_announces_it() -> None:
     run(body(), timeout=90)
 
 
+def test_a_reader_that_stops_reading_stops_the_sender() -> None:
+    """After authentication the credit follows what ``recv`` returned: a listener that does
+    not read holds at most the window (and the message in progress) whatever the other side
+    sends, and gets every message, in order, once it reads again."""
+    message_bytes, count = 1 * MiB, 48
+    messages = [bytes([i]) * message_bytes for i in range(count)]
+
+    async def body() -> None:
+        transport = QuicTransport(max_message_bytes=message_bytes + 64)
+        window = working_window(transport.max_message_bytes)
+        accepted: asyncio.Future[Connection] = asyncio.get_running_loop().create_future()
+        release = asyncio.Event()
+
+        async def handler(conn: Connection) -> None:
+            accepted.set_result(await authenticate_server(conn, TOKEN, 5.0))
+            await release.wait()
+
+        listener = await transport.listen(HOST, 0, handler)
+        try:
+            client = await authenticate_client(
+                await transport.connect(HOST, listener.port), TOKEN, 5.0)
+            server = await asyncio.wait_for(accepted, 5)
+            assert isinstance(server, QuicStreamConnection)
+            for m in messages:  # 48 MiB, three windows' worth
+                await client.send([m])
+            await asyncio.sleep(2.0)  # the listener reads nothing meanwhile
+            quic = server._protocol._quic
+            held = quic._local_max_data.used
+            assert held <= window + transport.max_message_bytes, (held, window)
+            assert len(server._inbox) < count
+            got = [bytes(await asyncio.wait_for(server.recv(), 10)) for _ in range(count)]
+            assert got == messages
+            release.set()
+            await client.close()
+        finally:
+            await listener.close()
+
+    run(body(), timeout=90)
+
+
 # -- deadlines ----------------------------------------------------------------------------------
 
 
