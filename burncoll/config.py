@@ -424,6 +424,12 @@ def _validate(cfg: CollectiveConfig) -> None:
         raise ConfigError("tls_cert and tls_key must be given together (PEM file paths)")
     check_tls_mode(cfg.transport, cfg.tls, (cfg.tls_cert, cfg.tls_key, cfg.tls_ca))
     object.__setattr__(cfg, "auth_token", resolve_token(cfg.auth_token, cfg.auth_token_file))
+    if cfg.integrity and cfg.auth_token is None and cfg.is_multi_node:
+        warnings.warn(
+            "integrity: true without an auth_token protects little: the connections to the "
+            "orchestrator then have no key, and the session secret that keys the connections "
+            "between nodes travels over them; " + _HOW_TO_SET_A_TOKEN,
+            UserWarning, stacklevel=4)
     if cfg.is_multi_node:
         missing = [n for n in ("global_address", "node_address") if getattr(cfg, n) is None]
         if missing:

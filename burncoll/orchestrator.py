@@ -58,7 +58,7 @@ from burncoll.node.loop import IoLoop
 from burncoll.transport import TlsSettings, get_transport
 from burncoll.transport.auth import authenticate_server
 from burncoll.transport.base import Connection, Listener
-from burncoll.transport.wire import decode, encode_control
+from burncoll.transport.wire import CONTROL_LIMIT, decode, encode_control
 
 __all__ = [
     "MAX_FIELD_BYTES",
@@ -71,6 +71,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("burncoll.orchestrator")
+
+#: Largest message the orchestrator accepts: a CONTROL frame (JSON) and its header, integrity
+#: tag included.
+ORCHESTRATOR_MESSAGE_BYTES = CONTROL_LIMIT + 4096
 
 #: Most registrations waiting at once, all groups together (a session needs at most this many
 #: nodes). Each costs a connection plus at most a few tens of KiB of state.
@@ -142,7 +146,9 @@ class Orchestrator:
                  timeout: float, tls: TlsSettings | None, *, integrity: bool = False,
                  expected_nodes: int | None = None) -> None:
         self._io = IoLoop("burncoll-orchestrator")
-        self._transport = get_transport(transport, tls=tls)
+        # Only CONTROL messages ever come here: no connection may announce more.
+        self._transport = get_transport(transport, tls=tls,
+                                        max_message_bytes=ORCHESTRATOR_MESSAGE_BYTES)
         self._token = auth_token
         self._timeout = timeout
         self._integrity = integrity

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -197,8 +198,10 @@ class DataService:
                         {"type": "hello", "node": self.node_index, "session": self.session},
                         self.session or 0)])
                 self._dialed[node.index] = conn
-                conn.place_with(self._place)
-                reader = asyncio.get_running_loop().create_task(self._read(conn, node.index))
+                # Array data arrives only here (the receiving node dials), and only node's.
+                conn.place_with(functools.partial(self._place, node.index))
+                reader = asyncio.get_running_loop().create_task(
+                    self._read(conn, node.index, data=True))
                 self._readers.add(reader)
                 reader.add_done_callback(self._readers.discard)
                 return
@@ -217,11 +220,16 @@ class DataService:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
 
-    def _place(self, first: memoryview, size: int) -> tuple[int, memoryview] | None:
-        """A member's large DATA message is arriving: the memory its receiver made ready for
-        it (:meth:`Mailbox.land`), or ``None`` to receive it into a buffer of its own."""
+    def _place(self, node: int, first: memoryview, size: int
+               ) -> tuple[int, memoryview] | None:
+        """A large DATA message from ``node`` is arriving: the memory its receiver made ready
+        for it (:meth:`Mailbox.land`), or ``None`` to receive it into a buffer of its own.
+
+        Only a part in ``node``'s own name may land: a member cannot start writing another
+        node's part into its receiver's memory (and then trickle it past the operation's
+        end); the header is checked in full once the message is whole."""
         peek = peek_part(first)
-        if peek is None or peek.session != self.session or (
+        if peek is None or peek.session != self.session or peek.key[3] != node or (
                 peek.header_len + peek.payload_len != size):
             return None
         memory = self.mailbox.landing(peek.key, peek.offset, peek.payload_len)
@@ -292,14 +300,16 @@ class DataService:
             return
         self._out[node] = conn
         self._send_locks[node] = asyncio.Lock()
-        conn.place_with(self._place)
         self._check_all_out()
-        await self._read(conn, node)
+        await self._read(conn, node, data=False)
 
-    async def _read(self, conn: Connection, node: int) -> None:
-        """Read a member connection until it ends; its end or corruption fails the session."""
+    async def _read(self, conn: Connection, node: int, data: bool) -> None:
+        """Read a member connection until it ends; its end or corruption fails the session.
+
+        ``data``: the connection this node dialed, the only one ``node`` sends array data on
+        (on the other, this node sends, and ``node`` only says what happens to it)."""
         try:
-            await self._receive(conn, node)
+            await self._receive(conn, node, data)
         except ProtocolError as exc:
             if not self._closing:
                 # the other end sent bytes that break the transport's framing, or refused
@@ -314,6 +324,14 @@ class DataService:
                 return
             await self._await_explanation()
             self._lost(node, exc)
+        except Exception as exc:  # a check that did not expect these bytes: still the peer's
+            if not self._closing:
+                error = ProtocolError(
+                    f"{self.nodes[node].describe()} sent a frame this node cannot use "
+                    f"({type(exc).__name__}: {exc}); the connection between members is "
+                    "corrupted")
+                log.warning("data service: %s", error)
+                self.fail(error)
 
     def _check_hello(self, control: dict[str, Any] | None, frame_type: FrameType) -> int:
         if frame_type != FrameType.CONTROL or control is None or control["type"] != "hello":
@@ -331,7 +349,7 @@ class DataService:
             raise ProtocolError(f"hello from node {node} of another session ({session!r})")
         return node
 
-    async def _receive(self, conn: Connection, node: int) -> None:
+    async def _receive(self, conn: Connection, node: int, data: bool) -> None:
         # A frame that breaks the protocol fails the session, but the connection stays open
         # (its frames are ignored from then on, the mailbox being failed): closing it would
         # reach the sender as a dead connection -- a PeerLost blaming a live node -- possibly
@@ -357,6 +375,9 @@ class DataService:
                             f"sent a frame of another session ({header.session:#x})")
                     if header is not None and header.src != node:
                         raise ProtocolError(f"sent a frame in the name of node {header.src}")
+                    if not data:
+                        raise ProtocolError("sent array data on the connection this node "
+                                            "sends on")
                     held = self.mailbox.put(frame)
                 except ProtocolError as exc:
                     self.fail(ProtocolError(

@@ -161,8 +161,13 @@ class GlobalExecutor:
         or an all-gather's whole chunk. Raises :class:`~burncoll.ProtocolError` (worded
         "sent ...") for an array no node could hold, or an operation that allocates nothing.
         """
-        itemsize = dtype_from_name(h.dtype or "uint8").itemsize
-        if any(d > _MAX_DIM for d in h.shape):
+        try:
+            itemsize = dtype_from_name(h.dtype or "uint8").itemsize
+        except CollectiveError as exc:  # a dtype this process cannot hold (no ml_dtypes)
+            raise ProtocolError(f"sent {_part(h)} of dtype {h.dtype}, which this node cannot "
+                                f"receive: {exc}") from exc
+        # numpy's limit on an array's size counts every dimension, zero ones aside
+        if math.prod(d for d in h.shape if d) * itemsize > _MAX_DIM:
             raise ProtocolError(f"sent {_part(h)} of an array of shape {list(h.shape)}, which "
                                 "no array can have")
         count = math.prod(h.shape)

@@ -114,6 +114,9 @@ class OrchestratorClient:
                 for n in reply["nodes"]
             )
             secret = reply.get("secret")
+            if secret is None and self.token is None:
+                raise ValueError("no session secret, and without a token the connections "
+                                 "between nodes would have no key")
             if secret is not None:
                 if not isinstance(secret, str) or len(secret) != _SECRET_HEX:
                     raise ValueError("the session secret is not 64 hex digits")

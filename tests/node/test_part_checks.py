@@ -269,8 +269,9 @@ def test_a_broadcast_receiver_expects_the_size_the_shape_gives() -> None:
     ("shape", "why"),
     [((1 << 40,), "more than this machine's memory"),
      ((1 << 63, 0), "which no array can have"),
-     (((1 << 64) - 1,), "which no array can have")],
-    ids=["8-TiB", "dim-over-int64", "u64-max"],
+     (((1 << 64) - 1,), "which no array can have"),
+     ((1 << 62, 1 << 62, 0), "which no array can have")],
+    ids=["8-TiB", "dim-over-int64", "u64-max", "empty-but-too-big"],
 )
 def test_a_broadcast_of_an_impossible_array_is_a_protocol_error(
     shape: tuple[int, ...], why: str
@@ -280,6 +281,21 @@ def test_a_broadcast_of_an_impossible_array_is_a_protocol_error(
     op = _op(OpKind.BROADCAST, None, (), root=1)
     h = header(op_kind=OpKind.BROADCAST, reduce_op=None, root=1, shape=shape)
     with pytest.raises(ProtocolError, match=why):
+        ex.expected_bytes(op, 1, h)
+
+
+def test_a_dtype_this_node_cannot_hold_is_a_protocol_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 on a node without ml_dtypes (a test double makes dtype_from_name refuse it):
+    a ProtocolError naming the part, not the UsageError meant for a local caller."""
+    def refuse(name: str) -> Any:
+        raise burncoll.UsageError(f"dtype {name} needs ml_dtypes")
+
+    monkeypatch.setattr(executor_module, "dtype_from_name", refuse)
+    ex = GlobalExecutor(_services(2)[0])  # type: ignore[arg-type]
+    op = _op(OpKind.BROADCAST, None, (), root=1)
+    h = header(op_kind=OpKind.BROADCAST, reduce_op=None, root=1, dtype="bfloat16")
+    with pytest.raises(ProtocolError, match="cannot receive"):
         ex.expected_bytes(op, 1, h)
 
 
@@ -536,3 +552,39 @@ def test_a_reader_stops_reading_past_the_held_budget(monkeypatch: pytest.MonkeyP
     most, offsets = asyncio.run(run())
     assert most <= 5 * part, most
     assert offsets == [i * part for i in range(parts)]
+
+
+def test_only_a_part_in_the_senders_own_name_lands_in_place() -> None:
+    """A member cannot start writing another node's part straight into the receiver's memory:
+    the placer of node 2's connection refuses a header in node 1's name."""
+    service = DataService(get_transport("tcp"), "127.0.0.1", 0, None, 5.0)
+    nodes = [NodeInfo(i, "127.0.0.1", 1 + i, (i,)) for i in range(3)]
+    service.set_session(7, 0, nodes, secret="ab" * 32)
+    memory = memoryview(bytearray(PART_BYTES))
+    service.mailbox.land(KEY, 0, memory)  # KEY: node 1's part
+    first = memoryview(encode_data_header(header(chunk_bytes=PART_BYTES), PART_BYTES))
+    size = len(first) + PART_BYTES
+    assert service._place(2, first, size) is None
+    placed = service._place(1, first, size)
+    assert placed is not None and placed[1] is memory
+
+
+def test_array_data_on_the_connection_this_node_sends_on_fails_the_session() -> None:
+    """Array data comes only on the connection the receiver dialed; a member sending it on the
+    other one (where it could race the real part) fails the session with a ProtocolError."""
+    async def run() -> BaseException | None:
+        a, b = await _pair("ab" * 32)
+        try:
+            wrong_way = b._dialed[0]  # b receives on it; a sends on it
+            h = header(session=77, src=1, seq=0)
+            await wrong_way.send([encode_data_header(h, 8), bytes(8)])
+            async with asyncio.timeout(5):
+                while a.mailbox.error is None:
+                    await asyncio.sleep(0.01)
+            return a.mailbox.error
+        finally:
+            await _close(a, b)
+
+    error = asyncio.run(run())
+    assert isinstance(error, ProtocolError), error
+    assert "the connection this node sends on" in str(error)
