@@ -56,6 +56,7 @@ from burncoll.config import TRANSPORTS, check_bind_address, check_tls_mode, chec
 from burncoll.errors import AuthenticationError, ConfigError, ProtocolError, TransportError
 from burncoll.node.loop import IoLoop
 from burncoll.transport import TlsSettings, get_transport
+from burncoll.transport.admission import BoundedLog
 from burncoll.transport.auth import authenticate_server
 from burncoll.transport.base import Connection, Listener
 from burncoll.transport.wire import CONTROL_LIMIT, decode, encode_control
@@ -71,6 +72,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("burncoll.orchestrator")
+#: For what a stranger can cause at will (refused connections): bounded, see BoundedLog.
+stranger_log = BoundedLog(log)
 
 #: Largest message the orchestrator accepts: a CONTROL frame (JSON) and its header, integrity
 #: tag included.
@@ -200,7 +203,8 @@ class Orchestrator:
             conn = await authenticate_server(conn, self._token, self._timeout,
                                              integrity=self._integrity)
         except (AuthenticationError, TransportError) as exc:
-            log.warning("orchestrator: refused a connection from %s: %s", conn.remote, exc)
+            stranger_log.warning("refused", f"orchestrator: refused a connection from "
+                                 f"{conn.remote}: {exc}")
             return
         try:
             member = await self._join(conn)

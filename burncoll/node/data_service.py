@@ -46,6 +46,7 @@ from burncoll.errors import (
     TransportError,
 )
 from burncoll.node.mailbox import Mailbox
+from burncoll.transport.admission import BoundedLog
 from burncoll.transport.auth import authenticate_client, authenticate_server
 from burncoll.transport.base import PREAUTH_SECONDS, Buffer, Connection, Listener, Transport
 from burncoll.transport.wire import FrameType, decode, encode_control, peek_part
@@ -53,6 +54,8 @@ from burncoll.transport.wire import FrameType, decode, encode_control, peek_part
 __all__ = ["DataService", "NodeInfo", "error_from_abort"]
 
 log = logging.getLogger("burncoll.node")
+#: For what a stranger can cause at will (refused connections): bounded, see BoundedLog.
+stranger_log = BoundedLog(log)
 
 #: Seconds a failed send waits for another node's explanation before blaming the receiver.
 _EXPLAIN_GRACE = 0.5
@@ -277,14 +280,16 @@ class DataService:
                 async with asyncio.timeout(PREAUTH_SECONDS):
                     await self._known.wait()
             except TimeoutError:
-                log.warning("data service: dropped %s: no session yet to authenticate it "
-                            "with (within %g s)", conn.remote, PREAUTH_SECONDS)
+                stranger_log.warning("no session", f"data service: dropped {conn.remote}: no "
+                                     "session yet to authenticate it with (within "
+                                     f"{PREAUTH_SECONDS:g} s)")
                 return
         try:
             conn = await authenticate_server(conn, self.member_token, self.timeout,
                                              integrity=self.integrity)
         except (AuthenticationError, TransportError) as exc:
-            log.warning("data service: refused a connection from %s: %s", conn.remote, exc)
+            stranger_log.warning("refused", f"data service: refused a connection from "
+                                 f"{conn.remote}: {exc}")
             return
         try:
             hello = decode(await asyncio.wait_for(conn.recv(), self.timeout))

@@ -17,13 +17,17 @@ The limits, and why they are safe for legitimate peers:
   A new one over it is **refused** (``admit`` returns ``None``). Pending connections are capped
   far lower (below), so strangers alone can never reach this cap; it bounds what authenticated
   peers and pending strangers hold together (file descriptors, buffers).
-* ``max_pending`` (overall) and ``max_pending_per_source`` (per source host): connections
-  not yet authenticated. When a new connection would go over either, the **oldest** pending
-  connection (of the same source for the per-source cap, else overall) is evicted: its
-  ``drop(reason)`` is called and its ticket released. Oldest-first is what keeps a legitimate
-  node able to register while strangers hold every pending slot: its connection authenticates
-  within milliseconds, long before enough newer strangers arrive to evict it; an evicted client
-  sees its connection closed (:class:`~burncoll.TransportError`) and retries.
+* ``max_pending`` (overall) and ``max_pending_per_source`` (per source): connections not yet
+  authenticated. A *source* is an IPv4 address, or an IPv6 /64 network (one host commonly holds
+  a whole /64, so counting IPv6 addresses one by one would cap nothing): :func:`source_group`.
+  When a new connection would go over a source's cap, that source's **oldest** pending
+  connection is evicted. When it would go over ``max_pending``, the oldest pending connection
+  **of the source holding the most pending connections** is evicted (between sources holding
+  equally many, the one whose oldest is oldest). Evicting means: its ``drop(reason)`` is called
+  and its ticket released. So strangers churning from many addresses evict one another, not a
+  legitimate node: its one pending connection is evicted only when no source holds more, and
+  it authenticates within milliseconds anyway; an evicted client sees its connection closed
+  (:class:`~burncoll.TransportError`) and retries.
 * ``preauth_seconds``: a connection still pending that long after ``admit`` is dropped,
   whatever it sent.
 
@@ -40,6 +44,8 @@ the admission). Used from one event loop; not thread-safe.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -47,7 +53,7 @@ from collections.abc import Callable
 
 from burncoll.transport.base import PREAUTH_SECONDS
 
-__all__ = ["Admission", "BoundedLog", "Ticket"]
+__all__ = ["Admission", "BoundedLog", "Ticket", "source_group"]
 
 logger = logging.getLogger("burncoll.transport")
 
@@ -57,12 +63,33 @@ LOG_INTERVAL = 1.0
 LOG_BURST = 10
 
 
-class BoundedLog:
-    """WARNING lines on the ``burncoll.transport`` logger, at most :data:`LOG_BURST` per
-    :data:`LOG_INTERVAL` seconds per ``kind``; the next line that goes out says how many were
-    suppressed meanwhile. For events a stranger can cause at will."""
+#: Prefix length by which IPv6 sources are grouped.
+IPV6_SOURCE_PREFIX = 64
 
-    def __init__(self) -> None:
+
+def source_group(host: str) -> str:
+    """The source a connection from ``host`` counts against: an IPv4 address as it is (an
+    IPv4-mapped IPv6 address as its IPv4 address), an IPv6 address as its /64 network
+    (``"2001:db8:1:2::/64"``), anything else (a name, ``"?"``) as it is."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])  # without an IPv6 zone
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        network = ipaddress.IPv6Network((address, IPV6_SOURCE_PREFIX), strict=False)
+        return str(network)
+    return str(address)
+
+
+class BoundedLog:
+    """WARNING lines on ``log`` (the ``burncoll.transport`` logger by default), at most
+    :data:`LOG_BURST` per :data:`LOG_INTERVAL` seconds per ``kind``; the next line that goes
+    out says how many were suppressed meanwhile. For events a stranger can cause at will."""
+
+    def __init__(self, log: logging.Logger | None = None) -> None:
+        self._logger = log if log is not None else logger
         self._window: dict[str, tuple[float, int]] = {}  # kind -> (window start, lines in it)
         self._suppressed: dict[str, int] = {}
 
@@ -80,17 +107,23 @@ class BoundedLog:
         self._window[kind] = (start, lines + 1)
         more = self._suppressed.pop(kind, 0)
         suffix = f" (and {more} more like it, not logged)" if more else ""
-        logger.warning("%s%s", message, suffix)
+        self._logger.warning("%s%s", message, suffix)
 
 
 class Ticket:
     """One admitted connection's place in its :class:`Admission`."""
 
-    __slots__ = ("_admission", "_drop", "_timer", "pending", "released", "source")
+    __slots__ = ("_admission", "_drop", "_timer", "group", "pending", "released", "serial",
+                 "source")
 
-    def __init__(self, admission: Admission, source: str, drop: Callable[[str], None]) -> None:
+    def __init__(self, admission: Admission, source: str, drop: Callable[[str], None],
+                 serial: int) -> None:
         #: The source host the connection came from, as given to :meth:`Admission.admit`.
         self.source = source
+        #: What the per-source cap counts it against (:func:`source_group`).
+        self.group = source_group(source)
+        #: Admission order: a smaller serial is older.
+        self.serial = serial
         #: Not yet authenticated (counts against the pending caps and has a deadline).
         self.pending = True
         #: Released: counts against nothing any more.
@@ -176,7 +209,8 @@ class Admission:
         self.preauth_seconds = preauth_seconds
         self.name = name
         self._pending: OrderedDict[Ticket, None] = OrderedDict()  # oldest first
-        self._by_source: dict[str, OrderedDict[Ticket, None]] = {}
+        self._by_source: dict[str, OrderedDict[Ticket, None]] = {}  # by group, oldest first
+        self._serials = itertools.count()
         self._count = 0
         self._closed = False
         self._log = BoundedLog()
@@ -197,7 +231,9 @@ class Admission:
         Returns its :class:`Ticket`, or ``None`` when the connection must be refused (closed
         at once, nothing read from it): ``max_connections`` are admitted already, or the
         admission is closed. To make room under the pending caps, the oldest pending
-        connection of ``source`` (else the oldest overall) is evicted first: its ``drop``
+        connection of ``source``'s group (:func:`source_group`) is evicted first when that
+        group is at ``max_pending_per_source``; then, at ``max_pending``, the oldest of the
+        group holding the most pending connections (see the module docstring): its ``drop``
         is called with the reason. ``drop(reason)`` must close the connection at once and
         may be called later from the deadline timer; it is called at most once, and never
         after the ticket is authenticated or released. Must be called on the event loop.
@@ -209,16 +245,19 @@ class Admission:
                 "full", f"{self.name}: refused a connection from {source}: "
                 f"{self.max_connections} connections open (max_connections)")
             return None
-        same = self._by_source.get(source)
+        ticket = Ticket(self, source, drop, next(self._serials))
+        same = self._by_source.get(ticket.group)
         if same is not None and len(same) >= self.max_pending_per_source:
             self._evict_oldest(same, f"{self.max_pending_per_source} connections from "
-                               f"{source} are waiting to authenticate (max_pending_per_source)")
+                               f"{ticket.group} are waiting to authenticate "
+                               "(max_pending_per_source)")
         if len(self._pending) >= self.max_pending:
-            self._evict_oldest(self._pending, f"{self.max_pending} connections are waiting "
-                               "to authenticate (max_pending)")
-        ticket = Ticket(self, source, drop)
+            crowded = self._most_pending()
+            self._evict_oldest(crowded, f"{self.max_pending} connections are waiting to "
+                               f"authenticate (max_pending), {len(crowded)} of them from "
+                               "this source, more than from any other")
         self._pending[ticket] = None
-        self._by_source.setdefault(source, OrderedDict())[ticket] = None
+        self._by_source.setdefault(ticket.group, OrderedDict())[ticket] = None
         self._count += 1
         ticket._timer = asyncio.get_running_loop().call_later(
             self.preauth_seconds, ticket._expire)
@@ -231,6 +270,12 @@ class Admission:
         for ticket in list(self._pending):
             ticket._evict(reason)
 
+    def _most_pending(self) -> OrderedDict[Ticket, None]:
+        """The pending connections of the group holding the most (between equals, the one
+        whose oldest is oldest). O(groups), and there are at most ``max_pending`` groups."""
+        return max(self._by_source.values(),
+                   key=lambda same: (len(same), -next(iter(same)).serial))
+
     def _evict_oldest(self, tickets: OrderedDict[Ticket, None], why: str) -> None:
         oldest = next(iter(tickets))
         self._log.warning("evict", f"{self.name}: dropped the oldest unauthenticated "
@@ -239,8 +284,8 @@ class Admission:
 
     def _unpend(self, ticket: Ticket) -> None:
         self._pending.pop(ticket, None)
-        same = self._by_source.get(ticket.source)
+        same = self._by_source.get(ticket.group)
         if same is not None:
             same.pop(ticket, None)
             if not same:
-                del self._by_source[ticket.source]
+                del self._by_source[ticket.group]

@@ -23,12 +23,23 @@ by :mod:`burncoll.transport.auth` after the challenge-response) the other side i
 least 16 MiB) and announces it at once (MAX_DATA, MAX_STREAM_DATA), so throughput after
 authentication is what it was without the gate.
 
-A listener defends itself against handshake floods (:class:`_GuardedServer`): at most
-``max_handshakes`` handshakes are in progress (an Initial packet for a new connection beyond
-that is dropped before any cryptographic work); above ``retry_handshakes`` in progress a new
-client must first prove its address with a stateless Retry (RFC 9000 section 8.1); a
-handshake not completed within ``connect_timeout`` is dropped; and every connection whose
-handshake completes passes the listener's :class:`~burncoll.transport.admission.Admission`
+A listener defends itself against handshake floods (:class:`_GuardedServer`). Sources are
+grouped as :func:`source_of` does (an IPv4 address; an IPv6 /64, what one host or site usually
+holds). At most ``max_handshakes_per_source`` handshakes are in progress per source (8: more
+than a host running several nodes opens at once; a dropped Initial is retransmitted by its
+client) and ``max_handshakes`` in all. A new client must first prove its address with a
+stateless Retry (RFC 9000 section 8.1) when its source already has a handshake in progress,
+when ``retry_handshakes`` are in progress, or when the global cap is reached: a host cannot
+claim slots for addresses it does not hold. When the global cap is reached, a validated
+newcomer evicts the oldest handshake of the source holding the most, provided that source
+then still holds at least as many as the newcomer's (max-min fairness: one host holding
+half-open handshakes cannot lock others out, and sources holding one each do not churn);
+otherwise, or over the per-source cap, the Initial is dropped before any
+cryptographic work. A handshake not completed within ``min(connect_timeout, HANDSHAKE_SECONDS)``
+(:data:`HANDSHAKE_SECONDS` is 3 s: a LAN handshake takes milliseconds, and a few lost packets'
+retransmissions fit) is dropped, so a slot held by a silent client is soon free again; and
+every connection whose handshake completes passes the listener's
+:class:`~burncoll.transport.admission.Admission`
 (caps on unauthenticated connections, total and per source host, oldest evicted first; a cap
 on all connections, also checked before a handshake starts; the ``preauth_seconds`` deadline,
 counted from the end of the handshake). Admitting only completed handshakes keeps a flood of
@@ -58,12 +69,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import ipaddress
 import itertools
 import logging
 import os
 import socket
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, cast
@@ -112,7 +124,7 @@ from burncoll.transport.wire import (
     MessageTooBig,
 )
 
-__all__ = ["ALPN", "QuicListener", "QuicStreamConnection", "QuicTransport"]
+__all__ = ["ALPN", "QuicListener", "QuicStreamConnection", "QuicTransport", "source_of"]
 
 logger = logging.getLogger("burncoll.transport")
 
@@ -135,6 +147,12 @@ MAX_PENDING_CRYPTO = 64 * 1024
 #: Default caps of a listener: handshakes in progress, and above how many a Retry is asked.
 MAX_HANDSHAKES = 64
 RETRY_HANDSHAKES = 16
+#: Default cap on a single source's handshakes in progress (see :func:`source_of`).
+MAX_HANDSHAKES_PER_SOURCE = 8
+#: The longest a listener waits for a handshake to complete (or ``connect_timeout``, if less).
+HANDSHAKE_SECONDS = 3.0
+#: IPv6 sources are grouped by this prefix length: one host or site usually holds a /64.
+IPV6_SOURCE_PREFIX = 64
 _SOCKET_BUFFER = 8 * 1024 * 1024
 _HANDLER_GRACE = 1.0
 _ping_ids = itertools.count(1)
@@ -603,9 +621,27 @@ def _nothing() -> None:
     return None
 
 
+def source_of(address: NetworkAddress | None) -> str:
+    """The source a listener counts a peer's handshakes against: an IPv4 address (also when
+    written IPv4-mapped), or the /64 of an IPv6 one (a host usually holds a whole /64, so
+    per-address caps would not bind it). ``"?"`` when the address is unknown or unparsable."""
+    if address is None:
+        return "?"
+    try:
+        ip = ipaddress.ip_address(str(address[0]).split("%", 1)[0])
+    except ValueError:
+        return "?"
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, IPV6_SOURCE_PREFIX), strict=False))
+    return str(ip)
+
+
 class _GuardedServer(QuicServer):
     """aioquic's server, with the new-connection path guarded (see the module docstring):
-    a cap on handshakes in progress, Retry under load, a handshake deadline, admission."""
+    caps on handshakes in progress (per source and in all, with eviction of the source holding
+    the most), Retry under load and for repeat sources, a handshake deadline, admission."""
 
     def __init__(
         self,
@@ -616,17 +652,25 @@ class _GuardedServer(QuicServer):
         max_handshakes: int,
         retry_handshakes: int,
         handshake_timeout: float,
+        max_handshakes_per_source: int = MAX_HANDSHAKES_PER_SOURCE,
     ) -> None:
         super().__init__(configuration=configuration, create_protocol=create_protocol)
         self.admission = admission
         self.max_handshakes = max_handshakes
         self.retry_handshakes = retry_handshakes
+        self.max_handshakes_per_source = max_handshakes_per_source
         self.handshake_timeout = handshake_timeout
-        #: Connections whose handshake is in progress.
-        self.handshaking: set[_Protocol] = set()
+        #: Connections whose handshake is in progress, oldest first, with their source.
+        self.handshaking: dict[_Protocol, str] = {}
+        #: Handshakes evicted so far to make room for another source's.
+        self.evictions = 0
         self._tokens = QuicRetryTokenHandler()
         self._dropped = 0
         self._logged_at = 0.0
+
+    def in_progress(self, source: str) -> int:
+        """How many handshakes ``source`` (as :func:`source_of` names it) has in progress."""
+        return sum(1 for s in self.handshaking.values() if s == source)
 
     def datagram_received(self, data: bytes | str, addr: NetworkAddress) -> None:
         data = cast(bytes, data)
@@ -653,15 +697,30 @@ class _GuardedServer(QuicServer):
         return header
 
     def _open(self, header: QuicHeader, data: bytes, addr: NetworkAddress) -> None:
-        """Screen an Initial packet for a new connection, then open it (or not)."""
-        self.handshaking = {p for p in self.handshaking if not p.handshake.done()}
-        if len(self.handshaking) >= self.max_handshakes:
-            self._refused(f"{self.max_handshakes} handshakes are in progress")
+        """Screen an Initial packet for a new connection, then open it (or not).
+
+        Checks cost nothing before the Retry token is read (an AES-GCM open); the only state
+        created for an unvalidated address is the connection opened while fewer than
+        ``retry_handshakes`` are in progress and none from its source."""
+        self._prune()
+        source = source_of(addr)
+        counts = Counter(self.handshaking.values())
+        held = counts[source]
+        if held >= self.max_handshakes_per_source:
+            self._refused(f"{source} has {held} handshakes in progress")
             return
         admission = self.admission
         if admission.connections + len(self.handshaking) >= admission.max_connections:
             self._refused(f"{admission.max_connections} connections are open or opening")
             return
+        full = len(self.handshaking) >= self.max_handshakes
+        victim: str | None = None
+        if full:
+            victim = self._victim(counts, held)
+            if victim is None:
+                self._refused(f"{self.max_handshakes} handshakes are in progress, "
+                              "none from a source holding more than its share")
+                return
         retry_cid: bytes | None = None
         if header.token:  # the answer to a Retry: the address is validated
             try:
@@ -671,21 +730,48 @@ class _GuardedServer(QuicServer):
             except ValueError:
                 return
             retry_cid = header.destination_cid
-        elif len(self.handshaking) >= self.retry_handshakes:
+        elif full or held or len(self.handshaking) >= self.retry_handshakes:
             self._send_retry(header, addr)
             return
         else:
             original_cid = header.destination_cid
+        if victim is not None:
+            self._evict(victim, source)
         quic = _GatedConnection(
             configuration=self._configuration,
             original_destination_connection_id=original_cid,
             retry_source_connection_id=retry_cid,
         )
         protocol = cast(_Protocol, self._create_protocol(quic))
-        self._register(protocol, header.destination_cid)
+        self._register(protocol, header.destination_cid, source)
         protocol.datagram_received(data, addr)
 
-    def _register(self, protocol: _Protocol, cid: bytes) -> None:
+    def _prune(self) -> None:
+        """Forget handshakes that ended without the server hearing of it (a safety net: the
+        protocol normally reports its end through ``admit`` or ``forget``)."""
+        for protocol in [p for p in self.handshaking if p.handshake.done() or p.terminated]:
+            del self.handshaking[protocol]
+
+    def _victim(self, counts: Counter[str], held: int) -> str | None:
+        """The source whose oldest handshake makes room for a newcomer whose source holds
+        ``held``: the one holding the most, if that is more than ``held + 1`` (so never the
+        newcomer's own, and never one left with fewer than the newcomer would have)."""
+        if not counts:
+            return None
+        source, most = counts.most_common(1)[0]
+        return source if most > held + 1 else None
+
+    def _evict(self, victim: str, newcomer: str) -> None:
+        """Drop the oldest handshake in progress from ``victim`` (a CONNECTION_CLOSE is sent)."""
+        oldest = next(p for p, s in self.handshaking.items() if s == victim)
+        self.evictions += 1
+        logger.debug("%s: evicted a handshake from %s (%d in progress) for one from %s",
+                     self.admission.name, victim, self.in_progress(victim), newcomer)
+        oldest.drop(f"evicted: {self.max_handshakes} handshakes in progress, "
+                    f"{victim} holding the most")
+        self.handshaking.pop(oldest, None)
+
+    def _register(self, protocol: _Protocol, cid: bytes, source: str) -> None:
         """What aioquic's server does for a new connection, plus our bookkeeping."""
         assert self._transport is not None
         protocol.connection_made(self._transport)
@@ -699,12 +785,13 @@ class _GuardedServer(QuicServer):
         self._protocols[protocol._quic.host_cid] = protocol
         protocol.admit = self._admit
         protocol.forget = self._forget
-        self.handshaking.add(protocol)
+        self.handshaking[protocol] = source
         protocol.start_handshake_deadline(self.handshake_timeout)
 
     def _admit(self, protocol: _Protocol) -> bool:
         """A handshake completed: ask the admission (which may evict an older unauthenticated
         connection, and starts the pre-authentication deadline). Refused: dropped."""
+        self.handshaking.pop(protocol, None)
         address = protocol._quic.get_peer_address()
         source = str(address[0]).removeprefix("::ffff:") if address is not None else "?"
         ticket = self.admission.admit(source, protocol.drop)
@@ -716,7 +803,7 @@ class _GuardedServer(QuicServer):
 
     def _forget(self, protocol: _Protocol) -> None:
         """Drop every reference the server holds to ``protocol``."""
-        self.handshaking.discard(protocol)
+        self.handshaking.pop(protocol, None)
         for cid in [cid for cid, p in self._protocols.items() if p is protocol]:
             del self._protocols[cid]
 
@@ -840,14 +927,18 @@ class QuicTransport(Transport):
         max_datagram_size: the largest UDP payload sent: 1200 (aioquic's default) to
             :data:`MAX_DATAGRAM_SIZE`.
         congestion_control: ``"reno"`` or ``"cubic"``.
-        connect_timeout: seconds for the QUIC handshake (a listener drops a handshake that
-            takes longer).
+        connect_timeout: seconds for the QUIC handshake. A listener drops a handshake not
+            completed within ``min(connect_timeout, HANDSHAKE_SECONDS)`` (3 s): a slot held by a
+            client that never finishes is soon free again.
         close_timeout: seconds ``close`` waits for the peer to acknowledge what was sent.
         idle_timeout: seconds of silence after which a peer is declared gone.
         preauth_seconds: a listener drops a connection not authenticated this long after
             its first packet.
-        max_handshakes: handshakes in progress at a listener beyond which new connections'
-            Initial packets are dropped unread.
+        max_handshakes: handshakes in progress at a listener; beyond it a new connection from
+            a validated address evicts the oldest handshake of the source holding the most
+            (when that source holds more than the newcomer's would), or is dropped unread.
+        max_handshakes_per_source: handshakes in progress per source (an IPv4 address, an
+            IPv6 /64) beyond which that source's Initial packets are dropped unread.
         retry_handshakes: handshakes in progress beyond which a new client must validate its
             address with a Retry first.
         max_connections, max_pending, max_pending_per_source: a listener's
@@ -869,6 +960,7 @@ class QuicTransport(Transport):
         preauth_seconds: float = PREAUTH_SECONDS,
         max_handshakes: int = MAX_HANDSHAKES,
         retry_handshakes: int = RETRY_HANDSHAKES,
+        max_handshakes_per_source: int = MAX_HANDSHAKES_PER_SOURCE,
         max_connections: int = 1024,
         max_pending: int = 64,
         max_pending_per_source: int = 16,
@@ -882,6 +974,12 @@ class QuicTransport(Transport):
                 "QUIC needs 0 <= retry_handshakes <= max_handshakes and max_handshakes >= 1, "
                 f"not retry_handshakes={retry_handshakes}, max_handshakes={max_handshakes}"
             )
+        if not 1 <= max_handshakes_per_source <= max_handshakes:
+            raise ConfigError(
+                "QUIC needs 1 <= max_handshakes_per_source <= max_handshakes, not "
+                f"max_handshakes_per_source={max_handshakes_per_source}, "
+                f"max_handshakes={max_handshakes}"
+            )
         self.tls = tls
         self.max_message_bytes = max_message_bytes
         self.max_datagram_size = max_datagram_size
@@ -892,6 +990,7 @@ class QuicTransport(Transport):
         self.preauth_seconds = preauth_seconds
         self.max_handshakes = max_handshakes
         self.retry_handshakes = retry_handshakes
+        self.max_handshakes_per_source = max_handshakes_per_source
         self.max_connections = max_connections
         self.max_pending = max_pending
         self.max_pending_per_source = max_pending_per_source
@@ -930,7 +1029,8 @@ class QuicTransport(Transport):
                     configuration=configuration, create_protocol=create_protocol,
                     admission=admission, max_handshakes=self.max_handshakes,
                     retry_handshakes=self.retry_handshakes,
-                    handshake_timeout=self.connect_timeout),
+                    max_handshakes_per_source=self.max_handshakes_per_source,
+                    handshake_timeout=min(self.connect_timeout, HANDSHAKE_SECONDS)),
                 local_addr=(host, port),
             )
         except OSError as exc:

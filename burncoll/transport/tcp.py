@@ -40,6 +40,7 @@ import contextlib
 import errno
 import logging
 import socket
+import ssl
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -254,6 +255,20 @@ class StreamProtocol(asyncio.BufferedProtocol):
         _set_no_delay(transport)
         self._writer = SocketWriter.for_transport(transport, self._write_failed)
 
+    def handed_over(self, transport: asyncio.Transport, ticket: Ticket) -> None:
+        """Start on ``transport`` with the admission ``ticket`` a :class:`TlsGate` took for
+        the connection before its TLS handshake (no second admission): ``connection_made``,
+        then parse what arrived between the handshake and now."""
+        self._admission = None
+        self._ticket = ticket
+        self.connection_made(transport)
+        if self.error is not None or self.transport is None:
+            return
+        if self._budget is not None and self._budget <= 0:
+            self._pause_for_budget()
+        if self._start < self._end:
+            self._parse_buffered()
+
     def _write_failed(self, exc: OSError) -> None:
         self.fail(TransportError(f"sending to {self.remote} failed: {exc}"))
         if self.transport is not None:
@@ -278,6 +293,11 @@ class StreamProtocol(asyncio.BufferedProtocol):
             self._budget -= nbytes
             if self._budget <= 0:
                 self._pause_for_budget()
+        if self.transport is None:
+            # TLS bytes that follow the handshake before :class:`TlsGate` hands the connection
+            # over (at most one buffer, under the budget): parsed by :meth:`handed_over`.
+            self._end += nbytes
+            return
         if self._direct is not None:
             self._direct_filled += nbytes
             if self._direct_filled == len(self._direct):
@@ -693,6 +713,8 @@ class StreamListener(Listener):
         self.admission = admission if admission is not None else Admission()
         self._server: asyncio.Server | None = None
         self._handler_tasks: set[asyncio.Task[Any]] = set()
+        #: TLS handshakes under way (:class:`TlsGate`); held here so that none is collected.
+        self._handshakes: set[asyncio.Task[None]] = set()
         self._connections: set[StreamConnection] = set()
         self._closing: asyncio.Task[None] | None = None
 
@@ -736,6 +758,8 @@ class StreamListener(Listener):
     async def _close(self, server: asyncio.Server) -> None:
         server.close()  # stop accepting
         self.admission.close()  # drops the connections still waiting to authenticate
+        if self._handshakes:  # each ends at once: its connection was aborted
+            await asyncio.wait(list(self._handshakes), timeout=HANDLER_GRACE)
         connections = list(self._connections)
         if connections:
             await asyncio.gather(*(c.close() for c in connections))
@@ -751,12 +775,111 @@ class StreamListener(Listener):
                                    self.host, self.port)
 
 
-async def listen_stream(host: str, port: int, factory: Callable[[], asyncio.BaseProtocol],
-                        listener: StreamListener, **kwargs: Any) -> None:
-    """Bind ``listener`` to ``host:port`` serving ``factory``; TransportError naming the port."""
+class TlsGate(asyncio.Protocol):
+    """A TLS listener's first protocol on an accepted TCP connection: admission comes before
+    the TLS handshake, so that the pre-authentication caps and deadline cover it.
+
+    asyncio's own ``create_server(ssl=...)`` calls the application protocol's
+    ``connection_made`` only once the handshake is done; until then each accepted socket holds
+    a file descriptor, an OpenSSL object and TLS buffers that no cap counts. Instead:
+
+    1. ``connection_made`` pauses reading and takes the connection's
+       :class:`~burncoll.transport.admission.Ticket` at once (refused: aborted). Until the
+       hand-over, an eviction or the pre-authentication deadline aborts the TCP connection.
+    2. ``loop.start_tls`` runs the handshake, within ``handshake_timeout`` (the caller passes
+       at most the admission's ``preauth_seconds``).
+    3. On success the application protocol (made by ``app_factory``) gets the ticket and the
+       TLS transport (:meth:`StreamProtocol.handed_over`), and later drops go to its
+       :meth:`StreamProtocol.drop`. On failure the ticket is released, the connection aborted,
+       and the failure logged (bounded: :data:`stranger_log`) unless the admission dropped it
+       (it logged that).
+    """
+
+    def __init__(self, app_factory: Callable[[], StreamProtocol], context: ssl.SSLContext,
+                 admission: Admission, handshake_timeout: float,
+                 handshakes: set[asyncio.Task[None]]) -> None:
+        self._app_factory = app_factory
+        self._context = context
+        self._admission = admission
+        self._handshake_timeout = handshake_timeout
+        self._handshakes = handshakes
+        self._raw: asyncio.Transport | None = None
+        self._app: StreamProtocol | None = None
+        self.remote = "?"
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.pause_reading()  # nothing is read before the handshake starts
+        peer = transport.get_extra_info("peername")
+        self.remote = format_address(peer)
+        ticket = self._admission.admit(_host_of(peer), self._drop)
+        if ticket is None:  # refused (and logged)
+            transport.abort()
+            return
+        self._raw = transport
+        task = asyncio.get_running_loop().create_task(self._handshake(transport, ticket))
+        self._handshakes.add(task)
+        task.add_done_callback(self._handshakes.discard)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Lost before ``start_tls`` took the transport over: :meth:`_handshake` sees it
+        closing and releases the ticket."""
+
+    def _drop(self, reason: str) -> None:
+        """The ticket's ``drop``: abort the TCP connection until the hand-over, then the
+        application protocol's :meth:`~StreamProtocol.drop`."""
+        if self._app is not None:
+            self._app.drop(reason)
+        elif self._raw is not None:
+            self._raw.abort()
+
+    async def _handshake(self, raw: asyncio.Transport, ticket: Ticket) -> None:
+        loop = asyncio.get_running_loop()
+        tls: asyncio.BaseTransport | None = None
+        failure = "closed before the TLS handshake"
+        if not raw.is_closing() and not ticket.released:
+            app = self._app_factory()
+            try:
+                tls = await loop.start_tls(raw, app, self._context, server_side=True,
+                                           ssl_handshake_timeout=self._handshake_timeout)
+            except (OSError, TimeoutError, RuntimeError) as exc:
+                failure = f"TLS handshake failed: {exc or type(exc).__name__}"
+            else:
+                failure = "closed during the TLS handshake"
+            if (isinstance(tls, asyncio.Transport) and not tls.is_closing()
+                    and not ticket.released):
+                self._app, self._raw = app, None
+                app.handed_over(tls, ticket)
+                return
+        self._raw = None
+        evicted = ticket.released  # the admission dropped it, and logged why
+        ticket.release()
+        raw.abort()
+        if not evicted:
+            stranger_log.warning("tls", f"dropped a connection from {self.remote}: {failure}")
+
+
+async def listen_stream(host: str, port: int, factory: Callable[[], StreamProtocol],
+                        listener: StreamListener, *, context: ssl.SSLContext | None = None,
+                        handshake_timeout: float = 10.0) -> None:
+    """Bind ``listener`` to ``host:port`` serving ``factory``; TransportError naming the port.
+
+    With ``context``, TLS: each connection is admitted by ``listener.admission`` before its
+    TLS handshake (:class:`TlsGate`), which must end within ``handshake_timeout`` seconds and
+    the admission's ``preauth_seconds``; ``factory``'s protocol gets the admitted connection
+    once it is encrypted. Without, ``factory``'s protocol admits its connection itself.
+    """
     loop = asyncio.get_running_loop()
+    serve: Callable[[], asyncio.BaseProtocol] = factory
+    if context is not None:
+        admission, handshakes = listener.admission, listener._handshakes
+        timeout = min(handshake_timeout, admission.preauth_seconds)
+
+        def serve() -> TlsGate:
+            return TlsGate(factory, context, admission, timeout, handshakes)
+
     try:
-        server = await loop.create_server(factory, host, port, **kwargs)
+        server = await loop.create_server(serve, host, port)
     except OSError as exc:
         reason = "the port is in use" if exc.errno == errno.EADDRINUSE else exc.strerror
         raise TransportError(f"cannot listen on {host}:{port}: {reason}") from exc

@@ -39,7 +39,9 @@ A stranger that fails the opening handshake gets the library's HTTP refusal (400
 dropped with a WARNING naming its address (bounded:
 :class:`~burncoll.transport.admission.BoundedLog`); one that says nothing is dropped after
 ``connect_timeout`` (sooner by its listener's :class:`~burncoll.transport.admission.Admission`
-deadline).
+deadline). Over wss a connection is admitted when it is accepted, before its TLS handshake
+(:class:`~burncoll.transport.tcp.TlsGate`): the admission's caps and deadline cover the
+handshake, which must also end within ``connect_timeout``.
 """
 
 from __future__ import annotations
@@ -507,9 +509,8 @@ class WebSocketTransport(Transport):
                                      handshake_timeout=handshake_timeout, admission=admission,
                                      binding=binding)
 
-        extra: dict[str, Any] = {} if context is None else {
-            "ssl": context, "ssl_handshake_timeout": self.connect_timeout}
-        await listen_stream(host, port, factory, listener, **extra)
+        await listen_stream(host, port, factory, listener, context=context,
+                            handshake_timeout=self.connect_timeout)
         return listener
 
     async def connect(self, host: str, port: int) -> WebSocketConnection:

@@ -17,8 +17,9 @@ from collections.abc import Callable
 import pytest
 
 from burncoll.errors import TransportError
-from burncoll.transport.admission import LOG_BURST, Admission
-from burncoll.transport.base import Connection, Transport
+from burncoll.transport.admission import LOG_BURST, Admission, source_group
+from burncoll.transport.auth import authenticate_client, authenticate_server
+from burncoll.transport.base import Connection, TlsSettings, Transport
 from burncoll.transport.tcp import StreamListener, TcpTransport
 from burncoll.transport.websocket import WebSocketTransport
 from burncoll.transport.wire import Placed
@@ -84,6 +85,84 @@ def test_the_oldest_pending_connection_overall_is_evicted_when_all_are_full() ->
         admission.close()
         assert dropped.names == ["c0", "c1", "c2", "c3", "new1", "new2"]
         assert admission.admit("S0", dropped.drop_for("late")) is None  # closed
+
+    run(body())
+
+
+def test_at_the_overall_cap_the_source_holding_the_most_loses_its_oldest() -> None:
+    """A legitimate node's one pending connection, the oldest of all, survives a churn of
+    strangers from several addresses: each newcomer evicts from the most crowded source."""
+    async def body() -> None:
+        admission = Admission(max_pending=6, max_pending_per_source=6, max_connections=100)
+        dropped = Dropped()
+        node = admission.admit("10.0.0.1", dropped.drop_for("node"))
+        assert node is not None
+        for i in range(5):
+            admission.admit("10.0.0.2" if i < 3 else "10.0.0.3", dropped.drop_for(f"x{i}"))
+        assert dropped.names == []  # node x0 x1 x2 (.2) x3 x4 (.3): full
+        admission.admit("10.0.0.4", dropped.drop_for("y0"))  # .2 holds 3: its oldest goes
+        assert dropped.names == ["x0"]
+        assert "max_pending" in dropped.calls[0][1] and "from this source" in dropped.calls[0][1]
+        admission.admit("10.0.0.4", dropped.drop_for("y1"))  # .2 and .3 hold 2: .2's is older
+        admission.admit("10.0.0.5", dropped.drop_for("y2"))  # .3 (x3 x4), .4 (y0 y1): x3 older
+        assert dropped.names == ["x0", "x1", "x3"]
+        # churn from 3 addresses: 5 strangers' slots over at most 4 sources, one holds 2
+        for i in range(200):
+            admission.admit(f"10.0.0.{(2, 4, 5)[i % 3]}", dropped.drop_for(f"z{i}"))
+        assert "node" not in dropped.names and not node.released
+        assert admission.pending == 6 and len(dropped.names) == 203
+        # only when every source holds one (it takes max_pending addresses) does the oldest
+        # overall, the node, go
+        for i in range(6):
+            admission.admit(f"10.0.2.{i}", dropped.drop_for(f"u{i}"))
+        assert node.released and "node" in dropped.names
+        admission.close()
+
+    run(body())
+
+
+def test_equal_counts_evict_the_oldest_overall() -> None:
+    async def body() -> None:
+        admission = Admission(max_pending=3, max_pending_per_source=3, max_connections=100)
+        dropped = Dropped()
+        for name in ("a", "b", "c"):
+            admission.admit(f"10.0.0.{ord(name)}", dropped.drop_for(name))
+        admission.admit("10.0.0.200", dropped.drop_for("d"))
+        admission.admit("10.0.0.201", dropped.drop_for("e"))
+        assert dropped.names == ["a", "b"]
+        admission.close()
+
+    run(body())
+
+
+def test_ipv6_sources_are_grouped_by_their_64() -> None:
+    assert source_group("2001:db8:1:2::5") == source_group("2001:db8:1:2:ffff::9")
+    assert source_group("2001:db8:1:2::5") == "2001:db8:1:2::/64"
+    assert source_group("2001:db8:1:3::5") != source_group("2001:db8:1:2::5")
+    assert source_group("fe80::1%eth0") == "fe80::/64"
+    assert source_group("10.0.0.1") != source_group("10.0.0.2")
+    assert source_group("::ffff:10.0.0.1") == "10.0.0.1"
+    assert source_group("?") == "?"
+
+    async def body() -> None:
+        admission = Admission(max_pending=10, max_pending_per_source=2, max_connections=100)
+        dropped = Dropped()
+        # one host rotating through addresses of its /64 is one source to the per-source cap
+        for i in range(4):
+            admission.admit(f"2001:db8:0:7::{i + 1:x}", dropped.drop_for(f"v{i}"))
+        assert dropped.names == ["v0", "v1"]
+        assert "2001:db8:0:7::/64" in dropped.calls[0][1]
+        admission.close()
+        # and to the overall cap: at it, the /64 holding the most loses its oldest (counted
+        # address by address, all would hold one, and the oldest overall, the node, would go)
+        admission, dropped = Admission(max_pending=4, max_pending_per_source=4,
+                                       max_connections=100), Dropped()
+        admission.admit("2001:db8:0:1::1", dropped.drop_for("node"))
+        for i in range(3):
+            admission.admit(f"2001:db8:0:8::{i + 1:x}", dropped.drop_for(f"w{i}"))
+        admission.admit("2001:db8:0:9::1", dropped.drop_for("late"))
+        assert dropped.names == ["w0"]
+        admission.close()
 
     run(body())
 
@@ -317,6 +396,57 @@ def test_closing_the_listener_drops_the_strangers_still_waiting(
             await served.listener.close()
             try:
                 assert all(await asyncio.gather(*(_is_closed(s, 1) for s in strangers)))
+            finally:
+                for sock in strangers:
+                    sock.close()
+
+    run(body())
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_wss_admits_a_connection_before_its_tls_handshake() -> None:
+    """300 silent TCP connections to a wss listener (from 20 addresses, under the per-source
+    cap) never hold more than ``max_pending`` pending places, the evicted ones' descriptors are
+    closed, and a node authenticates (the real exchange) and sends a MiB meanwhile. Before the
+    fix each silent connection sat in the TLS handshake, counted by nothing, for 10 s."""
+    token = "a token for this test"
+    settings = TlsSettings(ephemeral=True)
+
+    async def handler(conn: Connection) -> None:
+        conn = await authenticate_server(conn, token, 5)
+        message = await _recv_bytes(conn, 10)
+        await conn.send([message[::-1]])
+        await asyncio.sleep(0.5)  # let the reply leave before the handler closes
+
+    async def node(port: int) -> None:
+        client = await WebSocketTransport(tls=settings).connect(HOST, port)
+        try:
+            conn = await authenticate_client(client, token, 5)
+            payload = os.urandom(1 << 20)
+            await conn.send([payload])
+            assert await _recv_bytes(conn, 10) == payload[::-1]
+        finally:
+            await client.close()
+
+    async def body() -> None:
+        async with serving(WebSocketTransport(tls=settings), handler) as served:
+            listener = served.listener
+            assert isinstance(listener, StreamListener)
+            admission = listener.admission
+            before = _open_fds()
+            sources = [f"127.0.0.{2 + i % 20}" for i in range(300)]
+            strangers, _ = await asyncio.gather(_strangers(served.port, sources),
+                                                node(served.port))
+            try:
+                assert admission.pending <= admission.max_pending
+                # ours: 300 client sockets; the listener's: at most max_pending (and the
+                # node's, closing); before the fix, 300 more
+                assert _open_fds() - before <= 300 + admission.max_pending + 4
+                closed = await asyncio.gather(*(_is_closed(s, 0.5) for s in strangers))
+                assert sum(closed) >= 300 - admission.max_pending
             finally:
                 for sock in strangers:
                     sock.close()

@@ -21,17 +21,23 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from aioquic import tls
+from aioquic._buffer import Buffer as QuicBuffer
 from aioquic.asyncio.client import connect as aioquic_connect
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.crypto import CryptoPair
-from aioquic.quic.packet import QuicErrorCode, QuicFrameType, QuicPacketType
+from aioquic.quic.packet import (
+    QuicErrorCode,
+    QuicFrameType,
+    QuicPacketType,
+    pull_quic_header,
+)
 from aioquic.quic.packet_builder import QuicPacketBuilder
 from aioquic.quic.rangeset import RangeSet
 
@@ -45,6 +51,7 @@ from burncoll.transport.quic import (
     QuicListener,
     QuicStreamConnection,
     QuicTransport,
+    source_of,
     working_window,
 )
 from burncoll.transport.tls import listener_binding, make_self_signed
@@ -587,9 +594,40 @@ def test_an_initial_flood_leaves_memory_bounded_and_a_legitimate_client_served()
     run(body(), timeout=90)
 
 
+class _Recorder(asyncio.DatagramProtocol):
+    """A raw UDP socket that records the types of the QUIC packets it receives."""
+
+    def __init__(self) -> None:
+        self.received: list[QuicPacketType] = []
+
+    def datagram_received(self, data: bytes, addr: tuple[str | Any, int]) -> None:
+        with contextlib.suppress(ValueError):
+            self.received.append(pull_quic_header(QuicBuffer(data=data), 8).packet_type)
+
+
+async def _raw_socket(source: str, port: int) -> tuple[asyncio.DatagramTransport, _Recorder]:
+    """A UDP socket bound to ``source`` (any 127/8 address is ours on loopback), connected
+    to the listener's ``port``."""
+    loop = asyncio.get_running_loop()
+    udp, recorder = await loop.create_datagram_endpoint(
+        _Recorder, local_addr=(source, 0), remote_addr=(HOST, port))
+    return udp, recorder
+
+
+def test_sources_are_ipv4_addresses_and_ipv6_slash_64s() -> None:
+    assert source_of(("192.0.2.7", 1)) == "192.0.2.7"
+    assert source_of(("::ffff:192.0.2.7", 1, 0, 0)) == "192.0.2.7"
+    assert source_of(("2001:db8:1:2:aaaa::1", 1, 0, 0)) == "2001:db8:1:2::/64"
+    assert source_of(("2001:db8:1:2:bbbb::9", 1, 0, 0)) == "2001:db8:1:2::/64"
+    assert source_of(("2001:db8:1:3::1", 1, 0, 0)) == "2001:db8:1:3::/64"
+    assert source_of(("fe80::1%lo", 1, 0, 1)) == "fe80::/64"
+    assert source_of(None) == source_of(("not an address", 1)) == "?"
+
+
 def test_handshakes_in_progress_are_capped_before_any_crypto_work() -> None:
-    """With Retry off (retry_handshakes = max_handshakes), Initial packets beyond
-    max_handshakes are dropped unread: no connection is created for them."""
+    """With Retry off (retry_handshakes = max_handshakes), one Initial packet from each of 20
+    sources: 8 handshakes start; the Initial packets beyond max_handshakes are dropped unread
+    (no connection, no answer), and none evicts another: every source holds just one."""
 
     async def body() -> None:
         transport = QuicTransport(max_handshakes=8, retry_handshakes=8, connect_timeout=5)
@@ -597,20 +635,172 @@ def test_handshakes_in_progress_are_capped_before_any_crypto_work() -> None:
             listener = served.listener
             assert listener is not None and listener._server is not None
             server = listener._server
-            loop = asyncio.get_running_loop()
-            udp, _ = await loop.create_datagram_endpoint(
-                asyncio.DatagramProtocol, remote_addr=(HOST, served.port))
+            sockets = [await _raw_socket(f"127.0.1.{i}", served.port) for i in range(1, 21)]
             try:
-                for packet in _initial_packets(40, served.port):
+                packets = _initial_packets(20, served.port)
+                for (udp, _), packet in zip(sockets, packets, strict=True):
                     udp.sendto(packet)
                 await _eventually(lambda: len(server.handshaking) == 8, 3, "8 handshakes")
                 await asyncio.sleep(0.3)
                 assert len(server.handshaking) == 8
                 assert len(set(server._protocols.values())) == 8
+                assert server.evictions == 0
+                answered = [bool(recorder.received) for _, recorder in sockets]
+                assert answered == [True] * 8 + [False] * 12
+            finally:
+                for udp, _ in sockets:
+                    udp.close()
+
+    run(body())
+
+
+def test_a_source_with_a_handshake_in_progress_must_validate_its_address() -> None:
+    """Retry off by load (retry_handshakes = max_handshakes): the first Initial from a source
+    starts a handshake, the next ones from it (another connection each) are answered with a
+    stateless Retry and start nothing."""
+
+    async def body() -> None:
+        transport = QuicTransport(max_handshakes=64, retry_handshakes=64)
+        async with victim(transport) as served:
+            listener = served.listener
+            assert listener is not None and listener._server is not None
+            server = listener._server
+            udp, recorder = await _raw_socket("127.0.0.2", served.port)
+            try:
+                first, *others = _initial_packets(5, served.port)
+                udp.sendto(first)
+                await _eventually(lambda: len(server.handshaking) == 1, 3, "a handshake")
+                for packet in others:
+                    udp.sendto(packet)
+                await _eventually(
+                    lambda: recorder.received.count(QuicPacketType.RETRY) == 4, 3, "4 Retry")
+                assert len(server.handshaking) == server.in_progress("127.0.0.2") == 1
+                assert len(set(server._protocols.values())) == 1
             finally:
                 udp.close()
 
     run(body())
+
+
+class _HalfOpen(asyncio.DatagramProtocol):
+    """A real client that answers the listener's Retry and then goes silent: it never sends
+    its Finished, so its handshake stays in progress until the listener's deadline."""
+
+    def __init__(self, port: int) -> None:
+        self.quic = QuicConnection(configuration=_client_configuration())
+        self.port = port
+        self.retried = False
+        self.udp: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.udp = cast(asyncio.DatagramTransport, transport)  # selector's is not a subclass
+        self.quic.connect((HOST, self.port), now=time.monotonic())
+        self._flush()
+
+    def datagram_received(self, data: bytes, addr: tuple[str | Any, int]) -> None:
+        with contextlib.suppress(ValueError):
+            header = pull_quic_header(QuicBuffer(data=data), 8)
+            if header.packet_type == QuicPacketType.RETRY and not self.retried:
+                self.retried = True
+                self.quic.receive_datagram(data, addr, now=time.monotonic())
+                self._flush()
+
+    def _flush(self) -> None:
+        assert self.udp is not None
+        for datagram, _ in self.quic.datagrams_to_send(now=time.monotonic()):
+            self.udp.sendto(datagram)
+
+
+async def _hold_half_open(port: int, source: str, stop: asyncio.Event,
+                          opened: list[_HalfOpen]) -> None:
+    """From ``source``, open a half-open handshake every 25 ms (far more than the 64 / 10 s
+    of the review's attack) until ``stop``; sockets are closed once the listener has surely
+    dropped their handshake."""
+    loop = asyncio.get_running_loop()
+    live: list[tuple[float, asyncio.DatagramTransport]] = []
+    try:
+        while not stop.is_set():
+            udp, half_open = await loop.create_datagram_endpoint(
+                lambda: _HalfOpen(port), local_addr=(source, 0), remote_addr=(HOST, port))
+            opened.append(half_open)
+            live.append((loop.time(), udp))
+            while live and loop.time() - live[0][0] > 4.0:
+                live.pop(0)[1].close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.025)
+    finally:
+        for _, udp in live:
+            udp.close()
+
+
+def test_one_source_holding_half_open_handshakes_cannot_lock_out_another() -> None:
+    """The review's attack (H3): hosts answer the Retry and never send Finished, as fast as
+    they like. Two such sources (127.0.0.2, 127.0.0.3) together fill max_handshakes (16) but
+    neither ever holds more than max_handshakes_per_source (8); a legitimate client from
+    127.0.0.1 still connects -- its validated Initial evicts an attacker's oldest handshake --
+    authenticates and exchanges messages, three times, while the attack runs."""
+    attackers = ["127.0.0.2", "127.0.0.3"]
+
+    async def body() -> None:
+        transport = QuicTransport(max_handshakes=16, retry_handshakes=4)
+        assert transport.max_handshakes_per_source == 8
+
+        async def echo(conn: Connection) -> None:
+            secured = await authenticate_server(conn, TOKEN, 5.0)
+            while True:
+                await secured.send([await _recv(secured)])
+
+        listener = await transport.listen(HOST, 0, echo)
+        assert listener._server is not None
+        server = listener._server
+        assert server.handshake_timeout == 3.0  # min(connect_timeout = 10 s, 3 s)
+        most = {source: 0 for source in attackers}
+        most_in_all = 0
+
+        async def watch() -> None:
+            nonlocal most_in_all
+            while True:
+                for source in attackers:
+                    most[source] = max(most[source], server.in_progress(source))
+                most_in_all = max(most_in_all, len(server.handshaking))
+                await asyncio.sleep(0.002)
+
+        stop = asyncio.Event()
+        opened: dict[str, list[_HalfOpen]] = {source: [] for source in attackers}
+        tasks = [asyncio.create_task(_hold_half_open(listener.port, s, stop, opened[s]))
+                 for s in attackers]
+        watcher = asyncio.create_task(watch())
+        try:
+            await _eventually(
+                lambda: all(server.in_progress(s) == 8 for s in attackers), 5, "the cap full")
+            for round_ in range(3):
+                assert len(server.handshaking) >= 15  # the attack holds (nearly) every slot
+                started = time.monotonic()
+                client = await authenticate_client(
+                    await transport.connect(HOST, listener.port), TOKEN, 5.0)
+                message = f"during the attack, round {round_}".encode()
+                await client.send([message])
+                assert await asyncio.wait_for(client.recv(), 5) == message
+                await client.close()
+                assert time.monotonic() - started < 2.0
+            assert server.evictions >= 3
+            assert all(task.done() is False for task in tasks)
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+            watcher.cancel()
+            await listener.close()
+        assert most == {source: 8 for source in attackers}, most
+        assert most_in_all <= 16
+        for source in attackers:
+            # real handshakes: all but a source's first were asked to validate their address
+            # (and did); those beyond the per-source cap were dropped unanswered
+            assert sum(h.retried for h in opened[source]) >= 7
+            assert len(opened[source]) > 8
+        print(f"attack: {sum(map(len, opened.values()))} half-open handshakes opened, "
+              f"{server.evictions} evicted, at most {most} per source in progress")
+
+    run(body(), timeout=60)
 
 
 def test_an_evicted_stranger_sees_a_transport_error_and_can_retry() -> None:
