@@ -100,7 +100,7 @@ from aioquic.quic.stream import QuicStream
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from burncoll.errors import ConfigError, ProtocolError, TransportError
-from burncoll.transport.admission import Admission, Ticket
+from burncoll.transport.admission import Admission, Ticket, source_group
 from burncoll.transport.base import (
     PREAUTH_BYTES,
     PREAUTH_SECONDS,
@@ -151,8 +151,6 @@ RETRY_HANDSHAKES = 16
 MAX_HANDSHAKES_PER_SOURCE = 8
 #: The longest a listener waits for a handshake to complete (or ``connect_timeout``, if less).
 HANDSHAKE_SECONDS = 3.0
-#: IPv6 sources are grouped by this prefix length: one host or site usually holds a /64.
-IPV6_SOURCE_PREFIX = 64
 _SOCKET_BUFFER = 8 * 1024 * 1024
 _HANDLER_GRACE = 1.0
 _ping_ids = itertools.count(1)
@@ -622,20 +620,18 @@ def _nothing() -> None:
 
 
 def source_of(address: NetworkAddress | None) -> str:
-    """The source a listener counts a peer's handshakes against: an IPv4 address (also when
-    written IPv4-mapped), or the /64 of an IPv6 one (a host usually holds a whole /64, so
-    per-address caps would not bind it). ``"?"`` when the address is unknown or unparsable."""
+    """The source a listener counts a peer's handshakes against, grouped as the admission
+    groups connections (:func:`~burncoll.transport.admission.source_group`: an IPv4 address,
+    also when written IPv4-mapped, or the /64 of an IPv6 one). ``"?"`` when the address is
+    unknown or unparsable."""
     if address is None:
         return "?"
+    host = str(address[0])
     try:
-        ip = ipaddress.ip_address(str(address[0]).split("%", 1)[0])
+        ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
         return "?"
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.IPv6Network((ip, IPV6_SOURCE_PREFIX), strict=False))
-    return str(ip)
+    return source_group(host)
 
 
 class _GuardedServer(QuicServer):
