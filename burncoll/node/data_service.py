@@ -520,5 +520,7 @@ class DataService:
         await self.tell_all({"type": "bye", "node": self.node_index})
         conns = [*self._out.values(), *self._dialed.values()]
         await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+        for reader in list(self._readers):  # one paused by backpressure reads no more
+            reader.cancel()
         if self._listener is not None:
             await self._listener.close()
