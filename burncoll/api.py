@@ -13,14 +13,14 @@ import numpy as np
 
 from burncoll.backends import get_backend
 from burncoll.backends.base import Array, Backend, Device
-from burncoll.backends.dtypes import dtype_from_name, is_inexact
+from burncoll.buckets import all_reduce_tree
 from burncoll.config import CollectiveConfig
+from burncoll.dtypes import SUPPORTED_DTYPES, dtype_from_name, is_inexact
 from burncoll.errors import CollectiveError, CollectiveTimeout, UsageError
 from burncoll.local import compose
 from burncoll.local.calls import Call
 from burncoll.local.server import LocalServer
 from burncoll.ops import OpKind, ReduceOp, parse_reduce_op
-from burncoll.transport.wire import DTYPE_CODES
 
 __all__ = ["Communicator", "register"]
 
@@ -124,8 +124,6 @@ class Communicator:
         Returns the same structure; bitwise identical on every peer. ``op`` defaults to the
         mean, for gradients.
         """
-        from burncoll.train.buckets import all_reduce_tree
-
         return all_reduce_tree(self, tree, op, bucket_bytes)
 
     def barrier(self) -> None:
@@ -210,10 +208,10 @@ class Communicator:
             # the wire carries native-order elements: convert (a copy), as NumPy would
             x = x.astype(byteorder.newbyteorder("="))  # type: ignore[union-attr]
         dtype = backend.dtype_name(x)
-        if dtype not in DTYPE_CODES:
+        if dtype not in SUPPORTED_DTYPES:
             raise UsageError(
                 f"{kind.label}: dtype {dtype} is not supported; use one of "
-                f"{', '.join(DTYPE_CODES)}"
+                f"{', '.join(SUPPORTED_DTYPES)}"
             )
         if not backend.same_device(backend.device_of(x), self.device):
             x = backend.to_device(x, self.device)

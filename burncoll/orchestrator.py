@@ -54,7 +54,7 @@ from typing import Any
 
 from burncoll.config import TRANSPORTS, check_bind_address, check_tls_mode, check_token
 from burncoll.errors import AuthenticationError, ConfigError, ProtocolError, TransportError
-from burncoll.node.loop import IoLoop
+from burncoll.ioloop import IoLoop
 from burncoll.transport import TlsSettings, get_transport
 from burncoll.transport.admission import BoundedLog
 from burncoll.transport.auth import authenticate_server

@@ -21,7 +21,7 @@ import numpy as np
 
 from burncoll.backends import _checks
 from burncoll.backends.base import Array, Backend, Device
-from burncoll.backends.dtypes import dtype_from_name, dtype_name, host_view, is_inexact
+from burncoll.dtypes import dtype_from_name, dtype_name, host_view, is_inexact
 from burncoll.errors import BackendUnavailable, UsageError
 
 __all__ = ["JaxBackend"]

@@ -18,7 +18,7 @@ import numpy as np
 
 from burncoll.backends import _checks
 from burncoll.backends.base import Array, Backend
-from burncoll.backends.dtypes import dtype_from_name, dtype_name, host_view, is_inexact
+from burncoll.dtypes import dtype_from_name, dtype_name, host_view, is_inexact
 from burncoll.errors import UsageError
 from burncoll.ops import ReduceOp
 

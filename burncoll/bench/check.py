@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from burncoll.backends.dtypes import dtype_from_name
+from burncoll.dtypes import dtype_from_name
 
 __all__ = ["Expected", "ReferenceCache", "count_wrong", "element_counts", "peer_input"]
 

@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 from typing import TypeVar
 
-from burncoll.backends.dtypes import SUPPORTED_DTYPES
+from burncoll.dtypes import SUPPORTED_DTYPES
 
 __all__ = [
     "ALL_OPS",

@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from burncoll.backends.dtypes import dtype_from_name
 from burncoll.bench.check import peer_input
 from burncoll.bench.results import PeerRow, busbw_factor, median
+from burncoll.dtypes import dtype_from_name
 
 __all__ = [
     "RESULT_MARKER",

@@ -31,11 +31,11 @@ import numpy as np
 from burncoll.api import Communicator, register
 from burncoll.backends import get_backend
 from burncoll.backends.base import Array, Backend
-from burncoll.backends.dtypes import dtype_from_name, is_inexact
 from burncoll.bench.check import ReferenceCache, count_wrong, element_counts, peer_input
 from burncoll.bench.options import REDUCING_OPS, ROOTED_OPS
 from burncoll.bench.results import Row, busbw_factor, median
 from burncoll.config import CollectiveConfig
+from burncoll.dtypes import dtype_from_name, is_inexact
 from burncoll.errors import CollectiveError
 
 __all__ = ["BenchSpec", "run_node"]

@@ -19,21 +19,15 @@ from typing import Any
 import numpy as np
 
 from burncoll.backends.base import Array
-from burncoll.local.buffers import (
-    ChunkBuffer,
-    Layout,
-    block_rows,
-    even_layout,
-    row_layout,
-    sizes_layout,
-)
+from burncoll.levels import GlobalLink, GlobalOp, HostArray
+from burncoll.local.buffers import ChunkBuffer
 from burncoll.local.calls import Call
 from burncoll.local.fused import prepare_fused, run_fused, wants_fused
 from burncoll.local.inline import inline_results, wants_inline
-from burncoll.local.link import GlobalLink, GlobalOp, HostArray
 from burncoll.local.server import LocalServer, OpState, Plan
 from burncoll.ops import OpKind, ReduceOp
 from burncoll.strategies import Action, Strategy, resolve
+from burncoll.strategies.layout import Layout, block_rows, even_layout, row_layout, sizes_layout
 
 __all__ = ["execute", "prepare"]
 
@@ -524,6 +518,6 @@ def _multi_all_gather(
 
 
 def _dtype_name(host: HostArray) -> str:
-    from burncoll.backends.dtypes import dtype_name
+    from burncoll.dtypes import dtype_name
 
     return dtype_name(host.dtype)

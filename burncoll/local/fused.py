@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from burncoll.backends.dtypes import is_inexact
 from burncoll.backends.numpy import NumpyBackend, host_ufunc
-from burncoll.local.buffers import even_layout
+from burncoll.dtypes import is_inexact
 from burncoll.local.calls import Call
 from burncoll.ops import OpKind, ReduceOp
 from burncoll.strategies import Auto
+from burncoll.strategies.layout import even_layout
 
 if TYPE_CHECKING:
     from burncoll.local.server import LocalServer, OpState

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from burncoll.backends.base import Array, combine
-from burncoll.local.buffers import block_rows, row_layout
 from burncoll.local.calls import Call
 from burncoll.ops import OpKind, ReduceOp
 from burncoll.strategies import Auto
 from burncoll.strategies.auto import INLINE_BYTES
+from burncoll.strategies.layout import block_rows, row_layout
 
 if TYPE_CHECKING:
     from burncoll.local.server import LocalServer, OpState
@@ -37,7 +37,7 @@ _FIELD = {
 def _nbytes(server: LocalServer, call: Call) -> int:
     if call.array is None:
         return 0
-    from burncoll.backends.dtypes import dtype_from_name
+    from burncoll.dtypes import dtype_from_name
 
     return math.prod(call.shape or ()) * dtype_from_name(call.dtype or "uint8").itemsize
 

@@ -32,8 +32,8 @@ from burncoll.errors import (
     MismatchError,
     UsageError,
 )
+from burncoll.levels import GlobalLink
 from burncoll.local.calls import Call, describe_calls, find_mismatch
-from burncoll.local.link import GlobalLink
 from burncoll.strategies import Schedule, Step
 
 __all__ = ["SYNC_GRACE", "LocalServer", "OpState", "Plan"]

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from burncoll.backends.dtypes import dtype_from_name
 from burncoll.backends.numpy import host_ufunc
-from burncoll.local.link import GlobalOp, HostArray
+from burncoll.dtypes import dtype_from_name
+from burncoll.levels import GlobalOp, HostArray
 from burncoll.node.mailbox import FrameKey, Receives
 from burncoll.ops import ReduceOp
 from burncoll.transport.wire import DataHeader, encode_data_header

@@ -30,15 +30,15 @@ from typing import Any
 
 import numpy as np
 
-from burncoll.backends.dtypes import dtype_from_name
 from burncoll.backends.numpy import host_ufunc
+from burncoll.dtypes import dtype_from_name
 from burncoll.errors import CollectiveError, CollectiveTimeout, MismatchError, ProtocolError
-from burncoll.local.buffers import even_layout
-from burncoll.local.link import GlobalOp, HostArray
+from burncoll.levels import GlobalOp, HostArray
 from burncoll.node.data_service import DataService
 from burncoll.node.mailbox import PART_BYTES, FrameKey, Receives
 from burncoll.ops import OpKind, ReduceOp
 from burncoll.strategies import Action, Schedule, Step
+from burncoll.strategies.layout import even_layout
 from burncoll.transport.wire import DataHeader, encode_data_header
 
 __all__ = ["PART_BYTES", "GlobalExecutor"]

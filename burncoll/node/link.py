@@ -1,4 +1,4 @@
-"""``NodeLink``: the :class:`~burncoll.local.link.GlobalLink` of a real node.
+"""``NodeLink``: the :class:`~burncoll.levels.GlobalLink` of a real node.
 
 Peer threads call its blocking methods; the work runs on the node's event loop. It joins the
 collective (orchestrator, then a connection to every node), runs global schedules with the
@@ -18,15 +18,15 @@ import numpy as np
 
 from burncoll.config import CollectiveConfig, parse_host_port
 from burncoll.errors import CollectiveError, CollectiveTimeout, PeerLost, UsageError
-from burncoll.local.buffers import even_layout
-from burncoll.local.link import GlobalOp, HostArray
+from burncoll.ioloop import IoLoop
+from burncoll.levels import GlobalOp, HostArray
 from burncoll.node.data_service import DataService
 from burncoll.node.exchange import exchange_all_reduce, exchange_parts, exchange_receives
 from burncoll.node.executor import GlobalExecutor
-from burncoll.node.loop import IoLoop
 from burncoll.node.orchestrator_client import OrchestratorClient
 from burncoll.strategies import Auto, Ring, Schedule, resolve
 from burncoll.strategies.auto import exchange_limit
+from burncoll.strategies.layout import even_layout
 from burncoll.transport import get_transport
 
 if TYPE_CHECKING:
@@ -240,7 +240,7 @@ class NodeLink:
         parts = [c for c in chunks if c is not None]
         if len(parts) != schedule.num_chunks:  # pragma: no cover - the schedule guarantees it
             raise CollectiveError(f"{op.label}: broadcast did not deliver every chunk")
-        from burncoll.backends.dtypes import dtype_from_name
+        from burncoll.dtypes import dtype_from_name
 
         flat = np.concatenate(parts) if parts else np.empty(0, dtype_from_name(dtype or "uint8"))
         return flat.view(dtype_from_name(dtype or "uint8")).reshape(shape)

@@ -5,7 +5,7 @@
 ``ddp(devices, config).fit(...)`` is the training loop. ``burncoll.train.demo`` is the demo.
 """
 
-from burncoll.train.buckets import (
+from burncoll.buckets import (
     DEFAULT_BUCKET_BYTES,
     all_reduce_tree,
     broadcast_tree,

@@ -19,16 +19,14 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from burncoll.api import Communicator, register
 from burncoll.backends import get_backend
 from burncoll.backends.base import Device
 from burncoll.config import CollectiveConfig
 from burncoll.errors import CollectiveAborted, ConfigError, UsageError
-
-if TYPE_CHECKING:
-    from burncoll.train.fit import FitResult, GradFn, Update
+from burncoll.train.fit import FitResult, GradFn, Update, fit
 
 __all__ = ["NODE_RANK_ENV", "DataParallel", "ddp", "node_rank"]
 
@@ -197,8 +195,6 @@ class DataParallel:
         callback: Callable[[Communicator, int, Any], None] | None = None,
     ) -> FitResult:
         """Train with data parallelism; see :func:`burncoll.train.fit.fit` for the contract."""
-        from burncoll.train.fit import fit
-
         return fit(
             self,
             params,

@@ -2,7 +2,7 @@
 
 Every peer holds a replica of the parameters. Step by step, each peer takes its shard of the
 global batch, computes the loss and gradients on it with the user's ``grad_fn``, averages them
-over all peers with one bucketed all-reduce (:func:`~burncoll.train.buckets.all_reduce_tree`)
+over all peers with one bucketed all-reduce (:func:`~burncoll.buckets.all_reduce_tree`)
 and applies the user's update. Since the averaged gradients are bitwise identical everywhere
 and the update is deterministic, the replicas stay bitwise identical.
 
@@ -17,24 +17,35 @@ import hashlib
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
 from burncoll.api import Communicator
 from burncoll.backends import get_backend
 from burncoll.backends.base import Array, Backend, Device
-from burncoll.backends.dtypes import dtype_from_name, dtype_name, is_inexact
-from burncoll.errors import UsageError
-from burncoll.train.buckets import (
+from burncoll.buckets import (
     DEFAULT_BUCKET_BYTES,
     all_reduce_tree,
     broadcast_tree,
     flatten_tree,
 )
+from burncoll.config import CollectiveConfig
+from burncoll.dtypes import dtype_from_name, dtype_name, is_inexact
+from burncoll.errors import UsageError
 
-if TYPE_CHECKING:
-    from burncoll.train.ddp import DataParallel
+R = TypeVar("R")
+
+
+class Replicas(Protocol):
+    """What :func:`fit` needs of :class:`~burncoll.train.DataParallel`: its config, and a way
+    to run a function once per device."""
+
+    @property
+    def config(self) -> CollectiveConfig: ...
+
+    def run(self, fn: Callable[[Communicator], R]) -> list[R]: ...
+
 
 __all__ = ["FitResult", "GradFn", "GradientTransformation", "Update", "fit", "replicas_identical"]
 
@@ -70,7 +81,7 @@ class FitResult:
 
 
 def fit(
-    dp: DataParallel,
+    dp: Replicas,
     params: Any,
     data: Any,
     grad_fn: GradFn,

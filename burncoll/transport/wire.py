@@ -38,13 +38,13 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from burncoll.dtypes import WIRE_CODES, WIRE_NAMES
 from burncoll.errors import ProtocolError
 from burncoll.ops import OpKind, ReduceOp
 
 __all__ = [
     "CONTROL_LIMIT",
     "DEFAULT_MAX_MESSAGE_BYTES",
-    "DTYPE_CODES",
     "DataHeader",
     "FrameType",
     "LENGTH_PREFIX_BYTES",
@@ -72,25 +72,6 @@ LENGTH_PREFIX_BYTES = 8
 _FIXED = struct.Struct("<2sBBQQBBBBqiHHIQQQ")
 FIXED_HEADER_BYTES = _FIXED.size  # 68
 
-#: dtype name -> wire code. Code 0 means "no array".
-DTYPE_CODES: dict[str, int] = {
-    "float16": 1,
-    "bfloat16": 2,
-    "float32": 3,
-    "float64": 4,
-    "int8": 5,
-    "int16": 6,
-    "int32": 7,
-    "int64": 8,
-    "uint8": 9,
-    "uint16": 10,
-    "uint32": 11,
-    "uint64": 12,
-    "complex64": 13,
-    "complex128": 14,
-    "bool": 15,
-}
-_DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 _OP_KINDS = {k.value for k in OpKind}
 _REDUCE_OPS = {r.value for r in ReduceOp}
 
@@ -187,7 +168,7 @@ def encode_data_header(h: DataHeader, payload_len: int) -> bytes:
         h.seq,
         h.op_kind,
         0 if h.reduce_op is None else h.reduce_op,
-        0 if h.dtype is None else DTYPE_CODES[h.dtype],
+        0 if h.dtype is None else WIRE_CODES[h.dtype],
         len(h.shape),
         h.root,
         h.src,
@@ -247,7 +228,7 @@ def _decode(view: memoryview, placed: memoryview | None) -> Frame:
         raise ProtocolError(f"unknown operation code {op_kind}")
     if reduce_op != 0 and reduce_op not in _REDUCE_OPS:
         raise ProtocolError(f"unknown reduce op code {reduce_op}")
-    if dtype != 0 and dtype not in _DTYPE_NAMES:
+    if dtype != 0 and dtype not in WIRE_NAMES:
         raise ProtocolError(f"unknown dtype code {dtype}")
     if offset + payload_len > chunk_bytes:
         raise ProtocolError(
@@ -259,7 +240,7 @@ def _decode(view: memoryview, placed: memoryview | None) -> Frame:
         seq=seq,
         op_kind=OpKind(op_kind),
         reduce_op=None if reduce_op == 0 else ReduceOp(reduce_op),
-        dtype=_DTYPE_NAMES.get(dtype),
+        dtype=WIRE_NAMES.get(dtype),
         shape=tuple(shape),
         root=root,
         src=src,

@@ -20,7 +20,7 @@ import pytest
 
 import burncoll
 import burncoll.local.compose as compose
-from burncoll.backends.dtypes import dtype_from_name
+from burncoll.dtypes import dtype_from_name
 from burncoll.local.fused import BLOCK_BYTES, run_fused
 from burncoll.strategies.auto import INLINE_BYTES
 from tests.api.test_single_node_ops import REDUCERS, _config, _inputs

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from burncoll.backends import Backend
-from burncoll.backends.dtypes import SUPPORTED_DTYPES, dtype_from_name
+from burncoll.dtypes import SUPPORTED_DTYPES, dtype_from_name
 from burncoll.errors import ConfigError, UsageError
 
 NDArray = np.ndarray[Any, Any]

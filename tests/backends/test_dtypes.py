@@ -7,7 +7,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from burncoll.backends.dtypes import (
+from burncoll.dtypes import (
     SUPPORTED_DTYPES,
     dtype_from_name,
     dtype_name,
@@ -43,7 +43,7 @@ def test_unsupported_names_list_the_supported_ones(name: str) -> None:
 def test_bfloat16_without_ml_dtypes(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    from burncoll.backends import dtypes
+    from burncoll import dtypes
 
     monkeypatch.setitem(sys.modules, "ml_dtypes", None)
     dtypes._bfloat16.cache_clear()
@@ -55,10 +55,16 @@ def test_bfloat16_without_ml_dtypes(monkeypatch: pytest.MonkeyPatch) -> None:
         dtypes._bfloat16.cache_clear()
 
 
-def test_supported_dtypes_match_the_wire_codes() -> None:
-    from burncoll.transport.wire import DTYPE_CODES
+def test_the_dtype_table_is_consistent() -> None:
+    from burncoll.dtypes import DTYPE_TABLE, ITEMSIZES, WIRE_CODES, WIRE_NAMES
 
-    assert set(SUPPORTED_DTYPES) == set(DTYPE_CODES)
+    codes = [code for _, code, _ in DTYPE_TABLE]
+    assert len(set(codes)) == len(codes) and 0 not in codes
+    assert all(WIRE_NAMES[WIRE_CODES[name]] == name for name in SUPPORTED_DTYPES)
+    for name in SUPPORTED_DTYPES:
+        if name != "bfloat16":
+            assert ITEMSIZES[name] == np.dtype(name).itemsize, name
+    assert ITEMSIZES["bfloat16"] == 2
 
 
 def test_is_inexact() -> None:

@@ -35,13 +35,13 @@ import numpy as np
 import pytest
 
 import burncoll
-from burncoll.backends.dtypes import dtype_from_name
-from burncoll.local.buffers import even_layout
-from burncoll.local.link import GlobalOp
+from burncoll.dtypes import dtype_from_name
+from burncoll.levels import GlobalOp
 from burncoll.node.exchange import exchange_all_reduce, exchange_receives
 from burncoll.node.executor import GlobalExecutor
 from burncoll.ops import OpKind, parse_reduce_op
 from burncoll.strategies.auto import exchange_limit
+from burncoll.strategies.layout import even_layout
 from tests.node.test_out_of_place import _MemoryService
 
 REPO = Path(__file__).resolve().parents[2]

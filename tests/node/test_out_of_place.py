@@ -28,16 +28,16 @@ import pytest
 
 import burncoll
 import burncoll.node.executor as executor_module
-from burncoll.backends.dtypes import dtype_from_name
+from burncoll.dtypes import dtype_from_name
 from burncoll.errors import ProtocolError
-from burncoll.local.buffers import even_layout
-from burncoll.local.link import GlobalOp
+from burncoll.levels import GlobalOp
 from burncoll.node.data_service import NodeInfo
 from burncoll.node.executor import PART_BYTES, GlobalExecutor
 from burncoll.node.link import _check_out
 from burncoll.node.mailbox import Mailbox
 from burncoll.ops import OpKind, ReduceOp
 from burncoll.strategies import Centralized, Ring, Schedule, Strategy, Tree
+from burncoll.strategies.layout import even_layout
 from burncoll.transport.wire import decode
 
 REPO = Path(__file__).resolve().parents[2]

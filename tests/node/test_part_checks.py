@@ -26,13 +26,13 @@ import burncoll
 import burncoll.node.executor as executor_module
 import burncoll.node.mailbox as mailbox_module
 from burncoll.errors import AuthenticationError, ProtocolError
-from burncoll.local.buffers import even_layout
-from burncoll.local.link import GlobalOp
+from burncoll.levels import GlobalOp
 from burncoll.node.data_service import DataService, NodeInfo
 from burncoll.node.executor import PART_BYTES, GlobalExecutor
 from burncoll.node.mailbox import HELD_BYTES, HELD_FRAMES, Mailbox, Receives
 from burncoll.ops import OpKind, ReduceOp
 from burncoll.strategies import Ring, Strategy, Tree
+from burncoll.strategies.layout import even_layout
 from burncoll.transport import get_transport
 from burncoll.transport.auth import authenticate_client
 from burncoll.transport.wire import DataHeader, Frame, decode, encode_control, encode_data_header

@@ -116,9 +116,9 @@ def corrupt_schedule(comm: burncoll.Communicator, kind: str) -> None:
     an operation a million ahead."""
     import dataclasses
 
-    from burncoll.local.buffers import even_layout
     from burncoll.node.executor import PART_BYTES
     from burncoll.ops import OpKind
+    from burncoll.strategies.layout import even_layout
     from burncoll.transport.wire import decode, encode_data_header
 
     link = _link(comm)  # (a test double: the node's internals)

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from burncoll.dtypes import SUPPORTED_DTYPES
 from burncoll.errors import ProtocolError
 from burncoll.ops import OpKind, ReduceOp
 from burncoll.transport.wire import (
     CONTROL_LIMIT,
-    DTYPE_CODES,
     FIXED_HEADER_BYTES,
     MAX_NDIM,
     DataHeader,
@@ -48,7 +48,7 @@ def _reencoded(frame: Frame) -> bytes:
 def test_data_headers_round_trip_for_every_op_dtype_and_ndim(op_kind: OpKind, ndim: int) -> None:
     shape = tuple(range(2, 2 + ndim))
     payload = bytes(range(100))
-    for dtype in [*DTYPE_CODES, None]:
+    for dtype in [*SUPPORTED_DTYPES, None]:
         header = _header(op_kind, dtype, shape)
         frame = decode(_frame(header, payload))
         assert frame.frame_type is FrameType.DATA and frame.control is None
@@ -191,7 +191,7 @@ _headers = st.builds(
     seq=st.integers(0, 2**64 - 1),
     op_kind=st.sampled_from(OpKind),
     reduce_op=st.sampled_from([*ReduceOp, None]),
-    dtype=st.sampled_from([*DTYPE_CODES, None]),
+    dtype=st.sampled_from([*SUPPORTED_DTYPES, None]),
     shape=_shapes,
     root=st.integers(-(2**63), 2**63 - 1),
     src=st.integers(-(2**31), 2**31 - 1),

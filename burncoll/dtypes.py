@@ -20,31 +20,45 @@ import numpy as np
 from burncoll.errors import UsageError
 
 __all__ = [
+    "DTYPE_TABLE",
+    "ITEMSIZES",
     "SUPPORTED_DTYPES",
+    "WIRE_CODES",
+    "WIRE_NAMES",
     "dtype_from_name",
     "dtype_name",
     "host_view",
     "is_inexact",
 ]
 
-#: Every dtype a collective can carry, by the name users write (the wire has a code for each).
-SUPPORTED_DTYPES: tuple[str, ...] = (
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "uint16",
-    "uint32",
-    "uint64",
-    "complex64",
-    "complex128",
-    "bool",
+#: The one table of dtypes: the name users write, its wire code (0 means "no array" on the
+#: wire), and its size in bytes. Every other list of dtypes is derived from this one.
+DTYPE_TABLE: tuple[tuple[str, int, int], ...] = (
+    ("float16", 1, 2),
+    ("bfloat16", 2, 2),
+    ("float32", 3, 4),
+    ("float64", 4, 8),
+    ("int8", 5, 1),
+    ("int16", 6, 2),
+    ("int32", 7, 4),
+    ("int64", 8, 8),
+    ("uint8", 9, 1),
+    ("uint16", 10, 2),
+    ("uint32", 11, 4),
+    ("uint64", 12, 8),
+    ("complex64", 13, 8),
+    ("complex128", 14, 16),
+    ("bool", 15, 1),
 )
+
+#: Every dtype a collective can carry, by the name users write.
+SUPPORTED_DTYPES: tuple[str, ...] = tuple(name for name, _, _ in DTYPE_TABLE)
+#: dtype name -> wire code.
+WIRE_CODES: dict[str, int] = {name: code for name, code, _ in DTYPE_TABLE}
+#: wire code -> dtype name.
+WIRE_NAMES: dict[int, str] = {code: name for name, code, _ in DTYPE_TABLE}
+#: dtype name -> bytes per element.
+ITEMSIZES: dict[str, int] = {name: size for name, _, size in DTYPE_TABLE}
 
 _INEXACT = frozenset({"float16", "bfloat16", "float32", "float64", "complex64", "complex128"})
 

@@ -22,16 +22,29 @@ import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from burncoll.backends import get_backend
-from burncoll.backends.base import Array, Backend
-from burncoll.backends.dtypes import dtype_from_name, is_inexact
+from burncoll.backends.base import Array, Backend, Device
+from burncoll.config import CollectiveConfig
+from burncoll.dtypes import dtype_from_name, is_inexact
 from burncoll.errors import UsageError
 from burncoll.ops import ReduceOp, parse_reduce_op
 
-if TYPE_CHECKING:
-    from burncoll.api import Communicator
+
+class TreeCommunicator(Protocol):
+    """What the bucketed tree collectives need of a :class:`burncoll.Communicator`."""
+
+    @property
+    def config(self) -> CollectiveConfig: ...
+
+    @property
+    def device(self) -> Device: ...
+
+    def all_reduce(self, x: Array, op: ReduceOp | str = ..., *, out: Array | None = ...) -> Array:
+        ...
+
+    def broadcast(self, x: Array | None, root: int) -> Array: ...
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -206,7 +219,7 @@ def _bucket(dtype: str, indices: list[int], specs: Sequence[LeafSpec]) -> Bucket
 
 
 def all_reduce_tree(
-    comm: Communicator,
+    comm: TreeCommunicator,
     tree: T,
     op: ReduceOp | str = "mean",
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -236,7 +249,7 @@ def all_reduce_tree(
 
 
 def broadcast_tree(
-    comm: Communicator, tree: T, root: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    comm: TreeCommunicator, tree: T, root: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> T:
     """Peer ``root``'s ``tree`` on every peer; one broadcast per bucket.
 
@@ -248,7 +261,7 @@ def broadcast_tree(
 
 
 def _bucketed(
-    comm: Communicator, tree: T, bucket_bytes: int, collective: Callable[[Array, bool], Array]
+    comm: TreeCommunicator, tree: T, bucket_bytes: int, collective: Callable[[Array, bool], Array]
 ) -> T:
     """Run ``collective(flat, packed)`` per bucket; ``packed``: ``flat`` is a new array packed
     from several leaves (the collective may overwrite it), not a view of the caller's leaf."""
