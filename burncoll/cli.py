@@ -10,7 +10,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from burncoll.config import TRANSPORTS
+from burncoll.transport import TRANSPORT_NAMES
 
 __all__ = ["main"]
 
@@ -34,7 +34,7 @@ class _RefuseArgvToken(argparse.Action):
 def _token(args: argparse.Namespace) -> str | None:
     """The token of ``--auth-token-file``, else of the environment (``BURNCOLL_AUTH_TOKEN``,
     ``BURNCOLL_AUTH_TOKEN_FILE``; both set: they must agree), else ``None``."""
-    from burncoll.config import resolve_token
+    from burncoll.secure_defaults import resolve_token
 
     if args.auth_token_file is not None:
         return resolve_token(None, args.auth_token_file)
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--host", default="127.0.0.1",
                       help="address to bind (default loopback; 0.0.0.0 to accept other machines)")
     orch.add_argument("--port", type=int, default=29400)
-    orch.add_argument("--transport", choices=TRANSPORTS, default="websocket")
+    orch.add_argument("--transport", choices=TRANSPORT_NAMES, default="websocket")
     _add_token_arguments(orch, "default: $BURNCOLL_AUTH_TOKEN or $BURNCOLL_AUTH_TOKEN_FILE; "
                                "required unless --host is loopback or --insecure is given")
     orch.add_argument("--insecure", action="store_true",
@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch = sub.add_parser("launch", help="run a script as N local node processes")
     launch.add_argument("--nodes", type=int, default=2)
     launch.add_argument("--devices", type=int, default=1)
-    launch.add_argument("--transport", choices=TRANSPORTS, default="websocket")
+    launch.add_argument("--transport", choices=TRANSPORT_NAMES, default="websocket")
     _add_token_arguments(launch, "default: $BURNCOLL_AUTH_TOKEN or $BURNCOLL_AUTH_TOKEN_FILE, "
                                  "else a fresh random token for this run")
     _add_mode_arguments(launch)

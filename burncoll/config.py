@@ -14,44 +14,30 @@ unless ``insecure`` is set; an empty token is refused and one shorter than
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import os
-import stat
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import yaml
 
+from burncoll.backends import BACKEND_NAMES
+from burncoll.config_values import ENV_PREFIX, parse_env, parse_host_port, parse_strategy_field
 from burncoll.errors import ConfigError
-from burncoll.strategies import Auto, Strategy, parse_strategy
+from burncoll.secure_defaults import (
+    HOW_TO_SET_A_TOKEN,
+    check_bind_address,
+    check_tls_mode,
+    resolve_token,
+)
+from burncoll.strategies import Auto, Strategy
+from burncoll.transport import TRANSPORT_NAMES
 from burncoll.transport.base import TlsSettings
 
-__all__ = [
-    "BACKENDS",
-    "MIN_TOKEN_BYTES",
-    "TRANSPORTS",
-    "CollectiveConfig",
-    "check_bind_address",
-    "check_tls_mode",
-    "check_token",
-    "is_loopback",
-    "parse_host_port",
-    "read_token_file",
-    "resolve_token",
-]
+__all__ = ["CollectiveConfig"]
 
-BACKENDS = ("numpy", "jax", "cupy")
-TRANSPORTS = ("websocket", "quic", "tcp")
-ENV_PREFIX = "BURNCOLL_"
-#: Tokens shorter than this (in UTF-8 bytes) draw a warning: an HMAC over a sniffed handshake
-#: lets anyone test guesses offline, and a 4-letter token fell in 0.2 s.
-MIN_TOKEN_BYTES = 16
-#: Largest token file read (a token is a line; anything larger is a wrong path).
-TOKEN_FILE_LIMIT = 4096
 #: What :func:`repr` and :meth:`CollectiveConfig.to_dict` show instead of a token.
 REDACTED = "***"
 _STRATEGY_FIELDS = (
@@ -132,9 +118,9 @@ class CollectiveConfig:
         for f in fields(self):
             raw = os.environ.get(ENV_PREFIX + f.name.upper())
             if raw is not None:
-                object.__setattr__(self, f.name, _parse_env(f.name, raw))
+                object.__setattr__(self, f.name, parse_env(f.name, raw))
         for name in _STRATEGY_FIELDS:
-            object.__setattr__(self, name, _strategy(name, getattr(self, name)))
+            object.__setattr__(self, name, parse_strategy_field(name, getattr(self, name)))
         _validate(self)
 
     # -- derived views ----------------------------------------------------------------------
@@ -294,96 +280,7 @@ class CollectiveConfig:
         return self.replace(tls_cert=cert, tls_key=key, tls_ca=ca)
 
 
-# -- parsing and validation -------------------------------------------------------------------
-
-
-def parse_host_port(
-    value: str, field_name: str, default_port: int | None = None
-) -> tuple[str, int]:
-    """``"host:port"``, ``"ws://host:port/path"``, ``"quic://[::1]:5000"`` -> ``(host, port)``."""
-    text = value.strip()
-    split = urlsplit(text if "://" in text else "//" + text)
-    try:
-        port = split.port
-    except ValueError as exc:
-        raise ConfigError(f"{field_name}={value!r}: the port is not a number 0-65535") from exc
-    host = split.hostname
-    if not host:
-        raise ConfigError(f"{field_name}={value!r}: expected 'host:port' or 'ws://host:port'")
-    if port is None:
-        if default_port is None:
-            raise ConfigError(f"{field_name}={value!r}: the port is missing; use 'host:port'")
-        port = default_port
-    return host, port
-
-
-def _strategy(name: str, value: object) -> Strategy:
-    if isinstance(value, Strategy):
-        return value
-    if isinstance(value, str):
-        try:
-            return parse_strategy(value)
-        except ConfigError as exc:
-            raise ConfigError(f"{name}: {exc}") from None
-    raise ConfigError(
-        f"{name}={value!r}: expected burncoll.Centralized(), Tree(k), Ring() or one of "
-        "'centralized', 'tree', 'tree:K', 'ring'"
-    )
-
-
-def _parse_optional_int(text: str) -> int | None:
-    return None if text.strip().lower() in ("", "none", "null") else int(text)
-
-
-def _parse_optional_str(text: str) -> str | None:
-    return None if text.strip().lower() in ("", "none", "null") else text
-
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-
-
-def _parse_bool(text: str) -> bool:
-    word = text.strip().lower()
-    if word in _TRUE:
-        return True
-    if word in _FALSE:
-        return False
-    raise ValueError(text)
-
-
-def _parse_optional_bool(text: str) -> bool | None:
-    if text.strip().lower() in ("", "auto", "none", "null"):
-        return None
-    return _parse_bool(text)
-
-
-_ENV_PARSERS: dict[str, Callable[[str], Any]] = {
-    "num_devices": int,
-    "num_nodes": _parse_optional_int,
-    "data_service_port": _parse_optional_int,
-    "timeout": float,
-    "global_address": _parse_optional_str,
-    "node_address": _parse_optional_str,
-    "auth_token": str,  # "" stays "": an empty token is refused, never read as "no token"
-    "auth_token_file": _parse_optional_str,
-    "insecure": _parse_bool,
-    "integrity": _parse_bool,
-    "tls": _parse_optional_bool,
-    "tls_cert": _parse_optional_str,
-    "tls_key": _parse_optional_str,
-    "tls_ca": _parse_optional_str,
-}
-
-
-def _parse_env(name: str, raw: str) -> Any:
-    parser = _ENV_PARSERS.get(name, str)
-    try:
-        return parser(raw)
-    except ValueError:
-        raise ConfigError(
-            f"environment variable {ENV_PREFIX}{name.upper()}={raw!r} is not a valid {name}"
-        ) from None
+# -- validation --------------------------------------------------------------------------
 
 
 def _require_int(cfg: CollectiveConfig, name: str, minimum: int, optional: bool) -> None:
@@ -395,10 +292,12 @@ def _require_int(cfg: CollectiveConfig, name: str, minimum: int, optional: bool)
 
 
 def _validate(cfg: CollectiveConfig) -> None:
-    if cfg.backend not in BACKENDS:
-        raise ConfigError(f"backend={cfg.backend!r}: expected one of {', '.join(BACKENDS)}")
-    if cfg.transport not in TRANSPORTS:
-        raise ConfigError(f"transport={cfg.transport!r}: expected one of {', '.join(TRANSPORTS)}")
+    if cfg.backend not in BACKEND_NAMES:
+        raise ConfigError(
+            f"backend={cfg.backend!r}: expected one of {', '.join(BACKEND_NAMES)}")
+    if cfg.transport not in TRANSPORT_NAMES:
+        raise ConfigError(
+            f"transport={cfg.transport!r}: expected one of {', '.join(TRANSPORT_NAMES)}")
     _require_int(cfg, "num_devices", 1, optional=False)
     _require_int(cfg, "num_nodes", 1, optional=True)
     _require_int(cfg, "data_service_port", 0, optional=True)
@@ -428,7 +327,7 @@ def _validate(cfg: CollectiveConfig) -> None:
         warnings.warn(
             "integrity: true without an auth_token protects little: the connections to the "
             "orchestrator then have no key, and the session secret that keys the connections "
-            "between nodes travels over them; " + _HOW_TO_SET_A_TOKEN,
+            "between nodes travels over them; " + HOW_TO_SET_A_TOKEN,
             UserWarning, stacklevel=4)
     if cfg.is_multi_node:
         missing = [n for n in ("global_address", "node_address") if getattr(cfg, n) is None]
@@ -445,134 +344,3 @@ def _validate(cfg: CollectiveConfig) -> None:
         if cfg.is_multi_node:
             check_bind_address(host, cfg.auth_token, cfg.insecure, f"node_address={host!r}",
                                "insecure: true (BURNCOLL_INSECURE=1)")
-
-
-# -- security checks, shared with the orchestrator and the CLI -------------------------------
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names this machine only: ``127.0.0.0/8``, ``::1`` or ``localhost``.
-
-    Any other name is taken as reachable from elsewhere (``0.0.0.0`` and ``::`` bind every
-    interface; a host name may resolve to anything).
-    """
-    name = host.strip().strip("[]").lower()
-    if name == "localhost" or name.endswith(".localhost"):
-        return True
-    try:
-        address = ipaddress.ip_address(name.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped.is_loopback
-    return address.is_loopback
-
-
-_HOW_TO_SET_A_TOKEN = (
-    "set a shared token on every node and on the orchestrator: BURNCOLL_AUTH_TOKEN=<secret> "
-    "or BURNCOLL_AUTH_TOKEN_FILE=<path> in the environment, or auth_token_file: <path> in the "
-    "config (make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))')"
-)
-
-
-def check_bind_address(
-    host: str, token: str | None, insecure: bool, subject: str, override: str
-) -> None:
-    """Refuse to listen on a non-loopback ``host`` without a token unless ``insecure``.
-
-    :class:`ConfigError` naming the ``subject`` (``"node_address='0.0.0.0'"``), how to set a
-    token, and the ``override`` that accepts the risk.
-    """
-    if token is not None or insecure or is_loopback(host):
-        return
-    raise ConfigError(
-        f"{subject} is reachable from other machines, and no auth token is set: anyone who "
-        "reaches it could join the collective and read or change its data. To fix it, "
-        f"{_HOW_TO_SET_A_TOKEN}; or, on a network you fully trust, set {override} to run "
-        "without authentication"
-    )
-
-
-def check_token(token: str | None, what: str = "auth_token") -> None:
-    """Refuse an empty token; warn (:class:`UserWarning`) about one under 16 bytes."""
-    if token is None:
-        return
-    if token == "":
-        raise ConfigError(
-            f"{what}: an empty auth_token authenticates nothing; {_HOW_TO_SET_A_TOKEN}, or "
-            "leave it unset (no authentication: loopback only)"
-        )
-    size = len(token.encode("utf-8"))
-    if size < MIN_TOKEN_BYTES:
-        warnings.warn(
-            f"{what} is only {size} bytes: anyone who sniffs one handshake can test guesses "
-            f"offline (a 4-letter token was recovered in 0.2 s); use at least "
-            f"{MIN_TOKEN_BYTES} random bytes, e.g. python -c 'import secrets; "
-            "print(secrets.token_urlsafe(32))'",
-            UserWarning,
-            stacklevel=3,
-        )
-
-
-def read_token_file(path: str) -> str:
-    """The token in file ``path``, its trailing newline stripped.
-
-    :class:`ConfigError` naming the path when it is missing, unreadable, too large, not UTF-8
-    or empty; a :class:`UserWarning` when group or others may read it.
-    """
-    try:
-        with open(path, "rb") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            raw = f.read(TOKEN_FILE_LIMIT + 1)
-    except OSError as exc:
-        raise ConfigError(
-            f"auth_token_file={path!r}: cannot read the token file: {exc.strerror or exc}"
-        ) from None
-    if len(raw) > TOKEN_FILE_LIMIT:
-        raise ConfigError(f"auth_token_file={path!r}: over {TOKEN_FILE_LIMIT} bytes; a token "
-                          "file holds one line, the token")
-    try:
-        token = raw.decode("utf-8").rstrip("\r\n")
-    except UnicodeDecodeError:
-        raise ConfigError(f"auth_token_file={path!r}: the token is not UTF-8 text") from None
-    if not token:
-        raise ConfigError(f"auth_token_file={path!r}: the file is empty; write the token in it")
-    if os.name == "posix" and stat.S_ISREG(mode) and mode & 0o077:
-        warnings.warn(
-            f"auth_token_file={path!r} may be read by other users (mode "
-            f"{stat.S_IMODE(mode):o}); restrict it: chmod 600 {path}",
-            UserWarning,
-            stacklevel=3,
-        )
-    return token
-
-
-def resolve_token(token: str | None, token_file: str | None) -> str | None:
-    """The token to use: ``token``, or the one read from ``token_file``, checked.
-
-    Both given: they must agree (:class:`ConfigError` otherwise, neither shown). The result
-    passes :func:`check_token`.
-    """
-    if token_file is not None:
-        from_file = read_token_file(token_file)
-        if token is not None and token != from_file:
-            raise ConfigError(
-                f"auth_token and auth_token_file={token_file!r} give different tokens; give "
-                "the token one way (BURNCOLL_AUTH_TOKEN or the file), not both"
-            )
-        token = from_file
-    check_token(token)
-    return token
-
-
-def check_tls_mode(transport: str, tls: bool | None, paths: tuple[str | None, ...]) -> None:
-    """Refuse ``tls`` settings that ``transport`` cannot honour (:class:`ConfigError`)."""
-    if tls is False and transport == "quic":
-        raise ConfigError("tls=false: QUIC always runs TLS; leave tls unset (automatic), or "
-                          "choose transport websocket for plain ws")
-    if tls is False and any(p is not None for p in paths):
-        raise ConfigError("tls=false (plain ws) conflicts with the tls_cert/tls_key/tls_ca "
-                          "paths given; remove them, or leave tls unset to use wss")
-    if tls is True and transport == "tcp":
-        raise ConfigError("tls=true: the tcp transport has no TLS; choose transport websocket "
-                          "(wss) or quic, or leave tls unset")

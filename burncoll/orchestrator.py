@@ -52,10 +52,10 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from burncoll.config import TRANSPORTS, check_bind_address, check_tls_mode, check_token
+from burncoll.secure_defaults import check_bind_address, check_tls_mode, check_token
 from burncoll.errors import AuthenticationError, ConfigError, ProtocolError, TransportError
 from burncoll.ioloop import IoLoop
-from burncoll.transport import TlsSettings, get_transport
+from burncoll.transport import TRANSPORT_NAMES, TlsSettings, get_transport
 from burncoll.transport.admission import BoundedLog
 from burncoll.transport.auth import authenticate_server
 from burncoll.transport.base import Connection, Listener
@@ -478,8 +478,8 @@ def start_orchestrator(
     ``num_nodes``. Raises :class:`~burncoll.TransportError` naming the port when it cannot be
     bound.
     """
-    if transport not in TRANSPORTS:
-        raise ConfigError(f"transport={transport!r}: expected one of {', '.join(TRANSPORTS)}")
+    if transport not in TRANSPORT_NAMES:
+        raise ConfigError(f"transport={transport!r}: expected one of {', '.join(TRANSPORT_NAMES)}")
     if expected_nodes is not None and not _is_int(expected_nodes, 1, MAX_WAITING):
         raise ConfigError(f"expected_nodes={expected_nodes!r}: expected an int in "
                           f"[1, {MAX_WAITING}] or None")

@@ -34,7 +34,8 @@ from burncoll.bench.plot import MISSING_MATPLOTLIB, matplotlib_missing, plot_bus
 from burncoll.bench.results import TIMING_METHOD, PeerResult, Row, write_json
 from burncoll.bench.runner import BenchSpec, run_node
 from burncoll.bench.table import banner, body, closing, peer_table, ratio_peers, row_lines
-from burncoll.config import TRANSPORTS, CollectiveConfig
+from burncoll.config import CollectiveConfig
+from burncoll.transport import TRANSPORT_NAMES
 
 __all__ = ["add_arguments", "build_config", "run_bench"]
 
@@ -113,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-strategy", default=None, help="the three global strategies")
     parser.add_argument(
         "--transport",
-        choices=TRANSPORTS,
+        choices=TRANSPORT_NAMES,
         default=None,
         help="node-to-node transport with --nodes (default: config's)",
     )

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from burncoll.config import CollectiveConfig, parse_host_port
+from burncoll.config import CollectiveConfig
+from burncoll.config_values import parse_host_port
 from burncoll.errors import CollectiveError, CollectiveTimeout, PeerLost, UsageError
 from burncoll.ioloop import IoLoop
 from burncoll.levels import GlobalOp, HostArray

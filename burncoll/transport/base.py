@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from burncoll.transport.wire import Placed
 
@@ -23,6 +23,8 @@ __all__ = [
     "PREAUTH_SECONDS",
     "Buffer",
     "Connection",
+    "FastPath",
+    "Placer",
     "Handler",
     "Listener",
     "TlsSettings",
@@ -131,6 +133,34 @@ class Connection(abc.ABC):
         ``b""`` on a connection without TLS. A relay that terminates TLS presents another
         certificate, so the two ends compute different bindings and authentication fails."""
         return b""
+
+
+#: ``placer(first_bytes, size)``: where a large incoming payload of ``size`` bytes is received,
+#: chosen from its first bytes (the frame header): ``(offset, memory)`` or ``None`` for "in a
+#: buffer of the transport's own".
+Placer = Callable[[memoryview, int], tuple[int, memoryview] | None]
+
+
+@runtime_checkable
+class FastPath(Protocol):
+    """The zero-copy fast path that some connections offer besides :class:`Connection`.
+
+    Callers check for it once (``isinstance(conn, FastPath)``, when the connection is made) and
+    otherwise use the plain :class:`Connection` methods.
+    """
+
+    def send_now(self, parts: Sequence[Buffer]) -> bool:
+        """From any thread: send a small message at once, bypassing the event loop, and return
+        ``True``; or do nothing and return ``False`` (the caller then uses ``send``)."""
+        ...
+
+    def place_with(self, placer: Placer) -> None:
+        """Let ``placer`` choose where each large incoming payload is received."""
+        ...
+
+    def stop_placing(self) -> None:
+        """Undo :meth:`place_with`, and write nothing more into memory the placer chose."""
+        ...
 
 
 #: Called once per accepted connection; the connection is closed when it returns.

@@ -1,0 +1,109 @@
+"""Reading config values: ``host:port`` addresses, strategy names, and the text of
+``BURNCOLL_<FIELD>`` environment variables."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from burncoll.errors import ConfigError
+from burncoll.strategies import Strategy, parse_strategy
+
+__all__ = ["ENV_PREFIX", "parse_env", "parse_host_port", "parse_strategy_field"]
+
+#: Environment variables ``BURNCOLL_<FIELD>`` override config fields.
+ENV_PREFIX = "BURNCOLL_"
+
+
+def parse_host_port(
+    value: str, field_name: str, default_port: int | None = None
+) -> tuple[str, int]:
+    """``"host:port"``, ``"ws://host:port/path"``, ``"quic://[::1]:5000"`` -> ``(host, port)``."""
+    text = value.strip()
+    split = urlsplit(text if "://" in text else "//" + text)
+    try:
+        port = split.port
+    except ValueError as exc:
+        raise ConfigError(f"{field_name}={value!r}: the port is not a number 0-65535") from exc
+    host = split.hostname
+    if not host:
+        raise ConfigError(f"{field_name}={value!r}: expected 'host:port' or 'ws://host:port'")
+    if port is None:
+        if default_port is None:
+            raise ConfigError(f"{field_name}={value!r}: the port is missing; use 'host:port'")
+        port = default_port
+    return host, port
+
+
+def parse_strategy_field(name: str, value: object) -> Strategy:
+    """A strategy field's value: a :class:`Strategy`, or its name (``"tree:3"``)."""
+    if isinstance(value, Strategy):
+        return value
+    if isinstance(value, str):
+        try:
+            return parse_strategy(value)
+        except ConfigError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+    raise ConfigError(
+        f"{name}={value!r}: expected burncoll.Centralized(), Tree(k), Ring() or one of "
+        "'centralized', 'tree', 'tree:K', 'ring'"
+    )
+
+
+def _parse_optional_int(text: str) -> int | None:
+    return None if text.strip().lower() in ("", "none", "null") else int(text)
+
+
+def _parse_optional_str(text: str) -> str | None:
+    return None if text.strip().lower() in ("", "none", "null") else text
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _parse_bool(text: str) -> bool:
+    word = text.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise ValueError(text)
+
+
+def _parse_optional_bool(text: str) -> bool | None:
+    if text.strip().lower() in ("", "auto", "none", "null"):
+        return None
+    return _parse_bool(text)
+
+
+_ENV_PARSERS: dict[str, Callable[[str], Any]] = {
+    "num_devices": int,
+    "num_nodes": _parse_optional_int,
+    "data_service_port": _parse_optional_int,
+    "timeout": float,
+    "global_address": _parse_optional_str,
+    "node_address": _parse_optional_str,
+    "auth_token": str,  # "" stays "": an empty token is refused, never read as "no token"
+    "auth_token_file": _parse_optional_str,
+    "insecure": _parse_bool,
+    "integrity": _parse_bool,
+    "tls": _parse_optional_bool,
+    "tls_cert": _parse_optional_str,
+    "tls_key": _parse_optional_str,
+    "tls_ca": _parse_optional_str,
+}
+
+
+def parse_env(name: str, raw: str) -> Any:
+    """The value of environment variable ``BURNCOLL_<NAME>`` for config field ``name``."""
+    parser = _ENV_PARSERS.get(name, str)
+    try:
+        return parser(raw)
+    except ValueError:
+        raise ConfigError(
+            f"environment variable {ENV_PREFIX}{name.upper()}={raw!r} is not a valid {name}"
+        ) from None
+
+
