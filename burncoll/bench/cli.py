@@ -50,6 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "backend; every result is checked against a NumPy float64 reference. Timing: "
         + TIMING_METHOD
     )
+    _add_workload(parser)
+    _add_topology(parser)
+    _add_measurement(parser)
+
+
+def _add_workload(parser: argparse.ArgumentParser) -> None:
+    """What is measured: operations, sizes, dtype, reduce op, root."""
     parser.add_argument(
         "--op",
         type=argtype(parse_ops, "op"),
@@ -92,6 +99,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="root peer id of reduce and broadcast (default 0)",
     )
+
+
+def _add_topology(parser: argparse.ArgumentParser) -> None:
+    """Where it runs: peers, nodes, strategies, transport, config file."""
     parser.add_argument(
         "-g",
         "--devices",
@@ -123,6 +134,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="YAML CollectiveConfig; the flags above override it, BURNCOLL_* variables both",
     )
+
+
+def _add_measurement(parser: argparse.ArgumentParser) -> None:
+    """How it is measured and reported: iterations, baselines, outputs."""
     parser.add_argument(
         "-n",
         "--iters",

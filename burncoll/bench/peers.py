@@ -162,23 +162,49 @@ def tcp_loopback(sizes: Sequence[int], iters: int, warmup: int) -> list[PeerRow]
         end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         end.settimeout(_TCP_TIMEOUT)  # a failed thread must not leave the others blocked
     rounds = warmup + iters
-    barrier = threading.Barrier(4, timeout=_TCP_TIMEOUT)
-    times: list[list[float]] = [[] for _ in range(4)]
+    transfer = _LoopbackTransfer(sizes, rounds)
+    try:
+        transfer.run([(transfer.send, left), (transfer.receive, left),
+                      (transfer.send, right), (transfer.receive, right)])
+    finally:
+        for end in ends:
+            end.close()
+    rows = []
+    for k, size in enumerate(sizes):
+        window = slice(k * rounds + warmup, (k + 1) * rounds)
+        columns = (t[window] for t in transfer.times)
+        slowest = [max(column) for column in zip(*columns, strict=True)]
+        rows.append(_row(size, size, 1, median(slowest), 1.0))
+    return rows
 
-    def sender(end: socket.socket, out: list[float]) -> None:
-        for size in sizes:
+
+_Worker = Callable[[socket.socket, list[float]], None]
+
+
+class _LoopbackTransfer:
+    """The four threads of :func:`tcp_loopback`, meeting at a barrier before each round."""
+
+    def __init__(self, sizes: Sequence[int], rounds: int) -> None:
+        self.sizes = sizes
+        self.rounds = rounds
+        self.barrier = threading.Barrier(4, timeout=_TCP_TIMEOUT)
+        self.times: list[list[float]] = [[] for _ in range(4)]
+        self.errors: list[BaseException] = []
+
+    def send(self, end: socket.socket, out: list[float]) -> None:
+        for size in self.sizes:
             payload = memoryview(bytearray(size))
-            for _ in range(rounds):
-                barrier.wait()
+            for _ in range(self.rounds):
+                self.barrier.wait()
                 start = time.perf_counter()
                 end.sendall(payload)
                 out.append(time.perf_counter() - start)
 
-    def receiver(end: socket.socket, out: list[float]) -> None:
-        for size in sizes:
+    def receive(self, end: socket.socket, out: list[float]) -> None:
+        for size in self.sizes:
             view = memoryview(bytearray(size))
-            for _ in range(rounds):
-                barrier.wait()
+            for _ in range(self.rounds):
+                self.barrier.wait()
                 start = time.perf_counter()
                 got = 0
                 while got < size:
@@ -188,43 +214,25 @@ def tcp_loopback(sizes: Sequence[int], iters: int, warmup: int) -> list[PeerRow]
                     got += n
                 out.append(time.perf_counter() - start)
 
-    workers: list[tuple[Callable[[socket.socket, list[float]], None], socket.socket]] = [
-        (sender, left),
-        (receiver, left),
-        (sender, right),
-        (receiver, right),
-    ]
-    errors: list[BaseException] = []
-
-    def guarded(
-        fn: Callable[[socket.socket, list[float]], None], end: socket.socket, out: list[float]
-    ) -> None:
-        try:
-            fn(end, out)
-        except (OSError, threading.BrokenBarrierError) as exc:
-            errors.append(exc)
-            barrier.abort()  # release the other threads at once
-
-    threads = [
-        threading.Thread(target=guarded, args=(fn, end, times[i]), daemon=True)
-        for i, (fn, end) in enumerate(workers)
-    ]
-    try:
+    def run(self, workers: list[tuple[_Worker, socket.socket]]) -> None:
+        """Run each ``(worker, end)`` on its own thread; raise the first failure."""
+        threads = [
+            threading.Thread(target=self._guarded, args=(fn, end, self.times[i]), daemon=True)
+            for i, (fn, end) in enumerate(workers)
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-    finally:
-        for end in ends:
-            end.close()
-    if errors:
-        raise RuntimeError(f"loopback transfer failed: {errors[0]!r}")
-    rows = []
-    for k, size in enumerate(sizes):
-        window = slice(k * rounds + warmup, (k + 1) * rounds)
-        slowest = [max(column) for column in zip(*(t[window] for t in times), strict=True)]
-        rows.append(_row(size, size, 1, median(slowest), 1.0))
-    return rows
+        if self.errors:
+            raise RuntimeError(f"loopback transfer failed: {self.errors[0]!r}")
+
+    def _guarded(self, fn: _Worker, end: socket.socket, out: list[float]) -> None:
+        try:
+            fn(end, out)
+        except (OSError, threading.BrokenBarrierError) as exc:
+            self.errors.append(exc)
+            self.barrier.abort()  # release the other threads at once
 
 
 def numpy_add(sizes: Sequence[int], dtype: str, iters: int, warmup: int) -> list[PeerRow]:

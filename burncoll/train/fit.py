@@ -117,11 +117,23 @@ def fit(
 
     Failures follow :meth:`DataParallel.run`: an error on one peer aborts all and is raised.
     """
+    arrays, as_tuple = _split_data(data)
+    world = dp.config.num_devices * (dp.config.num_nodes or 1)
+    job = _Job(
+        params, arrays, as_tuple, grad_fn, update, steps,
+        _global_batch(steps, batch_size, arrays[0].shape[0], world), batch_size is None, seed,
+        DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes, progress, desc,
+        callback,
+    )
+    results = dp.run(job.train)
+    final, losses, _ = results[0]
+    return FitResult(final, losses, all(r[2] for r in results))
+
+
+def _global_batch(steps: int, batch_size: int | None, rows: int, world: int) -> int:
+    """The examples of one step on all replicas together, checked (see :func:`fit`)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise UsageError(f"steps must be a non-negative int, got {steps!r}")
-    arrays, as_tuple = _split_data(data)
-    rows = arrays[0].shape[0]
-    world = dp.config.num_devices * (dp.config.num_nodes or 1)
     batch = rows if batch_size is None else batch_size
     if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= rows:
         raise UsageError(f"batch_size must be an int in 1..{rows} (the examples), got {batch!r}")
@@ -131,20 +143,42 @@ def fit(
             f"{what} has {batch} examples, which do not divide evenly among {world} replicas; "
             f"use a multiple of {world} (each replica then gets batch // {world} examples)"
         )
-    bucket = DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+    return batch
 
-    def train(comm: Communicator) -> tuple[Any, list[float], bool]:
+
+@dataclass(frozen=True)
+class _Job:
+    """One :func:`fit` call, as every replica's thread runs it."""
+
+    params: Any
+    arrays: list[Any]
+    as_tuple: bool
+    grad_fn: GradFn
+    update: Update
+    steps: int
+    batch: int
+    full_batch: bool
+    seed: int
+    bucket: int
+    progress: bool
+    desc: str
+    callback: Callable[[Communicator, int, Any], None] | None
+
+    def train(self, comm: Communicator) -> tuple[Any, list[float], bool]:
+        """This replica's training loop: its final params, losses, and whether all agree."""
         backend = get_backend(comm.config.backend)
-        sampler = _Sampler(arrays, as_tuple, batch, batch_size is None, seed, comm, backend)
-        p = broadcast_tree(comm, params, comm.peer_ids[0], bucket)
+        sampler = _Sampler(self.arrays, self.as_tuple, self.batch, self.full_batch, self.seed,
+                           comm, backend)
+        p = broadcast_tree(comm, self.params, comm.peer_ids[0], self.bucket)
+        update = self.update
         state = update.init(p) if isinstance(update, GradientTransformation) else None
         losses: list[float] = []
-        bar = _Progress(steps, desc, progress and comm.rank == 0)
+        bar = _Progress(self.steps, self.desc, self.progress and comm.rank == 0)
         try:
-            for step in range(steps):
-                loss, grads = grad_fn(p, sampler.batch(step))
+            for step in range(self.steps):
+                loss, grads = self.grad_fn(p, sampler.batch(step))
                 loss_leaf = _loss_leaf(backend, loss, grads, comm.device)
-                loss_mean, grads = all_reduce_tree(comm, (loss_leaf, grads), "mean", bucket)
+                loss_mean, grads = all_reduce_tree(comm, (loss_leaf, grads), "mean", self.bucket)
                 if isinstance(update, GradientTransformation):
                     updates, state = update.update(grads, state, p)
                     p = _apply_updates(p, updates)
@@ -152,15 +186,11 @@ def fit(
                     p = update(p, grads)
                 losses.append(float(backend.to_host(loss_mean)))
                 bar.step(losses[-1])
-                if callback is not None:
-                    callback(comm, step, p)
+                if self.callback is not None:
+                    self.callback(comm, step, p)
         finally:
             bar.close()
         return p, losses, replicas_identical(comm, p)
-
-    results = dp.run(train)
-    final, losses, _ = results[0]
-    return FitResult(final, losses, all(r[2] for r in results))
 
 
 def replicas_identical(comm: Communicator, tree: Any) -> bool:
