@@ -17,9 +17,9 @@ from burncoll.buckets import all_reduce_tree
 from burncoll.config import CollectiveConfig
 from burncoll.dtypes import SUPPORTED_DTYPES, dtype_from_name, is_inexact
 from burncoll.errors import CollectiveError, CollectiveTimeout, UsageError
-from burncoll.local import compose
 from burncoll.local.calls import Call
-from burncoll.local.server import LocalServer
+from burncoll.local.plans import choose
+from burncoll.local.rendezvous import Rendezvous
 from burncoll.ops import OpKind, ReduceOp, parse_reduce_op
 
 __all__ = ["Communicator", "register"]
@@ -35,7 +35,7 @@ class Communicator:
     modified; results are new arrays of the same backend on this peer's device.
     """
 
-    def __init__(self, server: LocalServer, index: int, device: Device) -> None:
+    def __init__(self, server: Rendezvous, index: int, device: Device) -> None:
         self._server = server
         self._index = index
         self._backend: Backend = server.backend
@@ -194,7 +194,7 @@ class Communicator:
             dtype = self._backend.dtype_name(x)
             shape = tuple(self._backend.shape(x))
         call = Call(self.peer_id, kind, op, root, x, dtype, shape, out)
-        return self._server.run(self._index, call, compose.prepare, compose.execute)
+        return self._server.run(self._index, call, choose.prepare)
 
     def _accept(self, kind: OpKind, x: Array | None) -> Array:
         backend = self._backend
@@ -245,11 +245,11 @@ class _Group:
 
     config: CollectiveConfig
     devices: dict[int, Device] = field(default_factory=dict)
-    server: LocalServer | None = None
+    server: Rendezvous | None = None
     error: BaseException | None = None
     #: The aborted node this registration replaces: its connections and listener are closed
     #: before the new node binds (it may reuse the same port).
-    previous: LocalServer | None = None
+    previous: Rendezvous | None = None
     #: Set once every local peer has registered: the node is being built (it joins the other
     #: nodes within its own deadline), and the waiting peers wait for the outcome.
     building: bool = False
@@ -270,7 +270,7 @@ class _Registry:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._groups: dict[CollectiveConfig, _Group] = {}
-        self._closed: weakref.WeakSet[LocalServer] = weakref.WeakSet()
+        self._closed: weakref.WeakSet[Rendezvous] = weakref.WeakSet()
 
     def join(self, peer_id: int, device: Device, config: CollectiveConfig) -> Communicator:
         deadline = time.monotonic() + config.timeout
@@ -344,7 +344,7 @@ class _Registry:
                 from burncoll.node import join_collective
 
                 link = join_collective(config, peer_ids)
-            server = LocalServer(backend, peer_ids, devices, config, link)
+            server = Rendezvous(backend, peer_ids, devices, config, link)
             if link is not None:
                 link.attach(server)
         except BaseException as exc:
@@ -357,13 +357,13 @@ class _Registry:
             group.server = server
             self._cond.notify_all()
 
-    def forget(self, server: LocalServer) -> None:
+    def forget(self, server: Rendezvous) -> None:
         with self._cond:
             group = self._groups.get(server.config)
             if group is not None and group.server is server:
                 del self._groups[server.config]
 
-    def close(self, server: LocalServer) -> None:
+    def close(self, server: Rendezvous) -> None:
         """Close ``server``'s node link, once, whoever asks first (finish or a new register)."""
         with self._cond:
             if server in self._closed:
@@ -376,7 +376,7 @@ class _Registry:
 _REGISTRY = _Registry()
 
 
-def _close_node(server: LocalServer) -> None:
+def _close_node(server: Rendezvous) -> None:
     _REGISTRY.forget(server)
     _REGISTRY.close(server)
 

@@ -1,9 +1,15 @@
-"""The local server's view of the global level: what a node-to-node link must provide.
+"""What each level sees of the other: the types the local and the node level share.
 
-The local server calls these from peer threads; each call blocks until the node-level part
-of the operation is done on this node, or raises a :class:`~burncoll.CollectiveError` by
-``op.deadline``. All buffers are host NumPy arrays; ``channel`` separates concurrent
-sub-collectives of one operation (one per local shard).
+The local peers' rendezvous sees the global level as a :class:`GlobalLink`, and calls it from
+peer threads; each call blocks until the node-level part of the operation is done on this
+node, or raises a :class:`~burncoll.CollectiveError` by ``op.deadline``. All buffers are host
+NumPy arrays; ``channel`` separates concurrent sub-collectives of one operation (one per local
+shard). The node level sees the local level as :class:`LocalPeers`: it reports failures there
+and answers other nodes' status queries from it, and never imports the local level.
+
+The path of an operation is decided once, by the local level
+(:func:`burncoll.local.plans.choose.choose`): the link runs what it is told (``exchange``)
+rather than deciding again.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import numpy as np
 
 from burncoll.ops import OpKind, ReduceOp
 
-__all__ = ["GlobalLink", "GlobalOp", "HostArray"]
+__all__ = ["GlobalLink", "GlobalOp", "HostArray", "LocalPeers"]
 
 HostArray = np.ndarray[Any, Any]
 
@@ -52,8 +58,12 @@ class GlobalLink(Protocol):
     sharded: bool
 
     def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0,
-                   out: HostArray | None = None) -> None:
+                   out: HostArray | None = None, *, exchange: bool) -> None:
         """Reduce the flat ``buf`` over all nodes, bitwise identical everywhere.
+
+        ``exchange``: as the one-round exchange (every node sends ``buf`` to every other node
+        and reduces them all itself), else by the global all-reduce schedule. Every node must
+        pass the same choice for the same operation.
 
         In place by default. With ``out`` (same dtype and size as ``buf``, C-contiguous,
         writable, not overlapping it) ``buf`` is only read -- it may be read-only, e.g. the
@@ -82,8 +92,9 @@ class GlobalLink(Protocol):
         """Every peer's array, by rank: ``mine`` maps this node's ranks to their arrays."""
         ...
 
-    def barrier(self, op: GlobalOp) -> None:
-        """Return once every node has reached this barrier."""
+    def barrier(self, op: GlobalOp, *, exchange: bool) -> None:
+        """Return once every node has reached this barrier (``exchange``: as a one-round
+        exchange of empty messages, else by the global all-reduce schedule)."""
         ...
 
     def abort(self, error: BaseException) -> None:
@@ -92,4 +103,17 @@ class GlobalLink(Protocol):
 
     def close(self, deadline: float) -> None:
         """Leave the collective cleanly (all nodes finish together where possible)."""
+        ...
+
+
+class LocalPeers(Protocol):
+    """What the node level may ask of its local peers' rendezvous."""
+
+    def fail(self, error: BaseException, *, remote: bool = False) -> None:
+        """Abort the local peers with ``error`` (``remote``: another node reported it, so
+        the other nodes need not be told)."""
+        ...
+
+    def status(self) -> dict[str, Any]:
+        """Which local peers have arrived at which operations (for other nodes' queries)."""
         ...

@@ -2,15 +2,15 @@
 
 Protocol (CONTROL frames, JSON, after the token challenge):
 
-* node -> orchestrator ``{"type": "join", "host", "port", "peer_ids", "fingerprint", "meta"}``
-  (``meta``: facts about the node that the others need, passed through untouched)
+* node -> orchestrator ``{"type": "join", "host", "port", "peer_ids", "fingerprint", "pid",
+  "meta"}`` (``meta``: facts about the node that the others need, passed through untouched)
 * orchestrator -> node ``{"type": "table", "session", "index", "nodes": [...], "secret"}``
   once ``num_nodes`` nodes with the same fingerprint have joined (nodes ordered by their
   lowest peer id); ``secret`` is 32 random bytes (hex), fresh for each session and sent to its
   members only, which they may use to authenticate each other's connections when no token is
   set. Or ``{"type": "refused", "reason"}`` saying why the node cannot join.
 * orchestrator -> node ``{"type": "notice", "reason"}`` while it waits: other nodes are waiting
-  whose config differs from this one's (at most :data:`MAX_NOTICES` per node; informational).
+  whose config differs from this one's (a few per node; informational).
 * node -> orchestrator ``{"type": "finish"}``; orchestrator -> every node ``{"type":
   "finished"}`` when every node of the session has finished.
 * orchestrator -> node ``{"type": "node_lost", "node"}`` when a member's connection drops
@@ -33,11 +33,11 @@ waiting depends on whether the orchestrator has a token:
   -- what a user who misconfigured one node needs to see.
 
 ``expected_nodes`` (``burncoll orchestrator --nodes N``; ``burncoll launch`` sets it) refuses
-any other ``num_nodes`` at once. State is bounded: at most :data:`MAX_WAITING` registrations
-and :data:`MAX_WAITING_PEERS` peer ids wait at once, a node registers at most
-:data:`MAX_NODE_PEERS` peer ids, and its fingerprint and meta are at most
-:data:`MAX_FIELD_BYTES` bytes of JSON each; beyond, a join is refused with a logged reason. A
-waiting node whose connection closes (or that says ``leave``) is forgotten.
+any other ``num_nodes`` at once. State is bounded (:mod:`burncoll.orchestrator_waiting`): the
+waiting registrations and their peer ids are capped, and so is each join (its peer ids, the
+bytes of its fingerprint and meta); beyond, a join is refused with a logged reason. A waiting
+node whose connection closes (or that says ``leave``) is forgotten. The messages are the
+dataclasses of :mod:`burncoll.node.control`.
 
 After the table the nodes talk peer to peer; the orchestrator can die without disturbing the
 operations under way (only ``finish`` and new registrations need it).
@@ -46,30 +46,32 @@ operations under way (only ``finish`` and new registrations need it).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import secrets
-from dataclasses import dataclass, field
-from typing import Any
 
-from burncoll.secure_defaults import check_bind_address, check_tls_mode, check_token
 from burncoll.errors import AuthenticationError, ConfigError, ProtocolError, TransportError
 from burncoll.ioloop import IoLoop
+from burncoll.node.control import (
+    Finish,
+    Finished,
+    Join,
+    Leave,
+    NodeLost,
+    Refused,
+    decode_from_node,
+    encode,
+    kind_of,
+    tell,
+)
+from burncoll.node.json_fields import MalformedMessage
+from burncoll.orchestrator_waiting import MAX_WAITING, Member, Session, WaitingRoom
+from burncoll.secure_defaults import check_bind_address, check_tls_mode, check_token
 from burncoll.transport import TRANSPORT_NAMES, TlsSettings, get_transport
 from burncoll.transport.admission import BoundedLog
 from burncoll.transport.auth import authenticate_server
 from burncoll.transport.base import Connection, Listener
-from burncoll.transport.wire import CONTROL_LIMIT, decode, encode_control
+from burncoll.transport.wire import CONTROL_LIMIT, decode
 
-__all__ = [
-    "MAX_FIELD_BYTES",
-    "MAX_NODE_PEERS",
-    "MAX_NOTICES",
-    "MAX_WAITING",
-    "MAX_WAITING_PEERS",
-    "Orchestrator",
-    "start_orchestrator",
-]
+__all__ = ["Orchestrator", "start_orchestrator"]
 
 log = logging.getLogger("burncoll.orchestrator")
 #: For what a stranger can cause at will (refused connections): bounded, see BoundedLog.
@@ -78,68 +80,10 @@ stranger_log = BoundedLog(log)
 #: Largest message the orchestrator accepts: a CONTROL frame (JSON) and its header, integrity
 #: tag included.
 ORCHESTRATOR_MESSAGE_BYTES = CONTROL_LIMIT + 4096
-
-#: Most registrations waiting at once, all groups together (a session needs at most this many
-#: nodes). Each costs a connection plus at most a few tens of KiB of state.
-MAX_WAITING = 1024
-#: Most peer ids one node may register (devices on one node).
-MAX_NODE_PEERS = 4096
-#: Most peer ids waiting at once, all nodes together; also bounds a table message's size.
-MAX_WAITING_PEERS = 65536
-#: Largest fingerprint, and largest meta, kept per node (bytes of canonical JSON).
-MAX_FIELD_BYTES = 4096
-#: Most ``notice`` messages one waiting node is sent.
-MAX_NOTICES = 4
 #: Seconds an authenticated connection has to send its join message.
 JOIN_SECONDS = 10.0
-_MAX_HOST = 255
-_MAX_PEER_ID = 2**63 - 1
-
-
-@dataclass
-class _Member:
-    conn: Connection
-    host: str
-    port: int
-    peer_ids: tuple[int, ...]
-    fingerprint: dict[str, Any]
-    meta: dict[str, Any] = field(default_factory=dict)
-    index: int = -1
-    session: _Session | None = None
-    group: _Group | None = None
-    #: Said ``leave``: it leaves a failed collective on purpose (its process is not dead).
-    left: bool = False
-    #: Groups this member was told about in a ``notice``.
-    noticed: set[str] = field(default_factory=set)
-
-    @property
-    def num_nodes(self) -> int:
-        """How many nodes the member's collective has (validated by :func:`_member_from`)."""
-        return int(self.fingerprint.get("num_nodes") or 1)
-
-    @property
-    def key(self) -> str:
-        """The canonical spelling of the fingerprint: members with the same key group."""
-        return _canonical(self.fingerprint)
-
-
-@dataclass
-class _Group:
-    """Registrations with one fingerprint, waiting for ``num_nodes`` of them."""
-
-    key: str
-    num_nodes: int
-    fingerprint: dict[str, Any]
-    members: list[_Member] = field(default_factory=list)
-    peer_ids: set[int] = field(default_factory=set)
-
-
-@dataclass
-class _Session:
-    sid: int
-    members: list[_Member]
-    secret: str
-    finished: set[int] = field(default_factory=set)
+#: Seconds a message to one node may take before that node is given up on (best effort).
+_TELL_SECONDS = 2.0
 
 
 class Orchestrator:
@@ -155,10 +99,7 @@ class Orchestrator:
         self._token = auth_token
         self._timeout = timeout
         self._integrity = integrity
-        self._expected_nodes = expected_nodes
-        self._groups: dict[str, _Group] = {}
-        self._waiting = 0
-        self._waiting_peers = 0
+        self._room = WaitingRoom(auth_token is not None, expected_nodes)
         self._listener: Listener | None = None
         self.transport = transport
         try:
@@ -215,156 +156,52 @@ class Orchestrator:
             return
         try:
             while True:
-                frame = decode(await conn.recv())
-                kind = frame.control["type"] if frame.control is not None else None
-                if kind == "finish":
+                message = decode_from_node(decode(await conn.recv()))
+                if isinstance(message, Finish):
                     await self._finish(member)
-                elif kind == "leave":
+                elif isinstance(message, Leave):
                     member.left = True
-                    self._unwait(member)  # gave up waiting: never put it in a session
+                    self._room.unwait(member)  # gave up waiting: never put it in a session
         except (ProtocolError, TransportError) as exc:
             if isinstance(exc, ProtocolError):
                 log.warning("orchestrator: dropped node %s: it sent a malformed frame: %s",
                             conn.remote, exc)
             await self._gone(member, exc)
 
-    async def _join(self, conn: Connection) -> _Member | None:
+    async def _join(self, conn: Connection) -> Member | None:
         async with asyncio.timeout(min(self._timeout, JOIN_SECONDS)):
             frame = decode(await conn.recv())
-        message = frame.control or {}
-        if message.get("type") != "join":
+        if kind_of(frame) != Join.KIND:
             raise ProtocolError("expected a join message")
         try:
-            member = _member_from(conn, message)
-            group = self._admit(member)
-        except ConfigError as exc:
+            member = Member.of(conn, Join.from_json(frame.control or {}))
+            full = self._room.admit(member)
+        except (MalformedMessage, ConfigError) as exc:
             log.warning("orchestrator: refused node %s: %s", conn.remote, exc)
-            await conn.send([encode_control({"type": "refused", "reason": str(exc)})])
+            await conn.send([encode(Refused(str(exc)))])
             return None
-        if len(group.members) == group.num_nodes:
-            # Take the members before awaiting: a node joining meanwhile waits for the next.
-            members = list(group.members)
-            for m in members:
-                self._unwait(m)
-            await self._start_session(members)
+        if full is not None:
+            await self._start_session(full)
         else:
-            await self._tell_differences(member, group)
+            for m, notice in self._room.notices(member):
+                await tell(m.conn, notice, _TELL_SECONDS)
         return member
 
-    def _admit(self, member: _Member) -> _Group:
-        """Put ``member`` in its group; :class:`ConfigError` saying why it cannot wait."""
-        self._check_limits(member)
-        key = member.key
-        if self._token is not None:
-            for other in self._groups.values():
-                if other.key != key:
-                    raise ConfigError(
-                        "this node's config differs from the nodes already registered: "
-                        + _differences(member.fingerprint, other.fingerprint)
-                    )
-        group = self._groups.get(key)
-        if group is None:
-            group = _Group(key, member.num_nodes, member.fingerprint)
-        overlap = sorted(group.peer_ids.intersection(member.peer_ids))
-        if overlap:
-            holder = next(m for m in group.members if set(m.peer_ids) & set(overlap))
-            raise ConfigError(
-                f"peer id(s) {overlap[:16]} are already used by the node at "
-                f"{holder.host}:{holder.port}; peer ids must be unique across nodes"
-            )
-        self._groups[key] = group
-        group.members.append(member)
-        group.peer_ids.update(member.peer_ids)
-        member.group = group
-        self._waiting += 1
-        self._waiting_peers += len(member.peer_ids)
-        return group
-
-    def _check_limits(self, member: _Member) -> None:
-        expected = self._expected_nodes
-        if expected is not None and member.num_nodes != expected:
-            raise ConfigError(
-                f"this orchestrator serves a collective of {expected} nodes (--nodes "
-                f"{expected}), and this node says num_nodes={member.num_nodes}; set num_nodes "
-                f"(BURNCOLL_NUM_NODES) to {expected}"
-            )
-        if member.num_nodes > MAX_WAITING:
-            raise ConfigError(
-                f"num_nodes={member.num_nodes} is more than the orchestrator's limit of "
-                f"{MAX_WAITING} nodes per collective"
-            )
-        if self._waiting >= MAX_WAITING:
-            raise ConfigError(
-                f"the orchestrator already has {self._waiting} nodes waiting (its limit); try "
-                "again later, and check that no stranger is flooding it (set an auth token)"
-            )
-        if self._waiting_peers + len(member.peer_ids) > MAX_WAITING_PEERS:
-            raise ConfigError(
-                f"the orchestrator already has {self._waiting_peers} peer ids waiting (its "
-                f"limit is {MAX_WAITING_PEERS}); try again later, and check that no stranger "
-                "is flooding it (set an auth token)"
-            )
-
-    def _unwait(self, member: _Member) -> bool:
-        """Take ``member`` out of its waiting group; whether it was waiting."""
-        group, member.group = member.group, None
-        if group is None:
-            return False
-        group.members.remove(member)
-        group.peer_ids.difference_update(member.peer_ids)
-        self._waiting -= 1
-        self._waiting_peers -= len(member.peer_ids)
-        if not group.members and self._groups.get(group.key) is group:
-            del self._groups[group.key]
-        return True
-
-    async def _tell_differences(self, member: _Member, group: _Group) -> None:
-        """Notices between ``member`` and the waiting groups whose fingerprint differs: an
-        informational message, at most :data:`MAX_NOTICES` per member (so a flood of
-        registrations costs each waiting node a few small messages), never a refusal."""
-        for other in [g for g in self._groups.values() if g is not group]:
-            if _may_notice(member, other.key):
-                diffs = _differences(member.fingerprint, other.fingerprint)
-                await _tell(member, {"type": "notice", "reason": (
-                    f"{len(other.members)} other node(s) wait at the orchestrator with a config "
-                    f"that differs from this node's ({diffs}); they will not join this "
-                    "collective: if they are yours, make the configs agree")})
-            told = [m for m in list(other.members) if _may_notice(m, group.key)]
-            if told:
-                mirrored = _differences(other.fingerprint, member.fingerprint)
-                notice = {"type": "notice", "reason": (
-                    f"another node waits at the orchestrator with a config that differs from "
-                    f"this node's ({mirrored}); it will not join this collective: if it is "
-                    "yours, make the configs agree")}
-                for m in told:
-                    await _tell(m, notice)
-
-    async def _start_session(self, members: list[_Member]) -> None:
-        session = _Session(secrets.randbits(62) + 1,
-                           sorted(members, key=lambda m: min(m.peer_ids)),
-                           secrets.token_bytes(32).hex())
-        nodes = []
-        for index, m in enumerate(session.members):
-            m.index = index
-            m.session = session
-            nodes.append({"index": index, "host": m.host, "port": m.port,
-                          "peer_ids": list(m.peer_ids), "meta": m.meta})
-        log.info("orchestrator: session %x formed with %d nodes", session.sid, len(nodes))
+    async def _start_session(self, members: list[Member]) -> None:
+        session = Session.form(members)
+        log.info("orchestrator: session %x formed with %d nodes", session.sid,
+                 len(session.members))
         for m in session.members:
-            await _tell(m, {"type": "table", "session": session.sid, "index": m.index,
-                            "nodes": nodes, "secret": session.secret})
+            await tell(m.conn, session.table_for(m), _TELL_SECONDS)
 
-    async def _finish(self, member: _Member) -> None:
+    async def _finish(self, member: Member) -> None:
         session = member.session
-        if session is None:
-            return
-        session.finished.add(member.index)
-        if len(session.finished) == len(session.members):
+        if session is not None and session.finish(member):
             for m in session.members:
-                await _tell(m, {"type": "finished"})
+                await tell(m.conn, Finished(), _TELL_SECONDS)
 
-    async def _gone(self, member: _Member, exc: BaseException) -> None:
-        if self._unwait(member):
+    async def _gone(self, member: Member, exc: BaseException) -> None:
+        if self._room.unwait(member):
             log.info("orchestrator: a waiting node left (%s)", exc)
             return
         session = member.session
@@ -379,78 +216,7 @@ class Orchestrator:
                     exc)
         for m in session.members:
             if m is not member and m.index not in session.finished:
-                await _tell(m, {"type": "node_lost", "node": member.index})
-
-
-async def _tell(member: _Member, message: dict[str, Any]) -> None:
-    try:
-        async with asyncio.timeout(2.0):
-            await member.conn.send([encode_control(message)])
-    except (TransportError, TimeoutError):
-        pass
-
-
-def _may_notice(member: _Member, key: str) -> bool:
-    """Whether ``member`` may still be told about group ``key`` (once each, a few in all)."""
-    if key in member.noticed or len(member.noticed) >= MAX_NOTICES:
-        return False
-    member.noticed.add(key)
-    return True
-
-
-def _differences(here: dict[str, Any], there: dict[str, Any]) -> str:
-    """``"key: X here, Y on the node(s) already waiting; ..."`` for each differing field."""
-    return "; ".join(
-        f"{key}: {here.get(key)!r} here, {there.get(key)!r} on the node(s) already waiting"
-        for key in sorted(set(here) | set(there))
-        if here.get(key) != there.get(key)
-    )
-
-
-def _canonical(value: object) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
-
-
-def _is_int(value: object, low: int, high: int | None = None) -> bool:
-    """Whether ``value`` is an int (not a bool) in ``[low, high]``."""
-    return (isinstance(value, int) and not isinstance(value, bool) and value >= low
-            and (high is None or value <= high))
-
-
-def _member_from(conn: Connection, message: dict[str, Any]) -> _Member:
-    """The member a join message describes; :class:`ConfigError` naming what is malformed.
-
-    Everything the orchestrator later relies on is checked here, before the member joins the
-    waiting list: a malformed join must be refused, never left waiting to spoil later joins;
-    and nothing larger than the limits of the module docstring is kept.
-    """
-    host, port, peer_ids = message.get("host"), message.get("port"), message.get("peer_ids")
-    fingerprint, meta = message.get("fingerprint"), message.get("meta")
-    problems = []
-    if not isinstance(host, str) or not host or len(host) > _MAX_HOST:
-        problems.append(f"host must be a non-empty string of at most {_MAX_HOST} characters")
-    if not _is_int(port, 1, 65535):
-        problems.append("port must be an int in [1, 65535]")
-    if not isinstance(peer_ids, list) or not peer_ids or len(peer_ids) > MAX_NODE_PEERS or not all(
-        _is_int(p, 0, _MAX_PEER_ID) for p in peer_ids
-    ) or len(set(peer_ids)) != len(peer_ids):
-        problems.append(f"peer_ids must be a non-empty list of at most {MAX_NODE_PEERS} "
-                        "distinct ints >= 0")
-    if not isinstance(fingerprint, dict):
-        problems.append("fingerprint must be an object")
-    elif len(_canonical(fingerprint)) > MAX_FIELD_BYTES:
-        problems.append(f"fingerprint must be at most {MAX_FIELD_BYTES} bytes of JSON")
-    elif fingerprint.get("num_nodes") is not None and not _is_int(fingerprint["num_nodes"], 1):
-        problems.append("fingerprint.num_nodes must be an int >= 1")
-    if meta is not None and not isinstance(meta, dict):
-        meta = None  # passed through untouched when it is an object; otherwise dropped
-    if meta is not None and len(_canonical(meta)) > MAX_FIELD_BYTES:
-        problems.append(f"meta must be at most {MAX_FIELD_BYTES} bytes of JSON")
-    if problems:
-        raise ConfigError(f"malformed join message: {'; '.join(problems)}")
-    assert isinstance(host, str) and isinstance(port, int) and isinstance(peer_ids, list)
-    assert isinstance(fingerprint, dict)
-    return _Member(conn, host, port, tuple(sorted(peer_ids)), fingerprint, meta or {})
+                await tell(m.conn, NodeLost(member.index), _TELL_SECONDS)
 
 
 def start_orchestrator(
@@ -480,7 +246,9 @@ def start_orchestrator(
     """
     if transport not in TRANSPORT_NAMES:
         raise ConfigError(f"transport={transport!r}: expected one of {', '.join(TRANSPORT_NAMES)}")
-    if expected_nodes is not None and not _is_int(expected_nodes, 1, MAX_WAITING):
+    if expected_nodes is not None and not (
+            isinstance(expected_nodes, int) and not isinstance(expected_nodes, bool)
+            and 1 <= expected_nodes <= MAX_WAITING):
         raise ConfigError(f"expected_nodes={expected_nodes!r}: expected an int in "
                           f"[1, {MAX_WAITING}] or None")
     check_token(auth_token, "the orchestrator's auth token")

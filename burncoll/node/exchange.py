@@ -29,12 +29,12 @@ from burncoll.ops import ReduceOp
 from burncoll.transport.wire import DataHeader, encode_data_header
 
 if TYPE_CHECKING:
-    from burncoll.node.data_service import DataService
     from burncoll.node.executor import GlobalExecutor
+    from burncoll.node.ports import Ports
 
 __all__ = ["exchange_all_reduce", "exchange_parts", "exchange_receives"]
 
-def exchange_parts(service: DataService, op: GlobalOp, buf: HostArray,
+def exchange_parts(service: Ports, op: GlobalOp, buf: HostArray,
                    channel: int) -> list[bytes | memoryview]:
     """The message this node sends every other node: a DATA header and ``buf``'s bytes."""
     raw = memoryview(np.ascontiguousarray(buf).view(np.uint8))  # type: ignore[arg-type]
@@ -46,7 +46,7 @@ def exchange_parts(service: DataService, op: GlobalOp, buf: HostArray,
     return [header, raw]
 
 
-def exchange_receives(service: DataService, op: GlobalOp, buf: HostArray,
+def exchange_receives(service: Ports, op: GlobalOp, buf: HostArray,
                       channel: int) -> Receives:
     """What this node receives in the exchange (for ``Mailbox.expect``): from every other
     node, one part of exactly ``buf``'s size."""

@@ -2,7 +2,9 @@
 
 Peer threads call its blocking methods; the work runs on the node's event loop. It joins the
 collective (orchestrator, then a connection to every node), runs global schedules with the
-:class:`GlobalExecutor`, and turns failures anywhere into a failure of the local server.
+:class:`GlobalExecutor`, and turns failures anywhere into a failure of the local peers
+(:class:`~burncoll.levels.LocalPeers`). Whether an all-reduce or a barrier runs as the one-round
+exchange is decided with the operation's plan, by the local level; the link only runs it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -20,18 +22,15 @@ from burncoll.config import CollectiveConfig
 from burncoll.config_values import parse_host_port
 from burncoll.errors import CollectiveError, CollectiveTimeout, PeerLost, UsageError
 from burncoll.ioloop import IoLoop
-from burncoll.levels import GlobalOp, HostArray
+from burncoll.levels import GlobalOp, HostArray, LocalPeers
+from burncoll.node.control import Join
 from burncoll.node.data_service import DataService
 from burncoll.node.exchange import exchange_all_reduce, exchange_parts, exchange_receives
 from burncoll.node.executor import GlobalExecutor
 from burncoll.node.orchestrator_client import OrchestratorClient
-from burncoll.strategies import Auto, Ring, Schedule, resolve
-from burncoll.strategies.auto import exchange_limit
+from burncoll.strategies import Ring, Schedule, resolve
 from burncoll.strategies.layout import even_layout
 from burncoll.transport import get_transport
-
-if TYPE_CHECKING:
-    from burncoll.local.server import LocalServer
 
 __all__ = ["NodeLink", "join_collective"]
 
@@ -58,23 +57,24 @@ class NodeLink:
         #: go local reduce-scatter -> per-shard global all-reduce -> local all-gather.
         self.sharded = all(n.local_ring for n in self.nodes) and len(
             {len(n.peer_ids) for n in self.nodes}) == 1
-        self._server: LocalServer | None = None
+        self._local: LocalPeers | None = None
         self._closed = False
         service.on_failure = self._on_failure
         service.status = self._status
         orchestrator.on_node_lost = self._on_node_lost
 
-    def attach(self, server: LocalServer) -> None:
-        """Route failures reported by other nodes to ``server``."""
-        self._server = server
+    def attach(self, local: LocalPeers) -> None:
+        """Route failures reported by other nodes to the ``local`` peers, and answer other
+        nodes' status queries from them."""
+        self._local = local
         error = self._service.mailbox.error
         if error is not None:
-            server.fail(error, remote=True)
+            local.fail(error, remote=True)
 
     # -- failure ----------------------------------------------------------------------------------
     def _on_failure(self, error: BaseException) -> None:
-        if self._server is not None:
-            self._server.fail(error, remote=True)
+        if self._local is not None:
+            self._local.fail(error, remote=True)
 
     def _on_node_lost(self, node: int) -> None:
         self._service.fail(PeerLost(
@@ -83,8 +83,8 @@ class NodeLink:
         ))
 
     def _status(self) -> dict[str, Any]:
-        server = self._server
-        return {} if server is None else server.status()
+        local = self._local
+        return {} if local is None else local.status()
 
     def abort(self, error: BaseException) -> None:
         if self._closed:
@@ -129,9 +129,9 @@ class NodeLink:
             if status is None:
                 silent.append(f"node {index} (peers {list(peers)}) did not answer")
                 continue
-            next_seq = status.get("next_seq", {})
+            next_seq = status.next_seq or {}
             for p in peers:
-                if int(next_seq.get(str(p), 0)) > op.seq:
+                if next_seq.get(p, 0) > op.seq:
                     late.append(p)
                 else:
                     never.append(p)
@@ -172,11 +172,6 @@ class NodeLink:
         finally:
             mailbox.done(op.seq)
 
-    def _exchanges(self, nbytes: int) -> bool:
-        """Whether ``auto`` runs a global all-reduce of ``nbytes`` as a one-round exchange."""
-        return (isinstance(self.config.strategy("global_all_reduce_strategy"), Auto)
-                and self.num_nodes > 1 and nbytes <= exchange_limit(self.num_nodes))
-
     def _exchange(self, op: GlobalOp, buf: HostArray, out: HostArray, channel: int) -> None:
         """The exchange, from the calling peer thread: it sends its message itself where the
         connection allows (no event-loop wake-up before the bytes leave), then the loop sends
@@ -203,8 +198,8 @@ class NodeLink:
             mailbox.done(op.seq)
 
     def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0,
-                   out: HostArray | None = None) -> None:
-        if self._exchanges(buf.nbytes):
+                   out: HostArray | None = None, *, exchange: bool) -> None:
+        if exchange:
             if out is not None:
                 _check_out(buf, out)
             result = np.empty_like(buf) if out is None else out
@@ -260,8 +255,8 @@ class NodeLink:
         self._call(op, self._run(op, schedule, chunks))
         return [c if c is not None else np.empty(0) for c in chunks]
 
-    def barrier(self, op: GlobalOp) -> None:
-        if self._exchanges(0):  # one round, and every node leaves it at about the same time
+    def barrier(self, op: GlobalOp, *, exchange: bool) -> None:
+        if exchange:  # one round, and every node leaves it at about the same time
             empty = np.empty(0, np.uint8)
             self._exchange(op, empty, np.empty(0, np.uint8), 0)
             return
@@ -334,13 +329,11 @@ async def _join(service: DataService, orch: OrchestratorClient, config: Collecti
                 local_peer_ids: Sequence[int], deadline: float) -> None:
     await service.start()
     try:
-        await orch.join({
-            "type": "join", "host": service.host, "port": service.port,
-            "peer_ids": list(local_peer_ids), "fingerprint": config.global_fingerprint(),
-            "pid": os.getpid(),
-            "meta": {"local_ring": isinstance(config.strategy("local_all_reduce_strategy"),
-                                              Ring)},
-        }, deadline)
+        await orch.join(Join(
+            service.host, service.port, tuple(local_peer_ids), config.global_fingerprint(),
+            pid=os.getpid(),
+            meta={"local_ring": isinstance(config.strategy("local_all_reduce_strategy"), Ring)},
+        ), deadline)
         # Without a token, member connections authenticate with the session's own secret
         # (from the orchestrator's table): a stranger cannot pose as a member.
         service.set_session(orch.session, orch.index, orch.nodes, secret=orch.secret)

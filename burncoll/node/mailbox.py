@@ -2,7 +2,8 @@
 
 Frames are keyed by ``(seq, channel, round, src, chunk)``: a node can receive parts of a later
 operation before it starts it (a faster neighbour), and those wait here. Every wait has a
-deadline; a failure wakes every waiter with the error.
+deadline, on the clock the mailbox is given (it reads none of its own); a failure wakes every
+waiter with the error.
 
 **Every byte of a receive buffer is written exactly once.** A sender sends the parts of a chunk
 in order on one ordered connection, so :meth:`Mailbox.put` holds every key to that schedule:
@@ -115,7 +116,11 @@ class _Stream:
 class Mailbox:
     """Frames of one session, and the failure that ends it."""
 
-    def __init__(self, describe: Callable[[int], str] | None = None) -> None:
+    def __init__(self, describe: Callable[[int], str] | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        #: The time, in seconds, that deadlines are on (the node's ``time.monotonic``): the
+        #: mailbox reads no clock of its own, so a test can drive it with a fake one.
+        self.clock = clock
         self._frames: dict[FrameKey, deque[Frame]] = {}
         self._waiters: dict[FrameKey, asyncio.Future[None]] = {}
         self._error: BaseException | None = None
@@ -126,7 +131,8 @@ class Mailbox:
         self.on_error: Callable[[BaseException], None] = self.fail
         #: Names a node in errors (the data service's table).
         self.describe: Callable[[int], str] = describe or (lambda node: f"node {node}")
-        #: The latest operation this node started (``expect``), and when; -1 before the first.
+        #: The latest operation this node started (``expect``), and when (on :attr:`clock`);
+        #: -1 before the first.
         self.current = -1
         self.current_started = 0.0
         #: How many channels of each operation are running here (``expect`` minus ``done``).
@@ -179,7 +185,7 @@ class Mailbox:
         """
         seq, lane = receives.seq, (receives.seq, receives.channel)
         if seq > self.current:
-            self.current, self.current_started = seq, time.monotonic()
+            self.current, self.current_started = seq, self.clock()
             self._forget_before(seq)
         self._active[seq] = self._active.get(seq, 0) + 1
         self._checks[seq] = check
@@ -354,7 +360,8 @@ class Mailbox:
 
     async def get(self, key: FrameKey, deadline: float, on_timeout: Callable[[], BaseException]
                   ) -> Frame:
-        """The next frame for ``key``; raises the session's failure, or ``on_timeout()``."""
+        """The next frame for ``key``; raises the session's failure, or ``on_timeout()`` once
+        ``deadline`` (on :attr:`clock`) has passed."""
         while True:
             if self._error is not None:
                 raise self._error
@@ -364,7 +371,7 @@ class Mailbox:
                 if not frames:
                     del self._frames[key]
                 return frame
-            remaining = deadline - time.monotonic()
+            remaining = deadline - self.clock()
             if remaining <= 0:
                 raise on_timeout()
             waiter = asyncio.get_running_loop().create_future()

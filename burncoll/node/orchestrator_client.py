@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
 
 from burncoll.errors import (
     AuthenticationError,
@@ -14,17 +13,30 @@ from burncoll.errors import (
     ProtocolError,
     TransportError,
 )
-from burncoll.node.data_service import NodeInfo
+from burncoll.node.control import (
+    Finish,
+    Finished,
+    Join,
+    Leave,
+    NodeLost,
+    Notice,
+    Refused,
+    Table,
+    decode_from_orchestrator,
+    encode,
+    kind_of,
+    tell,
+)
+from burncoll.node.json_fields import MalformedMessage
+from burncoll.node.membership import NodeInfo
 from burncoll.transport.auth import authenticate_client
 from burncoll.transport.base import Connection, Transport
-from burncoll.transport.wire import decode, encode_control
+from burncoll.transport.wire import decode
 
 __all__ = ["OrchestratorClient"]
 
 #: Longest notice text kept from the orchestrator (it is only shown in an error message).
 _NOTICE_LIMIT = 2000
-#: Length of a session secret, hex digits (32 random bytes).
-_SECRET_HEX = 64
 
 
 class OrchestratorClient:
@@ -59,7 +71,7 @@ class OrchestratorClient:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    async def join(self, message: dict[str, Any], deadline: float) -> None:
+    async def join(self, message: Join, deadline: float) -> None:
         """Register with the orchestrator and wait for the node table (until ``deadline``).
 
         A not-yet-listening orchestrator is retried with backoff. Raises
@@ -70,30 +82,28 @@ class OrchestratorClient:
         """
         conn = await self._connect(deadline)
         self.conn = conn
-        await conn.send([encode_control(message)])
+        await conn.send([encode(message)])
         reply = await self._await_table(conn, message, deadline)
-        if reply.get("type") == "refused":
-            raise ConfigError(f"the orchestrator refused this node: {reply.get('reason')}")
-        if reply.get("type") != "table":
-            raise ProtocolError(f"unexpected reply from the orchestrator: {reply.get('type')}")
+        if isinstance(reply, Refused):
+            raise ConfigError(f"the orchestrator refused this node: {reply.reason}")
         self._take_table(reply)
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
-    async def _await_table(self, conn: Connection, message: dict[str, Any],
-                           deadline: float) -> dict[str, Any]:
+    async def _await_table(self, conn: Connection, message: Join, deadline: float
+                           ) -> Table | Refused:
         """The orchestrator's verdict (table or refusal), keeping the notices before it."""
         try:
             async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
                 while True:
-                    reply = decode(await conn.recv()).control or {}
-                    if reply.get("type") != "notice":
+                    reply = await self._next_reply(conn)
+                    if isinstance(reply, Table | Refused):
                         return reply
-                    self.notice = str(reply.get("reason", ""))[:_NOTICE_LIMIT]
+                    self.notice = reply.reason[:_NOTICE_LIMIT]
         except TimeoutError:
             noticed = f"; the orchestrator noticed: {self.notice}" if self.notice else ""
             raise CollectiveTimeout(
                 f"register timed out after {self.timeout:g} s waiting at the orchestrator "
-                f"{self.address} for all {message['fingerprint'].get('num_nodes')} nodes "
+                f"{self.address} for all {message.fingerprint.get('num_nodes')} nodes "
                 f"to join; start every node (or check num_nodes){noticed}"
             ) from None
         except TransportError as exc:
@@ -102,29 +112,31 @@ class OrchestratorClient:
                 f"registration: {exc}"
             ) from exc
 
-    def _take_table(self, reply: dict[str, Any]) -> None:
-        """Store the session, this node's index, the node table and the session secret."""
+    async def _next_reply(self, conn: Connection) -> Table | Refused | Notice:
+        """The orchestrator's next message during registration; :class:`ProtocolError` for
+        one that has no place there, or a malformed one."""
+        frame = decode(await conn.recv())
         try:
-            self.session = int(reply["session"])
-            self.index = int(reply["index"])
-            self.nodes = tuple(
-                NodeInfo(int(n["index"]), str(n["host"]), int(n["port"]),
-                         tuple(int(p) for p in n["peer_ids"]),
-                         bool((n.get("meta") or {}).get("local_ring", False)))
-                for n in reply["nodes"]
-            )
-            secret = reply.get("secret")
-            if secret is None and self.token is None:
-                raise ValueError("no session secret, and without a token the connections "
-                                 "between nodes would have no key")
-            if secret is not None:
-                if not isinstance(secret, str) or len(secret) != _SECRET_HEX:
-                    raise ValueError("the session secret is not 64 hex digits")
-                bytes.fromhex(secret)
-            self.secret = secret
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ProtocolError(f"the orchestrator at {self.address} sent a malformed node "
-                                f"table: {exc!r}") from None
+            reply = decode_from_orchestrator(frame)
+        except MalformedMessage as exc:
+            raise ProtocolError(f"the orchestrator at {self.address} sent a {exc}") from None
+        if not isinstance(reply, Table | Refused | Notice):
+            raise ProtocolError(f"unexpected reply from the orchestrator: {kind_of(frame)}")
+        return reply
+
+    def _take_table(self, table: Table) -> None:
+        """Store the session, this node's index, the node table and the session secret."""
+        if table.secret is None and self.token is None:
+            raise ProtocolError(
+                f"the orchestrator at {self.address} sent a malformed node table: no session "
+                "secret, and without a token the connections between nodes would have no key")
+        self.session = table.session
+        self.index = table.index
+        self.nodes = tuple(
+            NodeInfo(n.index, n.host, n.port, n.peer_ids, bool(n.meta.get("local_ring", False)))
+            for n in table.nodes
+        )
+        self.secret = table.secret
 
     async def _connect(self, deadline: float) -> Connection:
         delay = 0.05
@@ -158,12 +170,14 @@ class OrchestratorClient:
             return
         try:
             while True:
-                message = decode(await conn.recv()).control or {}
-                kind = message.get("type")
-                if kind == "finished":
+                message = decode_from_orchestrator(decode(await conn.recv()))
+                if isinstance(message, Finished):
                     self._finished.set()
-                elif kind == "node_lost" and isinstance(message.get("node"), int):
-                    self.on_node_lost(int(message["node"]))
+                elif isinstance(message, NodeLost):
+                    if message.node >= len(self.nodes):
+                        raise ProtocolError(f"the orchestrator reported an unknown node "
+                                            f"{message.node} lost")
+                    self.on_node_lost(message.node)
         except (TransportError, ProtocolError) as exc:
             self.gone = exc
             self._finished.set()
@@ -180,7 +194,7 @@ class OrchestratorClient:
                 "nodes may not have finished"
             )
         try:
-            await conn.send([encode_control({"type": "finish"})])
+            await conn.send([encode(Finish())])
             async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
                 await self._finished.wait()
         except TransportError as exc:
@@ -209,9 +223,5 @@ class OrchestratorClient:
             self._reader.cancel()
         if self.conn is not None:
             if self.gone is None and not self._finished.is_set():
-                try:
-                    async with asyncio.timeout(1.0):
-                        await self.conn.send([encode_control({"type": "leave"})])
-                except (TransportError, TimeoutError):
-                    pass
+                await tell(self.conn, Leave(), 1.0)
             await self.conn.close()

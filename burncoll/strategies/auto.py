@@ -4,6 +4,9 @@ The choice is data (:data:`CROSSOVERS`), measured with ``burncoll bench`` on a 2
 (see the README's crossover table); re-measure on other hardware. At the local level ``auto``
 also runs small operations *inline*: the last peer to arrive computes every peer's result in
 one pass (a centralized reduction without the thread barriers of a schedule).
+
+These are the thresholds; the one place that applies them to an operation (inline, fused,
+exchange, and the strategies of its local phases) is :func:`burncoll.local.plans.choose.choose`.
 """
 
 from __future__ import annotations

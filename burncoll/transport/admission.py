@@ -53,7 +53,7 @@ from collections.abc import Callable
 
 from burncoll.transport.base import PREAUTH_SECONDS
 
-__all__ = ["Admission", "BoundedLog", "Ticket", "source_group"]
+__all__ = ["Admission", "BoundedLog", "Ticket", "source_group", "stranger_log"]
 
 logger = logging.getLogger("burncoll.transport")
 
@@ -108,6 +108,11 @@ class BoundedLog:
         more = self._suppressed.pop(kind, 0)
         suffix = f" (and {more} more like it, not logged)" if more else ""
         self._logger.warning("%s%s", message, suffix)
+
+
+#: The stream transports' WARNING lines about strangers (bad handshakes, silence), bounded: a
+#: flood cannot fill the log.
+stranger_log = BoundedLog()
 
 
 class Ticket:

@@ -84,7 +84,7 @@ class Connection(abc.ABC):
     @abc.abstractmethod
     async def recv(self) -> Buffer | Placed:
         """Receive the next whole message (a :class:`~burncoll.transport.wire.Placed` only
-        after :meth:`place_with`).
+        after :meth:`FastPath.place_with`).
 
         Raises :class:`~burncoll.TransportError` when the connection closes (cleanly or not)
         before a message arrives, and :class:`~burncoll.ProtocolError` for a message over the
@@ -95,24 +95,7 @@ class Connection(abc.ABC):
     async def close(self) -> None:
         """Close the connection; idempotent. Pending ``recv`` calls raise TransportError."""
 
-    def send_now(self, parts: Sequence[Buffer]) -> bool:
-        """From any thread: send a small message at once, bypassing the event loop, and
-        return ``True``; or do nothing and return ``False`` when this connection cannot
-        (the default), and the caller uses :meth:`send` on the loop."""
-        return False
-
-    def place_with(self, placer: Callable[[memoryview, int], tuple[int, memoryview] | None]
-                   ) -> None:
-        """Let ``placer(first_bytes, size)`` choose where a large incoming message's payload
-        is received (see ``StreamProtocol.expect_payload``); transports that cannot ignore it.
-        """
-        return None
-
-    def stop_placing(self) -> None:
-        """Undo :meth:`place_with`, and write nothing more into memory the placer chose
-        (a payload arriving now goes to a buffer of the transport's own)."""
-        return None
-
+    @abc.abstractmethod
     def authenticated(self) -> None:
         """The other side has proved it holds the token: lift the pre-authentication limits.
 
@@ -124,15 +107,14 @@ class Connection(abc.ABC):
         :class:`~burncoll.ProtocolError` that names the limit. Called once, by
         :mod:`burncoll.transport.auth`, on both ends.
         """
-        return None
 
+    @abc.abstractmethod
     def channel_binding(self) -> bytes:
         """What ties an authentication exchange to this channel (RFC 5929
         ``tls-server-end-point``): the SHA-256 of the DER certificate the *listener* presents
         -- its own on the accepting side, the one received on the connecting side -- or
         ``b""`` on a connection without TLS. A relay that terminates TLS presents another
         certificate, so the two ends compute different bindings and authentication fails."""
-        return b""
 
 
 #: ``placer(first_bytes, size)``: where a large incoming payload of ``size`` bytes is received,

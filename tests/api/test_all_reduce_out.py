@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import burncoll
-import burncoll.local.compose as compose
+import burncoll.local.plans.inline as inline_plan
 from burncoll.backends import installed_backends
-from burncoll.local.inline import inline_results
+from burncoll.local.plans.inline import inline_results
 from burncoll.strategies.auto import INLINE_BYTES
 from tests.api.test_fused_all_reduce import FusedSpy
 from tests.api.test_single_node_ops import REDUCERS, _close, _config, _inputs
@@ -60,7 +60,7 @@ def inline_spy(monkeypatch: pytest.MonkeyPatch) -> list[list[Any]]:
         returned.append(results)
         return results
 
-    monkeypatch.setattr(compose, "inline_results", counting)
+    monkeypatch.setattr(inline_plan, "inline_results", counting)
     return returned
 
 

@@ -1,12 +1,12 @@
-"""The fused local all-reduce (``burncoll.local.fused``): ``auto``, one node, NumPy backend,
+"""The fused local all-reduce (``burncoll.local.plans.fused``): ``auto``, one node, NumPy backend,
 arrays above ``INLINE_BYTES``. Every peer thread reduces its share of the elements, block by
 block, in peer order, and writes it into every peer's result.
 
 Checked against two references: a float64 NumPy reduction (with a dtype-appropriate
 tolerance), and the left fold ``x0 op x1 op ... op x(d-1)`` in the array's own dtype, which the
 fused path must reproduce bit for bit (the same order as the inline path). Inputs are made
-read-only, so any write into one raises. A counting wrapper around ``run_fused`` observes
-which path ran without changing what it does.
+read-only, so any write into one raises. A counting wrapper around ``FusedBuffers.run``
+observes which path ran without changing what it does.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 
 import burncoll
-import burncoll.local.compose as compose
 from burncoll.dtypes import dtype_from_name
-from burncoll.local.fused import BLOCK_BYTES, run_fused
+from burncoll.local.plans.fused import BLOCK_BYTES, FusedBuffers
 from burncoll.strategies.auto import INLINE_BYTES
 from tests.api.test_single_node_ops import REDUCERS, _config, _inputs
 from tests.harness import run_peers
@@ -42,19 +41,19 @@ _EPS = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64"
 
 
 class FusedSpy:
-    """Counts calls of ``run_fused`` (wrapped, never replaced) and remembers what each
-    returned, to tell which path an all-reduce took."""
+    """Counts calls of ``FusedBuffers.run`` (wrapped, never replaced) and remembers what
+    each returned, to tell which path an all-reduce took."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.returned: list[Any] = []
-        real = run_fused
+        real = FusedBuffers.run
 
         def counting(*args: Any, **kwargs: Any) -> Any:
             result = real(*args, **kwargs)
             self.returned.append(result)
             return result
 
-        monkeypatch.setattr(compose, "run_fused", counting)
+        monkeypatch.setattr(FusedBuffers, "run", counting)
 
     @property
     def calls(self) -> int:

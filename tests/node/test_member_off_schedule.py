@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from burncoll.node.mailbox import HELD_BYTES
-from burncoll.transport.tcp import RECV_QUEUE_BYTES
+from burncoll.transport.stream import RECV_QUEUE_BYTES
 from tests.security.cluster import Cluster
 from tests.security.secure_worker import CORRUPT_AFTER
 

@@ -31,10 +31,10 @@ import burncoll.node.executor as executor_module
 from burncoll.dtypes import dtype_from_name
 from burncoll.errors import ProtocolError
 from burncoll.levels import GlobalOp
-from burncoll.node.data_service import NodeInfo
 from burncoll.node.executor import PART_BYTES, GlobalExecutor
 from burncoll.node.link import _check_out
 from burncoll.node.mailbox import Mailbox
+from burncoll.node.membership import NodeInfo
 from burncoll.ops import OpKind, ReduceOp
 from burncoll.strategies import Centralized, Ring, Schedule, Strategy, Tree
 from burncoll.strategies.layout import even_layout

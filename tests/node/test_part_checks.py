@@ -23,13 +23,17 @@ import numpy as np
 import pytest
 
 import burncoll
+import burncoll.node.checks as checks_module
 import burncoll.node.executor as executor_module
 import burncoll.node.mailbox as mailbox_module
 from burncoll.errors import AuthenticationError, ProtocolError
 from burncoll.levels import GlobalOp
-from burncoll.node.data_service import DataService, NodeInfo
+from burncoll.node.checks import expected_bytes
+from burncoll.node.data_service import DataService
 from burncoll.node.executor import PART_BYTES, GlobalExecutor
 from burncoll.node.mailbox import HELD_BYTES, HELD_FRAMES, Mailbox, Receives
+from burncoll.node.membership import NodeInfo
+from burncoll.node.placement import place
 from burncoll.ops import OpKind, ReduceOp
 from burncoll.strategies import Ring, Strategy, Tree
 from burncoll.strategies.layout import even_layout
@@ -276,12 +280,10 @@ def test_a_broadcast_receiver_expects_the_size_the_shape_gives() -> None:
 def test_a_broadcast_of_an_impossible_array_is_a_protocol_error(
     shape: tuple[int, ...], why: str
 ) -> None:
-    services = _services(2)
-    ex = GlobalExecutor(services[0])  # type: ignore[arg-type]
     op = _op(OpKind.BROADCAST, None, (), root=1)
     h = header(op_kind=OpKind.BROADCAST, reduce_op=None, root=1, shape=shape)
     with pytest.raises(ProtocolError, match=why):
-        ex.expected_bytes(op, 1, h)
+        expected_bytes(op, 1, h)
 
 
 def test_a_dtype_this_node_cannot_hold_is_a_protocol_error(
@@ -291,18 +293,17 @@ def test_a_dtype_this_node_cannot_hold_is_a_protocol_error(
     def refuse(name: str) -> Any:
         raise burncoll.UsageError(f"dtype {name} needs ml_dtypes")
 
-    monkeypatch.setattr(executor_module, "dtype_from_name", refuse)
-    ex = GlobalExecutor(_services(2)[0])  # type: ignore[arg-type]
+    monkeypatch.setattr(checks_module, "dtype_from_name", refuse)
     op = _op(OpKind.BROADCAST, None, (), root=1)
     h = header(op_kind=OpKind.BROADCAST, reduce_op=None, root=1, dtype="bfloat16")
     with pytest.raises(ProtocolError, match="cannot receive"):
-        ex.expected_bytes(op, 1, h)
+        expected_bytes(op, 1, h)
 
 
 def test_an_allocation_that_fails_is_a_protocol_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """A claim this machine's memory check lets through (a test double says the machine has
     2**62 bytes) but no allocation can satisfy: a ProtocolError, not a bare MemoryError."""
-    monkeypatch.setattr(executor_module, "_memory_bytes", lambda: 1 << 62)
+    monkeypatch.setattr(checks_module, "_memory_bytes", lambda: 1 << 62)
     services = _services(2)
     op = _op(OpKind.BROADCAST, None, (), root=1)
     schedule = Tree(2).broadcast(2, 1)
@@ -564,8 +565,8 @@ def test_only_a_part_in_the_senders_own_name_lands_in_place() -> None:
     service.mailbox.land(KEY, 0, memory)  # KEY: node 1's part
     first = memoryview(encode_data_header(header(chunk_bytes=PART_BYTES), PART_BYTES))
     size = len(first) + PART_BYTES
-    assert service._place(2, first, size) is None
-    placed = service._place(1, first, size)
+    assert place(service.mailbox, service.session, 2, first, size) is None
+    placed = place(service.mailbox, service.session, 1, first, size)
     assert placed is not None and placed[1] is memory
 
 
@@ -575,7 +576,7 @@ def test_array_data_on_the_connection_this_node_sends_on_fails_the_session() -> 
     async def run() -> BaseException | None:
         a, b = await _pair("ab" * 32)
         try:
-            wrong_way = b._dialed[0]  # b receives on it; a sends on it
+            wrong_way = b.connections.dialed[0]  # b receives on it; a sends on it
             h = header(session=77, src=1, seq=0)
             await wrong_way.send([encode_data_header(h, 8), bytes(8)])
             async with asyncio.timeout(5):

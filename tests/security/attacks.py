@@ -50,7 +50,7 @@ from burncoll.errors import CollectiveError
 from burncoll.transport import TlsSettings, get_transport
 from burncoll.transport.base import Buffer, Connection
 from burncoll.transport.quic import ALPN
-from burncoll.transport.quic import PREAMBLE as QUIC_PREAMBLE
+from burncoll.transport.quic_connection import PREAMBLE as QUIC_PREAMBLE
 from burncoll.transport.tcp import PREAMBLE as TCP_PREAMBLE
 from burncoll.transport.wire import FrameType, decode, encode_control
 

@@ -79,7 +79,7 @@ def flood_bytes() -> int:
     the receiver may hold (the mailbox's budget plus its transport's receive queue) by 128 MiB,
     so that hoarding them all would show."""
     from burncoll.node.mailbox import HELD_BYTES
-    from burncoll.transport.tcp import RECV_QUEUE_BYTES
+    from burncoll.transport.stream import RECV_QUEUE_BYTES
 
     return HELD_BYTES + RECV_QUEUE_BYTES + (128 << 20)
 
@@ -257,8 +257,8 @@ async def corrupt(comm: burncoll.Communicator, kind: str) -> None:
     announced far over the size limit, and bytes that break the transport's own framing.
     """
     service = _link(comm)._service
-    conn = service._out[0]
-    async with service._send_locks[0]:
+    conn = service.connections.out[0]
+    async with service.connections._locks[0]:
         if kind == "oversized":
             if isinstance(conn, WebSocketConnection):
                 # this node is the server of the connection it sends on: frames go unmasked

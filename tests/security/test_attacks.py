@@ -67,18 +67,21 @@ INITIAL_FLOOD = 64 * MiB
 
 # -- the CI sizes -------------------------------------------------------------------------------
 
-PIPELINED_CONNECTIONS = 50
+PIPELINED_CONNECTIONS = 30
 #: Payload each pipelining stranger sends after its header (if the listener reads it).
 PIPELINED_SEND = 8 * MiB
-FRAGMENT_CONNECTIONS = 100
+FRAGMENT_CONNECTIONS = 40
 FRAGMENTS = 4095
 #: Over the victims' open-file limit (1024), as in the issue.
 IDLE_CONNECTIONS = 1100
-QUIC_CONNECTIONS = 20
-INITIAL_PACKETS = 1500
-INITIAL_SECONDS = 2.0
+QUIC_CONNECTIONS = 12
+INITIAL_PACKETS = 800
+INITIAL_SECONDS = 1.0
 #: How long each attack holds what it opened.
-HOLD = 1.0
+HOLD = 0.5
+#: The quiet time measured before each attack (the RSS baseline), and after it.
+BASELINE_WINDOW = 0.5
+SETTLE = 0.3
 #: The members' operation timeout.
 TIMEOUT = 10.0
 
@@ -176,7 +179,8 @@ def stream_run(transport: str) -> AttackRun:
                             _newcomer, transport, live.orchestrator_address)
                     during = register_meanwhile
                 attack, bound = _run_stream_attack(name, transport, port, target, loop, during)
-                measured[name, target] = measure(live, pid, attack, bound)
+                measured[name, target] = measure(live, pid, attack, bound, settle=SETTLE,
+                                              baseline_window=BASELINE_WINDOW)
         done = live.finish(TIMEOUT * 3)
         return AttackRun(measured, summarize(done), done, newcomer, live.logs())
 
@@ -207,7 +211,8 @@ def quic_run() -> AttackRun:
         for name in QUIC_ATTACKS:
             for target, (port, pid) in targets.items():
                 attack, bound = _quic_attack(name, port, target, loop)
-                measured[name, target] = measure(live, pid, attack, bound)
+                measured[name, target] = measure(live, pid, attack, bound, settle=SETTLE,
+                                              baseline_window=BASELINE_WINDOW)
         done = live.finish(TIMEOUT * 3)
         return AttackRun(measured, summarize(done), done, None, live.logs())
 

@@ -23,8 +23,9 @@ from typing import Any
 import pytest
 
 import burncoll
-from burncoll import orchestrator as orchestrator_module
+from burncoll import orchestrator_waiting
 from burncoll.launch import node_environment
+from burncoll.node.control import Join
 from burncoll.node.orchestrator_client import OrchestratorClient
 from burncoll.transport import get_transport
 from burncoll.transport.auth import authenticate_client
@@ -51,7 +52,7 @@ async def register(port: int, message: dict[str, Any], seconds: float = 5.0,
     """A node's real client joining with ``message``; raises what ``join`` raises."""
     client = OrchestratorClient(get_transport("websocket"), HOST, port, token, seconds)
     try:
-        await client.join(message, time.monotonic() + seconds)
+        await client.join(Join.from_json(message), time.monotonic() + seconds)
     except BaseException:
         await client.close()
         raise
@@ -215,7 +216,7 @@ def test_expected_nodes_refuses_other_counts_at_once() -> None:
 def test_waiting_registrations_are_capped_and_freed_when_they_leave(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(orchestrator_module, "MAX_WAITING", 3)  # a small cap, to reach it
+    monkeypatch.setattr(orchestrator_waiting, "MAX_WAITING", 3)  # a small cap, to reach it
     with burncoll.start_orchestrator() as orch:
         # three groups of one (each its own fingerprint), none of which can fill up
         strangers = [Stranger(orch.port, join(10 + k, num_nodes=3, tag=k)) for k in range(3)]

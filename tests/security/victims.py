@@ -455,13 +455,15 @@ def inputs(k: int, elements: int) -> np.ndarray:
 def _advertise(port: int) -> None:
     """Test double for the network path: tell the orchestrator that this node's data service
     is at ``port`` (a relay's), not where it listens."""
+    import dataclasses
+
+    from burncoll.node.control import Join
     from burncoll.node.orchestrator_client import OrchestratorClient
 
     join = OrchestratorClient.join
 
-    async def advertised(self: OrchestratorClient, message: dict[str, Any],
-                         deadline: float) -> None:
-        await join(self, {**message, "port": port}, deadline)
+    async def advertised(self: OrchestratorClient, message: Join, deadline: float) -> None:
+        await join(self, dataclasses.replace(message, port=port), deadline)
 
     OrchestratorClient.join = advertised  # type: ignore[method-assign]
 

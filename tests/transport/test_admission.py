@@ -20,7 +20,8 @@ from burncoll.errors import TransportError
 from burncoll.transport.admission import LOG_BURST, Admission, source_group
 from burncoll.transport.auth import authenticate_client, authenticate_server
 from burncoll.transport.base import Connection, TlsSettings, Transport
-from burncoll.transport.tcp import StreamListener, TcpTransport
+from burncoll.transport.stream_listener import StreamListener
+from burncoll.transport.tcp import TcpTransport
 from burncoll.transport.websocket import WebSocketTransport
 from burncoll.transport.wire import Placed
 from tests.transport.support import HOST, run, serving

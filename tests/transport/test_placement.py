@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from burncoll.errors import ProtocolError
+from burncoll.transport.base import FastPath
 from burncoll.transport.wire import Placed, decode, encode_control, peek_part
 from tests.transport.support import ALL_TRANSPORTS, MakeTransport, connected, run
 
@@ -35,6 +36,7 @@ def test_a_placed_payload_lands_in_the_chosen_memory(make: MakeTransport) -> Non
                     return None  # declined: the message gets a buffer of its own
                 return HEAD, memoryview(landing)
 
+            assert isinstance(client, FastPath)
             client.place_with(placer)
             messages = [os.urandom(SIZE) for _ in range(2)]
             for m in messages:
@@ -53,6 +55,7 @@ def test_a_placed_payload_lands_in_the_chosen_memory(make: MakeTransport) -> Non
 def test_masked_websocket_frames_are_never_placed() -> None:
     async def body() -> None:
         async with connected(ALL_TRANSPORTS[0].values[0]()) as (client, server, _):
+            assert isinstance(server, FastPath)
             server.place_with(lambda first, size: pytest.fail("a masked frame was placed"))
             message = os.urandom(SIZE)
             await client.send([message])  # client -> server: masked
@@ -98,6 +101,7 @@ def test_stop_placing_leaves_the_chosen_memory_alone() -> None:
             writer.write(PREAMBLE)
             conn = await asyncio.wait_for(served.accepted.get(), 5)
             conn.authenticated()  # as the authentication exchange, skipped here, would
+            assert isinstance(conn, FastPath)
             conn.place_with(lambda first, size: (HEAD, memoryview(landing)))
             first = 200_000
             writer.write(SIZE.to_bytes(8, "little") + message[:first].tobytes())

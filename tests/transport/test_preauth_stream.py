@@ -28,10 +28,12 @@ import pytest
 from burncoll.errors import ProtocolError, TransportError
 from burncoll.transport.admission import Admission
 from burncoll.transport.base import PREAUTH_BYTES, Connection, TlsSettings, Transport
-from burncoll.transport.tcp import PREAMBLE, StreamProtocol, TcpTransport
+from burncoll.transport.stream import StreamProtocol
+from burncoll.transport.tcp import PREAMBLE, TcpTransport
 from burncoll.transport.tls import listener_binding
-from burncoll.transport.websocket import WebSocketTransport, frame_header, mask_in_place
+from burncoll.transport.websocket import WebSocketTransport
 from burncoll.transport.wire import Placed
+from burncoll.transport.ws_frames import frame_header, mask_in_place
 from tests.transport.support import HOST, connected, run, serving, trust
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from burncoll.errors import ConfigError, ProtocolError, TransportError
-from burncoll.transport.quic import PREAMBLE, QuicTransport
+from burncoll.transport.quic import QuicTransport
+from burncoll.transport.quic_connection import PREAMBLE
 from burncoll.transport.wire import MessageAssembler
 
 from .support import connected, run

@@ -44,16 +44,10 @@ from aioquic.quic.rangeset import RangeSet
 from burncoll.errors import ProtocolError, TransportError
 from burncoll.transport.auth import authenticate_client, authenticate_server
 from burncoll.transport.base import PREAUTH_BYTES, Connection, TlsSettings
-from burncoll.transport.quic import (
-    ALPN,
-    PREAMBLE,
-    PREAUTH_WINDOW,
-    QuicListener,
-    QuicStreamConnection,
-    QuicTransport,
-    source_of,
-    working_window,
-)
+from burncoll.transport.quic import ALPN, QuicTransport
+from burncoll.transport.quic_connection import PREAMBLE, QuicStreamConnection
+from burncoll.transport.quic_credit import PREAUTH_WINDOW, working_window
+from burncoll.transport.quic_server import QuicListener, source_of
 from burncoll.transport.tls import listener_binding, make_self_signed
 from burncoll.transport.wire import MessageAssembler, MessageTooBig, Placed
 

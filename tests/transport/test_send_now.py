@@ -1,8 +1,9 @@
-"""``Connection.send_now``: a peer thread sends a small message itself, beside the event loop.
+"""``FastPath.send_now``: a peer thread sends a small message itself, beside the event loop.
 
 Messages written from another thread and from the loop on the same connection must arrive
 whole, each sender's in its own order; connections that cannot send plainly (a masking
-WebSocket client, TLS, QUIC) must refuse so that the caller uses the loop.
+WebSocket client, TLS) must refuse so that the caller uses the loop, and those without the
+fast path at all (QUIC, integrity-tagged ones) must not claim it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import threading
 
 import pytest
 
-from burncoll.transport.base import Connection
+from burncoll.transport.base import FastPath
+from burncoll.transport.integrity import IntegrityConnection
 from tests.transport.support import ALL_TRANSPORTS, MakeTransport, connected, run
 
 #: Which side of a connection may send without the loop, per transport.
@@ -33,7 +35,8 @@ def test_only_plain_connections_send_now(make: MakeTransport,
     async def body() -> None:
         async with connected(make()) as (client, server, _):
             for side, conn, other in (("client", client, server), ("server", server, client)):
-                took = conn.send_now([b"hello ", b"there"])
+                assert isinstance(conn, FastPath) == (name != "quic"), (name, side)
+                took = isinstance(conn, FastPath) and conn.send_now([b"hello ", b"there"])
                 assert took == (side in PLAIN[name]), (name, side)
                 if took:
                     assert bytes(await asyncio.wait_for(other.recv(), 5)) == b"hello there"
@@ -47,7 +50,8 @@ def test_a_thread_and_the_loop_interleave_whole_messages(make: MakeTransport) ->
 
     async def body() -> None:
         async with connected(make()) as (client, server, _):
-            sender: Connection = server  # a WebSocket server sends plainly
+            sender = server  # a WebSocket server sends plainly
+            assert isinstance(sender, FastPath)
             refused: list[int] = []
 
             def from_thread() -> None:
@@ -79,3 +83,16 @@ def test_a_thread_and_the_loop_interleave_whole_messages(make: MakeTransport) ->
 
     run(body(), timeout=60)
 
+
+
+@pytest.mark.parametrize("make", [ALL_TRANSPORTS[0], ALL_TRANSPORTS[3]])
+def test_an_integrity_tagged_connection_has_no_fast_path(make: MakeTransport) -> None:
+    """Its messages must leave from the loop, in tag order, and be checked before use."""
+
+    async def body() -> None:
+        async with connected(make()) as (client, server, _):
+            assert isinstance(client, FastPath) and isinstance(server, FastPath)
+            tagged = IntegrityConnection(client, send_key=b"k" * 32, recv_key=b"k" * 32)
+            assert not isinstance(tagged, FastPath)
+
+    run(body())

@@ -19,7 +19,8 @@ from websockets.exceptions import ConnectionClosed
 
 from burncoll.errors import ProtocolError, TransportError
 from burncoll.transport.base import Connection
-from burncoll.transport.websocket import WebSocketTransport, frame_header, mask_in_place
+from burncoll.transport.websocket import WebSocketTransport
+from burncoll.transport.ws_frames import frame_header, mask_in_place
 from tests.transport.support import HOST, run
 
 #: One payload per length encoding, and either side of each boundary.

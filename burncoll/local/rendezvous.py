@@ -1,16 +1,16 @@
-"""The node's local server: the rendezvous of its peer threads, and failure handling.
+"""The :class:`Rendezvous` of a node's peer threads, and failure handling.
 
 Theory of operation
 -------------------
 Every peer numbers its calls 0, 1, 2, ... (the operation's *sequence number*). A call
 *arrives*: it is stored in the :class:`OpState` of its sequence number and the peer waits until
 all local peers have arrived. The last to arrive compares the calls (a difference is a
-:class:`~burncoll.MismatchError` for everyone) and prepares the peers' buffers; then every peer
-thread walks its part of the operation (:mod:`burncoll.local.compose`), meeting the others at a
-barrier between rounds.
+:class:`~burncoll.MismatchError` for everyone) and *prepares* the operation: it chooses the
+operation's plan and builds what the peers share (:mod:`burncoll.local.plans`); then every peer
+thread runs its part of the prepared operation, meeting the others at a barrier between rounds.
 
 Every wait ends by the operation's deadline (arrival + ``config.timeout``). Any failure -- a
-timeout, a mismatch, an error from another node -- *aborts* the server: the error is raised on
+timeout, a mismatch, an error from another node -- *aborts* the rendezvous: the error is raised on
 every peer taking part in the operation, the barrier is broken so no thread stays blocked,
 other nodes are told, and every later call raises :class:`~burncoll.CollectiveAborted` at once.
 """
@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from burncoll.backends.base import Array, Backend, Device
 from burncoll.config import CollectiveConfig
@@ -34,30 +34,20 @@ from burncoll.errors import (
 )
 from burncoll.levels import GlobalLink
 from burncoll.local.calls import Call, describe_calls, find_mismatch
-from burncoll.strategies import Schedule, Step
+from burncoll.local.world import World
 
-__all__ = ["SYNC_GRACE", "LocalServer", "OpState", "Plan"]
+__all__ = ["SYNC_GRACE", "OpState", "Prepared", "Rendezvous"]
 
 #: Extra seconds a local peer waits at a barrier in a multi-node collective.
 SYNC_GRACE = 1.5
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """A schedule with each participant's incoming steps indexed by round."""
+class Prepared(Protocol):
+    """One operation, prepared: its plan and what the peers share (buffers, results)."""
 
-    schedule: Schedule
-    steps_into: tuple[tuple[tuple[Step, ...], ...], ...]
-
-    @classmethod
-    def of(cls, schedule: Schedule) -> Plan:
-        per: list[list[list[Step]]] = [
-            [[] for _ in schedule.rounds] for _ in range(schedule.world)
-        ]
-        for r, round_ in enumerate(schedule.rounds):
-            for step in round_:
-                per[step.dst][r].append(step)
-        return cls(schedule, tuple(tuple(tuple(s) for s in p) for p in per))
+    def run(self, index: int, deadline: float) -> Array | None:
+        """Local peer ``index``'s part of the operation (in its own thread); its result."""
+        ...
 
 
 @dataclass
@@ -73,8 +63,8 @@ class OpState:
     started: float = field(default_factory=time.monotonic)
     #: Where each peer is, for timeout messages.
     progress: list[str] = field(default_factory=list)
-    #: Scratch space for the composition (buffers, plans, global results).
-    shared: dict[str, Any] = field(default_factory=dict)
+    #: Set by the last peer to arrive, before the others are let through.
+    prepared: Prepared | None = None
 
     def complete_calls(self) -> list[Call]:
         return [c for c in self.calls if c is not None]
@@ -90,8 +80,9 @@ def copy_error(error: BaseException) -> BaseException:
     return fresh
 
 
-class LocalServer:
-    """The peers of one node, their rendezvous, and the node's failure state."""
+class Rendezvous:
+    """The peers of one node, where they meet for every operation, and the node's failure
+    state."""
 
     def __init__(
         self,
@@ -111,6 +102,7 @@ class LocalServer:
         self.world_peer_ids = link.peer_ids if link is not None else self.peer_ids
         self.world_size = len(self.world_peer_ids)
         self.rank_of = {pid: r for r, pid in enumerate(self.world_peer_ids)}
+        self.world = World.of(self.peer_ids, link)
         self._cond = threading.Condition()
         self._ops: dict[int, OpState] = {}
         self._next_seq = [0] * self.size
@@ -120,17 +112,6 @@ class LocalServer:
         self._closed = False
         #: Peers inside run() right now (an aborted node is closed only once they are out).
         self._active = 0
-        self._plans: dict[tuple[object, ...], Plan] = {}
-        self._plans_lock = threading.Lock()
-
-    # -- plans ------------------------------------------------------------------------------
-    def plan(self, key: tuple[object, ...], make: Callable[[], Schedule]) -> Plan:
-        """The cached :class:`Plan` for ``key`` (schedules are pure, so caching is safe)."""
-        with self._plans_lock:
-            plan = self._plans.get(key)
-            if plan is None:
-                plan = self._plans[key] = Plan.of(make())
-            return plan
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -157,17 +138,17 @@ class LocalServer:
         self,
         index: int,
         call: Call,
-        prepare: Callable[[LocalServer, OpState], None],
-        execute: Callable[[LocalServer, OpState, int, float], Array | None],
+        prepare: Callable[[Rendezvous, OpState], Prepared],
     ) -> Array | None:
-        """Arrive with ``call``, then execute this peer's part; the result or an error."""
+        """Arrive with ``call``, then run this peer's part of the operation as the last peer
+        to arrive prepared it with ``prepare``; the result or an error."""
         self.check_usable(index)
         started = time.monotonic()
         deadline = started + self.config.timeout
         with self._cond:
             self._active += 1
         try:
-            return self._run(index, call, started, deadline, prepare, execute)
+            return self._run(index, call, started, deadline, prepare)
         finally:
             with self._cond:
                 self._active -= 1
@@ -179,12 +160,13 @@ class LocalServer:
         call: Call,
         started: float,
         deadline: float,
-        prepare: Callable[[LocalServer, OpState], None],
-        execute: Callable[[LocalServer, OpState, int, float], Array | None],
+        prepare: Callable[[Rendezvous, OpState], Prepared],
     ) -> Array | None:
         state = self._arrive(index, call, started, deadline, prepare)
         try:
-            return execute(self, state, index, deadline)
+            if state.prepared is None:  # pragma: no cover - _arrive returns prepared states
+                raise RuntimeError("operation was not prepared")
+            return state.prepared.run(index, deadline)
         except BaseException as exc:
             # whatever stopped this peer stops the others too, at once
             self.fail(exc if isinstance(exc, CollectiveError) else CollectiveError(
@@ -200,7 +182,7 @@ class LocalServer:
         call: Call,
         started: float,
         deadline: float,
-        prepare: Callable[[LocalServer, OpState], None],
+        prepare: Callable[[Rendezvous, OpState], Prepared],
     ) -> OpState:
         with self._cond:
             self.check_usable(index)
@@ -220,7 +202,7 @@ class LocalServer:
         if last:
             if state.error is None:
                 try:
-                    prepare(self, state)
+                    state.prepared = prepare(self, state)
                 except CollectiveError as exc:
                     state.error = exc
             with self._cond:

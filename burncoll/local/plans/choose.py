@@ -1,0 +1,189 @@
+"""The one decision of an operation's path: :func:`choose` returns its typed plan.
+
+Every choice that depends on the operation, the world or the backend is made here, once, in
+the last peer to arrive, before any data moves: ``auto``'s inline and fused paths at the local
+level (:data:`~burncoll.strategies.auto.INLINE_BYTES`), the composition with the other nodes
+(sharded, reduce -> global -> broadcast, a single local peer), each local phase's strategy,
+and whether each global all-reduce runs as the one-round exchange
+(:func:`~burncoll.strategies.auto.exchange_limit`), which the node then only executes. Which
+global schedule runs otherwise (``auto``'s tree or ring by size) stays with the node, which
+holds the global crossover table.
+
+The plan kinds, by when they are chosen (first match):
+
+- :class:`Inline` -- ``auto`` and at most ``INLINE_BYTES``: on one node any operation but a
+  barrier, across nodes an all-reduce.
+- :class:`Fused` -- a one-node all-reduce of NumPy arrays under ``auto``, 2+ local peers, not
+  the mean of integers.
+- :class:`LocalBarrier` / :class:`GlobalBarrier` -- a barrier on one node / across nodes.
+- :class:`LocalSchedule` -- any other operation on one node.
+- :class:`OutOfPlace` -- an all-reduce across nodes of a node with a single local peer.
+- :class:`HierarchicalRing` -- an all-reduce across nodes that all run a local ring over as
+  many devices (sharded).
+- :class:`ReduceGlobalBroadcast` -- any other all-reduce across nodes.
+- :class:`GlobalReduce`, :class:`GlobalReduceScatter`, :class:`GlobalBroadcast`,
+  :class:`GlobalAllGather` -- those operations across nodes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from burncoll.backends.base import Backend
+from burncoll.backends.numpy import NumpyBackend
+from burncoll.config import CollectiveConfig
+from burncoll.dtypes import dtype_from_name, is_inexact
+from burncoll.errors import UsageError
+from burncoll.local.calls import Call
+from burncoll.local.plans.barrier import LocalBarrier
+from burncoll.local.plans.fused import Fused
+from burncoll.local.plans.global_all_gather import GlobalAllGather
+from burncoll.local.plans.global_barrier import GlobalBarrier
+from burncoll.local.plans.global_broadcast import GlobalBroadcast
+from burncoll.local.plans.global_reduce import GlobalReduce
+from burncoll.local.plans.global_reduce_scatter import GlobalReduceScatter
+from burncoll.local.plans.hierarchical_ring import HierarchicalRing
+from burncoll.local.plans.inline import Inline
+from burncoll.local.plans.out_of_place import OutOfPlace
+from burncoll.local.plans.reduce_broadcast import ReduceGlobalBroadcast
+from burncoll.local.plans.scheduled import LocalSchedule
+from burncoll.local.rendezvous import OpState, Prepared, Rendezvous
+from burncoll.local.world import World
+from burncoll.ops import OpKind, ReduceOp
+from burncoll.strategies import Auto, Strategy, resolve
+from burncoll.strategies.auto import INLINE_BYTES, exchange_limit
+from burncoll.strategies.layout import even_layout
+
+__all__ = ["OpPlan", "choose", "prepare"]
+
+OpPlan = (
+    Inline | Fused | LocalBarrier | LocalSchedule | GlobalBarrier | OutOfPlace
+    | HierarchicalRing | ReduceGlobalBroadcast | GlobalReduce | GlobalReduceScatter
+    | GlobalBroadcast | GlobalAllGather
+)
+
+#: The config field of each operation's local strategy (a barrier has none).
+_LOCAL_FIELD = {
+    OpKind.ALL_REDUCE: "local_all_reduce_strategy",
+    OpKind.REDUCE_SCATTER: "local_all_reduce_strategy",
+    OpKind.ALL_GATHER: "local_all_reduce_strategy",
+    OpKind.REDUCE: "local_reduce_strategy",
+    OpKind.BROADCAST: "local_broadcast_strategy",
+}
+
+
+def prepare(rv: Rendezvous, state: OpState) -> Prepared:
+    """Choose the plan of ``state``'s operation and prepare it (in the last peer to arrive)."""
+    plan = choose(state.complete_calls(), rv.world, rv.backend, rv.config)
+    return plan.prepare(rv, state)
+
+
+def choose(calls: Sequence[Call], world: World, backend: Backend,
+           config: CollectiveConfig) -> OpPlan:
+    """The plan of the operation every one of ``calls`` (one per local peer, matching) asks
+    for, on this node of ``world``, with ``backend`` and ``config``'s strategies."""
+    call = calls[0]
+    nbytes = max(_nbytes(c) for c in calls)
+    if _inline(call, world, config, nbytes):
+        return Inline(_exchanges(config, world, nbytes) if world.multi_node else None)
+    if _fused(calls, world, backend, config):
+        return Fused()
+    if call.kind is OpKind.BARRIER:
+        if world.multi_node:
+            return GlobalBarrier(_exchanges(config, world, 0))
+        return LocalBarrier()
+    if call.kind is OpKind.ALL_GATHER and not call.shape:
+        raise UsageError("all_gather needs arrays with at least one dimension")
+    if not world.multi_node:
+        root = _leader(world, call.root) if call.kind in (OpKind.BROADCAST,
+                                                          OpKind.REDUCE) else None
+        return LocalSchedule(call.kind, _local(config, _LOCAL_FIELD[call.kind], nbytes, world),
+                             root)
+    return _across_nodes(call, world, config, nbytes)
+
+
+def _nbytes(call: Call) -> int:
+    if call.array is None:
+        return 0
+    return math.prod(call.shape or ()) * dtype_from_name(call.dtype or "uint8").itemsize
+
+
+def _inline(call: Call, world: World, config: CollectiveConfig, nbytes: int) -> bool:
+    """``auto`` runs small operations inline; across nodes only the all-reduce."""
+    field = _LOCAL_FIELD.get(call.kind)
+    if field is None or not isinstance(config.strategy(field), Auto):
+        return False
+    if world.multi_node and call.kind is not OpKind.ALL_REDUCE:
+        return False
+    return nbytes <= INLINE_BYTES
+
+
+def _fused(calls: Sequence[Call], world: World, backend: Backend,
+           config: CollectiveConfig) -> bool:
+    """A one-node all-reduce of host arrays under ``auto`` (past the inline size)."""
+    call = calls[0]
+    if call.kind is not OpKind.ALL_REDUCE or world.multi_node or world.size < 2:
+        return False
+    if not isinstance(backend, NumpyBackend):
+        return False
+    if not isinstance(config.strategy("local_all_reduce_strategy"), Auto):
+        return False
+    arrays = [c.array for c in calls]
+    if not all(isinstance(a, np.ndarray) for a in arrays):
+        return False
+    # MEAN of integers becomes float64: the general path does that conversion
+    return call.reduce_op is not ReduceOp.MEAN or is_inexact(
+        arrays[0].dtype)  # type: ignore[union-attr]
+
+
+def _exchanges(config: CollectiveConfig, world: World, nbytes: int) -> bool:
+    """Whether ``auto`` runs a global all-reduce of ``nbytes`` (per node) as an exchange."""
+    return (isinstance(config.strategy("global_all_reduce_strategy"), Auto)
+            and world.num_nodes > 1 and nbytes <= exchange_limit(world.num_nodes))
+
+
+def _local(config: CollectiveConfig, field: str, nbytes: int, world: World) -> Strategy:
+    """The local strategy of ``field`` for this operation (``auto`` resolved by its size)."""
+    return resolve(config.strategy(field), "local", nbytes, world.size)
+
+
+def _leader(world: World, root: int | None) -> int:
+    """The local index that talks to other nodes: the root if it is here, else index 0."""
+    index = None if root is None else world.local_index(root)
+    return 0 if index is None else index
+
+
+def _root_node(world: World, call: Call) -> int:
+    return world.node_of[-1 if call.root is None else call.root]
+
+
+def _across_nodes(call: Call, world: World, config: CollectiveConfig, nbytes: int) -> OpPlan:
+    kind = call.kind
+    if kind is OpKind.ALL_REDUCE:
+        return _all_reduce_across_nodes(call, world, config, nbytes)
+    if kind is OpKind.BROADCAST:
+        return GlobalBroadcast(_local(config, "local_broadcast_strategy", nbytes, world),
+                               _leader(world, call.root), _root_node(world, call))
+    if kind is OpKind.ALL_GATHER:
+        return GlobalAllGather(_local(config, "local_broadcast_strategy", nbytes, world))
+    if kind is OpKind.REDUCE:
+        return GlobalReduce(_local(config, "local_reduce_strategy", nbytes, world),
+                            _leader(world, call.root), _root_node(world, call))
+    return GlobalReduceScatter(_local(config, "local_all_reduce_strategy", nbytes, world), 0)
+
+
+def _all_reduce_across_nodes(call: Call, world: World, config: CollectiveConfig,
+                             nbytes: int) -> OpPlan:
+    local = _local(config, "local_all_reduce_strategy", nbytes, world)
+    if world.size == 1:
+        return OutOfPlace(_exchanges(config, world, nbytes))
+    if world.sharded:
+        itemsize = dtype_from_name(call.dtype or "uint8").itemsize
+        shards = even_layout(math.prod(call.shape or ()), world.size)
+        return HierarchicalRing(local, tuple(_exchanges(config, world, (b - a) * itemsize)
+                                             for a, b in shards))
+    return ReduceGlobalBroadcast(local, _local(config, "local_broadcast_strategy", nbytes, world),
+                                 0, _exchanges(config, world, nbytes))

@@ -1,0 +1,116 @@
+"""``Inline``: small operations in one thread, the last peer to arrive computes every result.
+
+Under the ``auto`` strategy an operation of at most ``INLINE_BYTES`` skips the schedule and
+its thread barriers: the last arriving peer reduces the inputs in peer order (a centralized
+reduction), runs the global all-reduce if there is one, and hands every peer its own copy.
+Every peer's result is a copy of the same array, so they are bitwise identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from burncoll.backends.base import Array, combine
+from burncoll.local.calls import Call
+from burncoll.local.plans.phases import global_op, link_of
+from burncoll.local.rendezvous import OpState, Rendezvous
+from burncoll.ops import OpKind, ReduceOp
+from burncoll.strategies.layout import block_rows, row_layout
+
+__all__ = ["Inline", "InlineResults", "inline_results"]
+
+
+@dataclass(frozen=True, slots=True)
+class Inline:
+    """Every result computed at arrival. ``exchange``: ``None`` on one node; with several,
+    whether the global all-reduce of the node's reduction is the one-round exchange."""
+
+    exchange: bool | None = None
+
+    def prepare(self, rv: Rendezvous, state: OpState) -> InlineResults:
+        return InlineResults(inline_results(rv, state, self))
+
+
+@dataclass(frozen=True, slots=True)
+class InlineResults:
+    """Each peer's result, by local index."""
+
+    results: list[Array | None]
+
+    def run(self, index: int, deadline: float) -> Array | None:
+        return self.results[index]
+
+
+def _reduce_all(rv: Rendezvous, calls: list[Call], op: ReduceOp) -> Array:
+    backend = rv.backend
+    device = rv.devices[0]
+    acc = backend.copy(backend.flatten(backend.to_device(calls[0].array, device)))
+    for c in calls[1:]:
+        other = backend.flatten(backend.to_device(c.array, device))
+        acc = combine(backend, op, acc, other, acc)
+    return acc
+
+
+def _copies(rv: Rendezvous, x: Array, calls: list[Call] | None = None) -> list[Array | None]:
+    """A copy of ``x`` per peer: into the peer's ``out=`` array when it passed one."""
+    backend = rv.backend
+    outs = [c.out for c in calls] if calls is not None else [None] * rv.size
+    return [backend.copy(backend.reshape(backend.to_device(x, d), backend.shape(out)), out=out)
+            if out is not None else backend.copy(backend.to_device(x, d))
+            for d, out in zip(rv.devices, outs, strict=True)]
+
+
+def _across_nodes(rv: Rendezvous, state: OpState, flat: Array, exchange: bool) -> Array:
+    """The global all-reduce of this node's reduction ``flat``."""
+    backend = rv.backend
+    call = state.complete_calls()[0]
+    host = backend.to_host(flat)
+    if not host.flags.writeable:
+        host = np.array(host, copy=True)
+    deadline = state.started + rv.config.timeout
+    link_of(rv).all_reduce(global_op(state, deadline), host, exchange=exchange)
+    return backend.from_host(host, call.dtype or "float32", (host.size,), rv.devices[0])
+
+
+def _scattered(rv: Rendezvous, total: Array, shape: tuple[int, ...]) -> list[Array | None]:
+    backend = rv.backend
+    flat_total = backend.flatten(total)
+    out: list[Array | None] = []
+    for i, (a, b) in enumerate(row_layout(shape, rv.size)):
+        rows = block_rows(shape, rv.size, i)
+        block = backend.slice(flat_total, a, b)
+        out.append(backend.reshape(backend.copy(backend.to_device(block, rv.devices[i])),
+                                   (rows, *shape[1:])))
+    return out
+
+
+def inline_results(rv: Rendezvous, state: OpState, plan: Inline) -> list[Array | None]:
+    """Every local peer's result, computed in this thread."""
+    calls = state.complete_calls()
+    call = calls[0]
+    backend = rv.backend
+    kind = call.kind
+    shape = call.shape or ()
+    if kind is OpKind.BROADCAST:
+        root = next(c for c in calls if c.peer_id == call.root)
+        return _copies(rv, root.array)
+    if kind is OpKind.ALL_GATHER:
+        return _copies(rv, backend.concat_rows([backend.to_device(c.array, rv.devices[0])
+                                                 for c in calls]))
+    op = call.reduce_op or ReduceOp.SUM
+    flat = _reduce_all(rv, calls, op)
+    if plan.exchange is not None:
+        flat = _across_nodes(rv, state, flat, plan.exchange)
+    total = backend.reshape(flat, shape)
+    if op is ReduceOp.MEAN:
+        total = backend.scale(total, rv.world_size)
+    if kind is OpKind.REDUCE:
+        results: list[Array | None] = [None] * rv.size
+        root_index = rv.index_of[call.root if call.root is not None else -1]
+        results[root_index] = backend.copy(backend.to_device(total, rv.devices[root_index]))
+        return results
+    if kind is OpKind.REDUCE_SCATTER:
+        return _scattered(rv, total, shape)
+    return _copies(rv, total, calls if kind is OpKind.ALL_REDUCE else None)

@@ -1,0 +1,69 @@
+"""``OutOfPlace``: the all-reduce of a node with a single local peer, across the nodes.
+
+Its input already is the node's local reduction, and its result needs no local broadcast.
+The in-place compositions first copy the input into a working buffer (a whole extra pass over
+the data) so that the network reduction cannot modify it. Here the link only reads the input
+-- the caller's own array on NumPy, a host view or copy on JAX and CuPy, possibly read-only --
+and writes the result into a fresh array (or the caller's ``out=``). With one peer per node
+this is the same global schedule on the same channel as the sharded and unsharded
+compositions, so nodes with more peers still match it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from burncoll.backends.base import Array
+from burncoll.levels import GlobalOp, HostArray
+from burncoll.local.calls import Call
+from burncoll.local.plans.phases import finish_reduce, flat_input, global_op, link_of, peer_call
+from burncoll.local.rendezvous import OpState, Rendezvous
+from burncoll.ops import ReduceOp
+
+__all__ = ["OutOfPlace", "OutOfPlaceRun"]
+
+
+@dataclass(frozen=True, slots=True)
+class OutOfPlace:
+    """``exchange``: the global all-reduce is the one-round exchange, else the schedule."""
+
+    exchange: bool
+
+    def prepare(self, rv: Rendezvous, state: OpState) -> OutOfPlaceRun:
+        return OutOfPlaceRun(self, rv, state)
+
+
+@dataclass(frozen=True, slots=True)
+class OutOfPlaceRun:
+    plan: OutOfPlace
+    rv: Rendezvous
+    state: OpState
+
+    def run(self, index: int, deadline: float) -> Array:
+        rv, call = self.rv, peer_call(self.state, index)
+        gop = global_op(self.state, deadline)
+        if isinstance(call.out, np.ndarray) and isinstance(call.array, np.ndarray):
+            return self._into(call, gop, call.array, call.out)
+        host = rv.backend.to_host(flat_input(rv, call))
+        if not host.flags.c_contiguous:  # pragma: no cover - flatten gives C order
+            host = np.ascontiguousarray(host)
+        out = np.empty_like(host)
+        link_of(rv).all_reduce(gop, host, out=out, exchange=self.plan.exchange)
+        result = rv.backend.from_host(out, call.dtype or "float32", call.shape or (),
+                                      rv.devices[0])
+        return finish_reduce(rv, result, call.reduce_op)
+
+    def _into(self, call: Call, gop: GlobalOp, x: HostArray, out: HostArray) -> HostArray:
+        """The caller's ``out=`` on host memory: the network result goes straight into it (in
+        place when ``out`` is ``x``); a mean is divided there too (``out`` is a float array)."""
+        link, exchange = link_of(self.rv), self.plan.exchange
+        flat_out = out.reshape(-1)
+        if out is x:
+            link.all_reduce(gop, flat_out, exchange=exchange)
+        else:
+            link.all_reduce(gop, x.reshape(-1), out=flat_out, exchange=exchange)
+        if call.reduce_op is ReduceOp.MEAN:
+            np.divide(flat_out, self.rv.world_size, out=flat_out)
+        return out

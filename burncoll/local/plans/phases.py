@@ -1,0 +1,166 @@
+"""What several plans share: their buffers, the operation as the nodes see it, the host copy
+handed to the global level, the mean's division, and the local broadcast phase."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from burncoll.backends.base import Array
+from burncoll.levels import GlobalLink, GlobalOp, HostArray
+from burncoll.local.buffers import ChunkBuffer
+from burncoll.local.calls import Call
+from burncoll.local.plans.steps import StepIndex, reduce_steps, walk
+from burncoll.local.rendezvous import OpState, Rendezvous
+from burncoll.ops import OpKind, ReduceOp
+from burncoll.strategies import Strategy
+from burncoll.strategies.layout import Layout, even_layout
+
+__all__ = [
+    "LocalBroadcast",
+    "LocalReduce",
+    "count",
+    "finish_reduce",
+    "first_call",
+    "flat_input",
+    "global_op",
+    "link_of",
+    "new_buffers",
+    "peer_call",
+    "writable_host",
+]
+
+
+def count(shape: tuple[int, ...] | None) -> int:
+    """The number of elements of an array of ``shape``."""
+    return math.prod(shape or ())
+
+
+def first_call(state: OpState) -> Call:
+    """The call every peer's call agrees with (the calls are compared before preparing)."""
+    return state.complete_calls()[0]
+
+
+def peer_call(state: OpState, index: int) -> Call:
+    call = state.calls[index]
+    if call is None:  # pragma: no cover - the peer arrived with it
+        raise RuntimeError("peer has no call")
+    return call
+
+
+def flat_input(rv: Rendezvous, call: Call) -> Array:
+    return rv.backend.flatten(call.array)
+
+
+def new_buffers(
+    rv: Rendezvous, state: OpState, dtype: str, layout: Layout, with_input: bool
+) -> list[ChunkBuffer]:
+    """A buffer per local peer over ``layout``; ``with_input``: over the peer's input."""
+    return [
+        ChunkBuffer(
+            rv.backend, rv.devices[i], dtype, layout,
+            flat_input(rv, c) if with_input and c is not None and c.array is not None else None,
+        )
+        for i, c in enumerate(state.calls)
+    ]
+
+
+def finish_reduce(rv: Rendezvous, x: Array, op: ReduceOp | None) -> Array:
+    """``x`` divided by the world size for a mean (reductions sum until then)."""
+    if op is ReduceOp.MEAN:
+        return rv.backend.scale(x, rv.world_size)
+    return x
+
+
+def global_op(state: OpState, deadline: float) -> GlobalOp:
+    """The operation as the nodes see it (an all-gather's shape without its rows)."""
+    call = first_call(state)
+    dtype: str | None
+    shape: tuple[int, ...]
+    if call.kind is OpKind.BROADCAST:
+        dtype, shape = None, ()
+    elif call.kind is OpKind.ALL_GATHER:
+        dtype, shape = call.dtype, (call.shape or ())[1:]
+    else:
+        dtype, shape = call.dtype, call.shape or ()
+    return GlobalOp(
+        seq=state.seq, kind=call.kind, reduce_op=call.reduce_op, dtype=dtype, shape=shape,
+        root=-1 if call.root is None else call.root, deadline=deadline, started=state.started,
+    )
+
+
+def writable_host(rv: Rendezvous, flat: Array) -> HostArray:
+    """``flat`` in host memory, writable and C-contiguous (a copy only where needed)."""
+    host = rv.backend.to_host(flat)
+    if not host.flags.writeable or not host.flags.c_contiguous:
+        host = np.array(host, copy=True, order="C")
+    return host
+
+
+def link_of(rv: Rendezvous) -> GlobalLink:
+    if rv.link is None:  # pragma: no cover - only multi-node plans ask
+        raise RuntimeError("no global link")
+    return rv.link
+
+
+class LocalReduce:
+    """The first phase of a multi-node operation: the local peers' inputs reduced into the
+    leader's buffer by a local schedule (the leader then takes it to the other nodes)."""
+
+    def __init__(self, rv: Rendezvous, state: OpState, strategy: Strategy, leader: int
+                 ) -> None:
+        call = first_call(state)
+        self._rv = rv
+        self._state = state
+        self._steps = reduce_steps(strategy, rv.size, leader)
+        layout = even_layout(count(call.shape), self._steps.schedule.num_chunks)
+        self._buffers = new_buffers(rv, state, call.dtype or "float32", layout, True)
+        self._leader = leader
+
+    def run(self, index: int, deadline: float, op: ReduceOp | None) -> None:
+        walk(self._rv, self._state, index, deadline, self._steps, self._buffers, op,
+             "local reduce")
+
+    def host(self) -> HostArray:
+        """The node's reduction, for the leader to hand to the global level."""
+        return writable_host(self._rv, self._buffers[self._leader].result())
+
+
+class LocalBroadcast:
+    """The last phase of a multi-node operation: a flat array held by one local peer (the
+    result of the global part) broadcast to the others by a local schedule."""
+
+    def __init__(self, rv: Rendezvous, state: OpState, steps: StepIndex) -> None:
+        self._rv = rv
+        self._state = state
+        self._steps = steps
+        #: Built by the broadcasting peer once it holds the array.
+        self._buffers: list[ChunkBuffer] | None = None
+
+    def run(self, index: int, deadline: float, root: int, flat_on_root: Array | None,
+            dtype: str, owned: bool = False) -> Array:
+        """Peer ``index``'s copy of ``flat_on_root`` (which only peer ``root`` passes).
+
+        ``owned``: the array is burncoll's own (not the caller's input), so the root may return
+        it as its result instead of a copy.
+        """
+        rv = self._rv
+        if index == root:
+            if flat_on_root is None:  # pragma: no cover
+                raise RuntimeError("local broadcast root has nothing to send")
+            layout = even_layout(rv.backend.shape(flat_on_root)[0],
+                                 self._steps.schedule.num_chunks)
+            self._buffers = [
+                ChunkBuffer(rv.backend, rv.devices[i], dtype, layout,
+                            flat_on_root if i == root else None)
+                for i in range(rv.size)
+            ]
+        rv.sync(self._state, index, deadline, "local broadcast setup")
+        buffers = self._buffers
+        if buffers is None:  # pragma: no cover - the root built them before the sync
+            raise RuntimeError("local broadcast buffers missing")
+        walk(rv, self._state, index, deadline, self._steps, buffers, None, "local broadcast")
+        if owned and index == root and flat_on_root is not None:
+            return flat_on_root  # never written during a broadcast; the last round has synced
+        return buffers[index].result()

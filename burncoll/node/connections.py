@@ -1,0 +1,95 @@
+"""The open connections of one node to the other members of its session.
+
+Per other member, two: the one this node *sends* on (the member dialed it, this node accepted
+it) and the one this node *receives* array data on (this node dialed it). Each connection has
+one writer at a time: sends to a member go under its lock. Whether a connection offers the
+zero-copy fast path (:class:`~burncoll.transport.base.FastPath`) is asked once, when it is
+added.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+
+from burncoll.node.control import ControlMessage, tell
+from burncoll.transport.base import Buffer, Connection, FastPath, Placer
+
+__all__ = ["MemberConnections"]
+
+
+class MemberConnections:
+    """Connections by member index: :attr:`out` to send on, :attr:`dialed` to receive on."""
+
+    def __init__(self) -> None:
+        #: Connections this node sends on, by destination (each dialed by its destination).
+        self.out: dict[int, Connection] = {}
+        #: Connections this node dialed, to receive from each other node.
+        self.dialed: dict[int, Connection] = {}
+        self._locks: dict[int, asyncio.Lock] = {}
+        self._fast_out: dict[int, FastPath] = {}
+        self._fast: list[FastPath] = []
+        #: Set once every other member has dialed this node (see :meth:`expect`).
+        self.all_out = asyncio.Event()
+        self._expected = -1
+
+    def expect(self, others: int) -> None:
+        """``others`` members will dial this node: :attr:`all_out` is set when they have."""
+        self._expected = others
+        self._check_all_out()
+
+    def _check_all_out(self) -> None:
+        if len(self.out) == self._expected:
+            self.all_out.set()
+
+    def add_out(self, node: int, conn: Connection) -> bool:
+        """``node``'s connection to send on; ``False`` when it already has one."""
+        if node in self.out:
+            return False
+        self.out[node] = conn
+        self._locks[node] = asyncio.Lock()
+        if isinstance(conn, FastPath):
+            self._fast_out[node] = conn
+            self._fast.append(conn)
+        self._check_all_out()
+        return True
+
+    def add_dialed(self, node: int, conn: Connection, placer: Placer) -> None:
+        """The connection ``node`` sends array data on; where it can, its large payloads are
+        received where ``placer`` says."""
+        self.dialed[node] = conn
+        if isinstance(conn, FastPath):
+            conn.place_with(placer)
+            self._fast.append(conn)
+
+    async def send(self, node: int, parts: Sequence[Buffer]) -> None:
+        """Send one message to ``node`` (``KeyError`` without a connection to it)."""
+        conn = self.out[node]
+        async with self._locks[node]:
+            await conn.send(parts)
+
+    def send_now(self, node: int, parts: Sequence[Buffer]) -> bool:
+        """From any thread: send a small message to ``node`` at once, without the event
+        loop, if its connection can (``FastPath.send_now``); ``False``: use :meth:`send`."""
+        fast = self._fast_out.get(node)
+        return fast is not None and fast.send_now(parts)
+
+    async def tell(self, nodes: Iterable[int], message: ControlMessage, session: int,
+                   timeout: float) -> None:
+        """Best effort: send ``message`` to each of ``nodes`` it has a connection to,
+        concurrently, each bounded by ``timeout``."""
+        await asyncio.gather(*(
+            tell(self.out[n], message, timeout, session=session, lock=self._locks[n])
+            for n in nodes if n in self.out))
+
+    def stop_placing(self) -> None:
+        """Write nothing more into memory a placer chose (a failed operation's memory is its
+        caller's again)."""
+        for fast in self._fast:
+            fast.stop_placing()
+
+    async def close(self) -> None:
+        """Close every connection, concurrently: a close waits for the other end to
+        acknowledge (bounded by the transport), and the other end may be gone."""
+        conns = [*self.out.values(), *self.dialed.values()]
+        await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)

@@ -1,0 +1,423 @@
+"""Control messages: the JSON objects of CONTROL frames, as frozen dataclasses.
+
+Two conversations use them. A node and the orchestrator (:mod:`burncoll.orchestrator`): the
+node sends :class:`Join`, :class:`Finish`, :class:`Leave`; the orchestrator answers with
+:class:`Table`, :class:`Refused`, :class:`Notice`, :class:`Finished`, :class:`NodeLost`. Two
+members of a session (:mod:`burncoll.node.data_service`): :class:`Hello`, :class:`Bye`,
+:class:`Abort`, :class:`StatusQuery`, :class:`Status`.
+
+Each message encodes to the JSON object sent before these types existed (same keys, same
+order, so the same bytes). Decoding checks every field: a message whose fields are not what
+its type says raises :class:`~burncoll.node.json_fields.MalformedMessage` (a
+:class:`~burncoll.ProtocolError`) naming each field that is wrong. A type the receiver does
+not expect is ignored (the ``decode_*`` functions return ``None``), as it always was. Nothing
+is unpickled: JSON only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol, Self, TypeAlias, TypeVar
+
+from burncoll.errors import TransportError
+from burncoll.node.json_fields import Fields, JsonObject, MalformedMessage, count, int_tuple, is_int
+from burncoll.transport.base import Connection
+from burncoll.transport.wire import Frame, encode_control
+
+__all__ = [
+    "MAX_FIELD_BYTES", "MAX_NODE_PEERS", "Abort", "Bye", "ControlMessage", "Finish", "Finished",
+    "FromNode", "FromOrchestrator", "Hello", "Join", "Leave", "MemberMessage", "NodeLost",
+    "Notice", "Refused", "Status", "StatusQuery", "Table", "TableEntry", "decode_from_node",
+    "decode_from_orchestrator", "decode_member", "encode", "kind_of", "tell",
+]
+
+#: Most peer ids one node may register (devices on one node).
+MAX_NODE_PEERS = 4096
+#: Largest fingerprint, and largest meta, of a join (bytes of canonical JSON).
+MAX_FIELD_BYTES = 4096
+_MAX_HOST = 255
+_MAX_PEER_ID = 2**63 - 1  # a peer id travels as an i64 (a DATA header's root)
+_MAX_SESSION = 2**64 - 1  # a session id travels as a u64
+_SECRET_HEX = 64  # a session secret: 32 random bytes, in hex
+M = TypeVar("M")
+
+
+class ControlMessage(Protocol):
+    """What every message here offers: its JSON object (``"type"`` first)."""
+
+    def to_json(self) -> JsonObject: ...
+
+
+def encode(message: ControlMessage, session: int = 0) -> bytes:
+    """A whole CONTROL frame carrying ``message``."""
+    return encode_control(message.to_json(), session)
+
+
+def kind_of(frame: Frame) -> str | None:
+    """The ``"type"`` of a CONTROL frame; ``None`` for a DATA frame (for error messages)."""
+    return None if frame.control is None else str(frame.control["type"])
+
+
+async def tell(conn: Connection, message: ControlMessage, timeout: float, *, session: int = 0,
+               lock: asyncio.Lock | None = None) -> bool:
+    """Best effort: send ``message`` on ``conn`` (under ``lock``, if given), within
+    ``timeout``; ``False`` when the other end is gone or too slow (never an error: the
+    caller has nothing better to do about a closed peer)."""
+    try:
+        async with asyncio.timeout(timeout), lock or contextlib.nullcontext():
+            await conn.send([encode(message, session)])
+    except (TransportError, TimeoutError):
+        return False
+    return True
+
+
+# -- the shapes several messages share -------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Bare:
+    """A message that is its type alone."""
+
+    KIND: ClassVar[str]
+
+    def to_json(self) -> JsonObject:
+        return {"type": self.KIND}
+
+    @classmethod
+    def from_json(cls, message: Mapping[str, object]) -> Self:
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class _FromNode:
+    """A message whose one field is the node it comes from, or is about."""
+
+    KIND: ClassVar[str]
+    node: int
+
+    def to_json(self) -> JsonObject:
+        return {"type": self.KIND, "node": self.node}
+
+    @classmethod
+    def from_json(cls, message: Mapping[str, object]) -> Self:
+        fields = Fields(message, f"{cls.KIND} message")
+        node = fields.integer("node", 0)
+        fields.check()
+        return cls(node)
+
+
+@dataclass(frozen=True, slots=True)
+class _Reason:
+    """A message whose one field is a text for a person."""
+
+    KIND: ClassVar[str]
+    reason: str
+
+    def to_json(self) -> JsonObject:
+        return {"type": self.KIND, "reason": self.reason}
+
+    @classmethod
+    def from_json(cls, message: Mapping[str, object]) -> Self:
+        fields = Fields(message, f"{cls.KIND} message")
+        reason = fields.text("reason")
+        fields.check()
+        return cls(reason)
+
+
+# -- between members of a session ------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """A dialer's first frame: which member it is, of which session."""
+
+    KIND: ClassVar[str] = "hello"
+    node: int
+    session: int
+
+    def to_json(self) -> JsonObject:
+        return {"type": self.KIND, "node": self.node, "session": self.session}
+
+    @classmethod
+    def from_json(cls, message: Mapping[str, object]) -> Hello:
+        node, session = message.get("node"), message.get("session")
+        if not is_int(node, 0):
+            raise MalformedMessage(f"hello from an unknown node {node!r}")
+        if session is None:
+            raise MalformedMessage(f"hello from node {node} without its session")
+        if not is_int(session, 0, _MAX_SESSION):
+            raise MalformedMessage(f"hello from node {node} of another session ({session!r})")
+        assert isinstance(node, int) and isinstance(session, int)
+        return cls(node, session)
+
+
+@dataclass(frozen=True, slots=True)
+class Bye(_FromNode):
+    """A member leaving cleanly: its connections end, and that is no failure."""
+
+    KIND: ClassVar[str] = "bye"
+
+
+@dataclass(frozen=True, slots=True)
+class StatusQuery(_FromNode):
+    """``status?``: what are your peers doing? (asked when an operation times out)."""
+
+    KIND: ClassVar[str] = "status?"
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """A member failed the session: the error's class name and message, for every node to
+    raise (see :func:`burncoll.node.membership.error_from_abort`)."""
+
+    KIND: ClassVar[str] = "abort"
+    node: int
+    error: str
+    message: str
+
+    def to_json(self) -> JsonObject:
+        return {"type": self.KIND, "node": self.node, "error": self.error,
+                "message": self.message}
+
+    @classmethod
+    def from_json(cls, message: Mapping[str, object]) -> Abort:
+        fields = Fields(message, "abort message")
+        node, error, text = fields.integer("node", 0), fields.text("error"), fields.text("message")
+        fields.check()
+        return cls(node, error, text)
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """The answer to a :class:`StatusQuery`: which of the node's peers arrived at which
+    operation, and each peer's next operation. ``None``: the node has no local level yet
+    (the field is then left out of the message)."""
+
+    KIND: ClassVar[str] = "status"
+    node: int
+    #: Operation sequence number -> the peer ids whose call of it has arrived.
+    arrived: Mapping[int, tuple[int, ...]] | None = None
+    #: Peer id -> the sequence number of its next operation.
+    next_seq: Mapping[int, int] | None = None
+
+    def to_json(self) -> JsonObject:
+        message: JsonObject = {"type": self.KIND, "node": self.node}
+        if self.arrived is not None:  # json spells the int keys as strings
+            message["arrived"] = {str(k): list(v) for k, v in self.arrived.items()}
+        if self.next_seq is not None:
+            message["next_seq"] = {str(k): v for k, v in self.next_seq.items()}
+        return message
+
+    @classmethod
+    def from_json(cls, message: Mapping[str, object]) -> Status:
+        fields = Fields(message, "status message")
+        node = fields.integer("node", 0)
+        arrived = fields.int_map("arrived", lambda v: int_tuple(v, _MAX_PEER_ID),
+                                 "lists of peer ids")
+        next_seq = fields.int_map("next_seq", count, "ints >= 0")
+        fields.check()
+        return cls(node, arrived, next_seq)
+
+    @classmethod
+    def of(cls, node: int, report: Mapping[str, object]) -> Status:
+        """This node's answer, from its local level's report (``arrived``, ``next_seq``),
+        checked as another node checks it."""
+        return cls.from_json({"type": cls.KIND, "node": node, **report})
+
+
+MemberMessage: TypeAlias = "Hello | Bye | Abort | StatusQuery | Status"
+_MEMBER: dict[str, Callable[[Mapping[str, object]], MemberMessage]] = {
+    Hello.KIND: Hello.from_json, Bye.KIND: Bye.from_json, Abort.KIND: Abort.from_json,
+    StatusQuery.KIND: StatusQuery.from_json, Status.KIND: Status.from_json,
+}
+
+
+# -- between a node and the orchestrator -----------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Join:
+    """A node registering: where its data service listens, its peer ids, the config
+    fingerprint every member must share, and ``meta`` (facts the other nodes need, passed
+    through untouched)."""
+
+    KIND: ClassVar[str] = "join"
+    host: str
+    port: int
+    peer_ids: tuple[int, ...]
+    fingerprint: JsonObject
+    pid: int | None = None
+    meta: JsonObject = field(default_factory=dict)
+
+    @property
+    def num_nodes(self) -> int:
+        """How many nodes the collective has (checked by :meth:`from_json`)."""
+        num_nodes = self.fingerprint.get("num_nodes")
+        return num_nodes if isinstance(num_nodes, int) and is_int(num_nodes, 1) else 1
+
+    def to_json(self) -> JsonObject:
+        message: JsonObject = {"type": self.KIND, "host": self.host, "port": self.port,
+                               "peer_ids": list(self.peer_ids), "fingerprint": self.fingerprint}
+        if self.pid is not None:
+            message["pid"] = self.pid
+        message["meta"] = self.meta
+        return message
+
+    @classmethod
+    def from_json(cls, message: Mapping[str, object]) -> Join:
+        """Everything the orchestrator relies on, checked before the node may wait: a
+        malformed join is refused, never left waiting to spoil later joins, and nothing
+        larger than :data:`MAX_NODE_PEERS` ids or :data:`MAX_FIELD_BYTES` is kept."""
+        fields = Fields(message, "join message")
+        host, port = fields.text("host", _MAX_HOST), fields.integer("port", 1, 65535)
+        peer_ids = fields.ids("peer_ids", MAX_NODE_PEERS, _MAX_PEER_ID)
+        fingerprint = fields.json_object("fingerprint", MAX_FIELD_BYTES)
+        if fingerprint.get("num_nodes") is not None and not is_int(fingerprint["num_nodes"], 1):
+            fields.problem("fingerprint.num_nodes must be an int >= 1")
+        pid = message.get("pid")
+        if pid is not None and not is_int(pid, 0):
+            fields.problem("pid must be an int >= 0")
+        meta = fields.json_object("meta", MAX_FIELD_BYTES, optional=True)
+        fields.check()
+        return cls(host, port, peer_ids, fingerprint, pid if isinstance(pid, int) else None,
+                   meta)
+
+
+@dataclass(frozen=True, slots=True)
+class TableEntry:
+    """One member of a session in the orchestrator's :class:`Table`."""
+
+    index: int
+    host: str
+    port: int
+    peer_ids: tuple[int, ...]
+    meta: JsonObject = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, fields: Fields, position: int) -> TableEntry:
+        """The entry at ``position`` of a table (its ``index`` must say so)."""
+        if not is_int(fields.message.get("index"), position, position):
+            fields.problem(f"index must be {position}")
+        host, port = fields.text("host", _MAX_HOST), fields.integer("port", 1, 65535)
+        peer_ids = fields.ids("peer_ids", MAX_NODE_PEERS, _MAX_PEER_ID)
+        meta = fields.message.get("meta")
+        if meta is not None and not isinstance(meta, dict):
+            fields.problem("meta must be an object")
+        return cls(position, host, port, peer_ids, meta if isinstance(meta, dict) else {})
+
+
+@dataclass(frozen=True, slots=True)
+class Table:
+    """The session the orchestrator formed: its id, the receiver's index in it, every member
+    (ordered by lowest peer id) and the session's secret (64 hex digits, sent to its members
+    only; they authenticate each other with it when no token is set)."""
+
+    KIND: ClassVar[str] = "table"
+    session: int
+    index: int
+    nodes: tuple[TableEntry, ...]
+    secret: str | None
+
+    def to_json(self) -> JsonObject:
+        return {"type": self.KIND, "session": self.session, "index": self.index,
+                "nodes": [{"index": n.index, "host": n.host, "port": n.port,
+                           "peer_ids": list(n.peer_ids), "meta": n.meta} for n in self.nodes],
+                "secret": self.secret}
+
+    @classmethod
+    def from_json(cls, message: Mapping[str, object]) -> Table:
+        fields = Fields(message, "node table")
+        session = fields.integer("session", 0, _MAX_SESSION)
+        listed = message.get("nodes")
+        nodes: list[TableEntry] = []
+        if not isinstance(listed, list) or not listed:
+            fields.problem("nodes must be a non-empty list")
+        for position, entry in enumerate(listed if isinstance(listed, list) else []):
+            if not isinstance(entry, dict):
+                fields.problem(f"nodes[{position}] must be an object")
+                break
+            reader = Fields(entry, "node table", f"nodes[{position}].")
+            nodes.append(TableEntry.read(reader, position))
+            if reader.problems:
+                fields.problems.extend(reader.problems)
+                break
+        index = fields.integer("index", 0, max(len(nodes) - 1, 0))
+        secret = message.get("secret")
+        if secret is not None and not (isinstance(secret, str) and len(secret) == _SECRET_HEX
+                                       and all(c in "0123456789abcdefABCDEF" for c in secret)):
+            fields.problem("the session secret is not 64 hex digits")
+        fields.check()
+        return cls(session, index, tuple(nodes), secret if isinstance(secret, str) else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Refused(_Reason):
+    """The orchestrator refuses a node, saying why."""
+
+    KIND: ClassVar[str] = "refused"
+
+
+@dataclass(frozen=True, slots=True)
+class Notice(_Reason):
+    """While a node waits: other nodes wait whose config differs (informational)."""
+
+    KIND: ClassVar[str] = "notice"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLost(_FromNode):
+    """A member's connection to the orchestrator dropped before it finished."""
+
+    KIND: ClassVar[str] = "node_lost"
+
+
+@dataclass(frozen=True, slots=True)
+class Finish(_Bare):
+    """A node is done with the session (its ``finish()``)."""
+
+    KIND: ClassVar[str] = "finish"
+
+
+@dataclass(frozen=True, slots=True)
+class Finished(_Bare):
+    """Every member of the session has finished."""
+
+    KIND: ClassVar[str] = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class Leave(_Bare):
+    """A node leaves a failed collective on purpose: do not report it lost."""
+
+    KIND: ClassVar[str] = "leave"
+
+
+FromNode: TypeAlias = "Join | Finish | Leave"
+FromOrchestrator: TypeAlias = "Table | Refused | Notice | Finished | NodeLost"
+_FROM_NODE: dict[str, Callable[[Mapping[str, object]], FromNode]] = {
+    Join.KIND: Join.from_json, Finish.KIND: Finish.from_json, Leave.KIND: Leave.from_json,
+}
+_FROM_ORCHESTRATOR: dict[str, Callable[[Mapping[str, object]], FromOrchestrator]] = {
+    Table.KIND: Table.from_json, Refused.KIND: Refused.from_json,
+    Notice.KIND: Notice.from_json, Finished.KIND: Finished.from_json,
+    NodeLost.KIND: NodeLost.from_json,
+}
+
+
+def _decode(frame: Frame, parsers: Mapping[str, Callable[[Mapping[str, object]], M]]
+            ) -> M | None:
+    control = frame.control
+    parse = None if control is None else parsers.get(control["type"])
+    return None if parse is None else parse(frame.control or {})
+
+
+def decode_member(frame: Frame) -> MemberMessage | None:
+    """The message of a member's CONTROL frame; ``None`` for a DATA frame or another type."""
+    return _decode(frame, _MEMBER)
+
+
+def decode_from_node(frame: Frame) -> FromNode | None:
+    """The message a node sent the orchestrator; ``None`` for anything else."""
+    return _decode(frame, _FROM_NODE)
+
+
+def decode_from_orchestrator(frame: Frame) -> FromOrchestrator | None:
+    """The message the orchestrator sent a node; ``None`` for anything else."""
+    return _decode(frame, _FROM_ORCHESTRATOR)

@@ -1,0 +1,113 @@
+"""Dialing and hello: how the member connections of a session are opened and accepted.
+
+Each ordered pair of nodes has one connection, and the *receiving* node dials it (see
+:mod:`burncoll.node.data_service` for why). Every connection is authenticated
+(challenge-response) before any frame is read: on the configured token, or without one on the
+session's secret, which the orchestrator hands every member with its table -- so a stranger
+who reaches a data port cannot pose as a member. The accepting side therefore waits (at most
+:data:`~burncoll.transport.base.PREAUTH_SECONDS`) until it knows the session before it
+challenges the dialer. The dialer's first frame is :class:`~burncoll.node.control.Hello`,
+naming its node and the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from burncoll.errors import AuthenticationError, ProtocolError, TransportError
+from burncoll.node.control import Hello, decode_member, encode, kind_of
+from burncoll.node.membership import Membership, NodeInfo
+from burncoll.transport.admission import BoundedLog
+from burncoll.transport.auth import authenticate_client, authenticate_server
+from burncoll.transport.base import PREAUTH_SECONDS, Connection, Transport
+from burncoll.transport.wire import decode
+
+__all__ = ["Dialing"]
+
+log = logging.getLogger("burncoll.node")
+#: For what a stranger can cause at will (refused connections): bounded, see BoundedLog.
+stranger_log = BoundedLog(log)
+
+
+class Dialing:
+    """Opens this node's connections to the other members, and accepts theirs."""
+
+    def __init__(self, transport: Transport, token: str | None, timeout: float,
+                 integrity: bool, membership: Membership) -> None:
+        self.transport = transport
+        self.token = token
+        self.timeout = timeout
+        #: Tag every message of member connections (see :mod:`burncoll.transport.auth`).
+        self.integrity = integrity
+        self.membership = membership
+
+    @property
+    def member_token(self) -> str | None:
+        """What member connections authenticate with: the token, else the session's secret."""
+        return self.token if self.token is not None else self.membership.secret
+
+    async def dial(self, node: NodeInfo, deadline: float) -> Connection:
+        """An authenticated connection to ``node`` that has said hello, retried with backoff
+        until ``deadline``; :class:`~burncoll.AuthenticationError` at once."""
+        me = self.membership
+        hello = encode(Hello(me.node_index, me.session or 0), me.session or 0)
+        delay = 0.02
+        while True:
+            conn: Connection | None = None
+            try:
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.01)):
+                    conn = await self.transport.connect(node.host, node.port)
+                    conn = await authenticate_client(conn, self.member_token, self.timeout,
+                                                     integrity=self.integrity)
+                    await conn.send([hello])
+                return conn
+            except AuthenticationError:
+                if conn is not None:
+                    await conn.close()
+                raise
+            except (TransportError, TimeoutError, OSError) as exc:
+                if conn is not None:
+                    await conn.close()
+                if time.monotonic() + delay >= deadline:
+                    raise TransportError(
+                        f"could not connect to {node.describe()} within {self.timeout:g} s: "
+                        f"{exc}"
+                    ) from exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    async def accept(self, conn: Connection) -> tuple[int, Connection] | None:
+        """The member an accepted connection comes from, once it is authenticated and said
+        hello, and the connection to use; ``None`` (logged) when it is dropped."""
+        if self.token is None and not self.membership.known.is_set():
+            try:  # the session's secret is the key: wait for the table (bounded)
+                async with asyncio.timeout(PREAUTH_SECONDS):
+                    await self.membership.known.wait()
+            except TimeoutError:
+                stranger_log.warning("no session", f"data service: dropped {conn.remote}: no "
+                                     "session yet to authenticate it with (within "
+                                     f"{PREAUTH_SECONDS:g} s)")
+                return None
+        try:
+            conn = await authenticate_server(conn, self.member_token, self.timeout,
+                                             integrity=self.integrity)
+        except (AuthenticationError, TransportError) as exc:
+            stranger_log.warning("refused", f"data service: refused a connection from "
+                                 f"{conn.remote}: {exc}")
+            return None
+        try:
+            return await self._hello(conn), conn
+        except (ProtocolError, TransportError, TimeoutError) as exc:
+            log.warning("data service: dropped %s before it said hello: %s", conn.remote, exc)
+            return None
+
+    async def _hello(self, conn: Connection) -> int:
+        frame = decode(await asyncio.wait_for(conn.recv(), self.timeout))
+        async with asyncio.timeout(self.timeout):
+            await self.membership.known.wait()
+        hello = decode_member(frame) if kind_of(frame) == Hello.KIND else None
+        if not isinstance(hello, Hello):
+            raise ProtocolError("expected a hello frame first")
+        return self.membership.check_hello(hello)

@@ -1,0 +1,118 @@
+"""Session membership: who this node is in its session, and how other members' failures are
+told.
+
+The orchestrator's table (:class:`~burncoll.node.control.Table`) says which session this node
+belongs to, its index, every member and the session's secret. :class:`Membership` keeps that,
+checks a dialer's ``hello`` against it, and names members in errors. The rest of the module
+turns what other members say about a failure into the error this node raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from burncoll.errors import (
+    CollectiveError,
+    CollectiveTimeout,
+    MismatchError,
+    PeerLost,
+    ProtocolError,
+)
+from burncoll.node.control import Abort, Hello
+from burncoll.node.mailbox import Mailbox
+
+__all__ = ["Membership", "NodeInfo", "error_from_abort", "explain_lost"]
+
+_ERRORS_BY_NAME: dict[str, type[CollectiveError]] = {
+    cls.__name__: cls
+    for cls in (CollectiveError, MismatchError, CollectiveTimeout, PeerLost, ProtocolError)
+}
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """One node of the session, as the orchestrator announced it."""
+
+    index: int
+    host: str
+    port: int
+    peer_ids: tuple[int, ...]
+    #: The node runs its local all-reduce as a ring (it can shard across nodes).
+    local_ring: bool = False
+
+    def describe(self) -> str:
+        return f"node {self.index} (peers {list(self.peer_ids)}, {self.host}:{self.port})"
+
+
+class Membership:
+    """This node's place in its session; unknown (``session`` is ``None``) until the
+    orchestrator's table arrives (:meth:`join`)."""
+
+    def __init__(self) -> None:
+        self.session: int | None = None
+        self.node_index = -1
+        self.nodes: tuple[NodeInfo, ...] = ()
+        #: The session's secret (hex), when the orchestrator gave one: the token of member
+        #: connections when no token is configured.
+        self.secret: str | None = None
+        #: Set once the session is known.
+        self.known = asyncio.Event()
+
+    def join(self, session: int, node_index: int, nodes: Sequence[NodeInfo],
+             secret: str | None) -> None:
+        self.session = session
+        self.node_index = node_index
+        self.nodes = tuple(nodes)
+        self.secret = secret
+        self.known.set()
+
+    def others(self) -> list[NodeInfo]:
+        """Every member but this node."""
+        return [n for n in self.nodes if n.index != self.node_index]
+
+    def describe(self, node: int) -> str:
+        nodes = self.nodes
+        return nodes[node].describe() if 0 <= node < len(nodes) else f"node {node}"
+
+    def check_hello(self, hello: Hello) -> int:
+        """The member a dialer's ``hello`` names; :class:`ProtocolError` unless it is another
+        member of this very session."""
+        node = hello.node
+        if not node < len(self.nodes) or node == self.node_index:
+            raise ProtocolError(f"hello from an unknown node {node!r}")
+        if hello.session != self.session:
+            # a node of an earlier (failed) session reusing this address: never mix the two
+            raise ProtocolError(f"hello from node {node} of another session "
+                                f"({hello.session!r})")
+        return node
+
+
+def error_from_abort(abort: Abort, nodes: Sequence[NodeInfo]) -> CollectiveError:
+    """The exception an :class:`Abort` stands for (never anything but ours)."""
+    cls = _ERRORS_BY_NAME.get(abort.error, CollectiveError)
+    text = abort.message
+    if abort.node < len(nodes):
+        text = f"{text} (reported by {nodes[abort.node].describe()})"
+    return cls(text)
+
+
+def explain_lost(what: str, mailbox: Mailbox, timeout: float) -> str:
+    """A lost member's :class:`~burncoll.PeerLost` message with what the other nodes need to
+    act on it: the operation it interrupted, how far into it, and a hint."""
+    what = what.removesuffix("; its process may have died")
+    if mailbox.running:
+        elapsed = time.monotonic() - mailbox.current_started
+        when = (f"during operation #{mailbox.current}, {elapsed:.1f} s after it started on "
+                f"this node (timeout {timeout:g} s)")
+    elif mailbox.current >= 0:
+        when = f"after operation #{mailbox.current}, before the next one"
+    else:
+        when = "before the first operation"
+    return (
+        f"{what} {when}; its process may have died. Hint: that node's own output says "
+        "why; to go on, call burncoll.register(...) again on every peer, with a new process "
+        "in its place"
+    )

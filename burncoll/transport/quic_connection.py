@@ -1,0 +1,403 @@
+"""One QUIC connection with one bidirectional stream: its asyncio protocol, and the
+:class:`~burncoll.transport.base.Connection` on the stream.
+
+The client opens stream 0 by sending a 4-byte :data:`PREAMBLE`, which also tells the listener
+to start its handler. Each message is an 8-byte little-endian length and that many bytes; a
+:class:`~burncoll.transport.wire.MessageAssembler` cuts the stream back into messages, and
+refuses a length over ``max_message_bytes`` before buffering it (the receiver stops the stream
+with :data:`ERR_MESSAGE_TOO_BIG`; both ends raise :class:`~burncoll.ProtocolError`). Before
+authentication it reads at most :data:`~burncoll.transport.base.PREAUTH_BYTES` in all and
+allocates nothing larger on the stranger's word (the credit: :mod:`.quic_credit`).
+
+Closing sends the stream's FIN first, so the peer's ``recv`` fails at once instead of after
+QUIC's closing period, waits (up to ``close_timeout``) for the peer to acknowledge what was
+sent, then closes the QUIC connection. Sends are not flow-controlled: ``send`` hands the whole
+message to aioquic, which keeps it until the peer acknowledges it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import cast
+
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.quic import events
+from aioquic.quic.connection import QuicConnection
+
+from burncoll.errors import ProtocolError, TransportError
+from burncoll.transport.admission import Ticket
+from burncoll.transport.base import PREAUTH_BYTES, Buffer, Connection
+from burncoll.transport.quic_credit import GatedConnection, working_window
+from burncoll.transport.wire import LENGTH_PREFIX_BYTES, MessageAssembler, MessageTooBig
+
+__all__ = ["PREAMBLE", "QuicProtocol", "QuicStreamConnection"]
+
+#: Sent by the client to open the stream; a listener drops a connection without it.
+PREAMBLE = b"BCQ\x01"
+#: Application error codes (stream resets and connection closes).
+ERR_NO_ERROR = 0
+ERR_MESSAGE_TOO_BIG = 0x109
+ERR_PROTOCOL = 0x10A
+#: The listener dropped the connection (evicted, refused, or not authenticated in time).
+ERR_DROPPED = 0x10B
+_ping_ids = itertools.count(1)
+
+
+class QuicStreamConnection(Connection):
+    """A :class:`Connection` over one QUIC stream; see the module docstring for the framing
+    and for what holds before :meth:`authenticated`."""
+
+    def __init__(self, protocol: QuicProtocol, stream_id: int, remote: str,
+                 max_message_bytes: int, close_timeout: float, preamble: bytes = b"", *,
+                 binding: bytes = b"") -> None:
+        self.remote = remote
+        self._protocol = protocol
+        self._stream_id = stream_id
+        self._close_timeout = close_timeout
+        self._window = working_window(max_message_bytes)
+        self._binding = binding
+        self._assembler = MessageAssembler(
+            max_message_bytes, preamble, preauth_bytes=PREAUTH_BYTES)
+        self._inbox: deque[bytearray] = deque()
+        self._error: TransportError | None = None
+        self._changed = asyncio.Event()
+        self._closing: asyncio.Task[None] | None = None
+
+    def authenticated(self) -> None:
+        """Lift the pre-authentication limits: the bytes held so far are cut into messages,
+        and the working flow-control window is granted and announced at once."""
+        if self._assembler.is_authenticated:
+            return
+        try:
+            messages = self._assembler.authenticated()
+            self._inbox.extend(messages)
+            self._count_unread(sum(len(m) + LENGTH_PREFIX_BYTES for m in messages))
+        except ProtocolError as exc:
+            self._reject(exc)
+            return
+        self._changed.set()
+        self._protocol.authenticated(self._window)
+
+    def channel_binding(self) -> bytes:
+        return self._binding
+
+    # -- called by the protocol --------------------------------------------------------------
+
+    def _on_data(self, data: bytes, end_stream: bool) -> None:
+        try:
+            messages = self._assembler.feed(data)
+        except ProtocolError as exc:
+            self._reject(exc)
+            return
+        if messages:
+            self._inbox.extend(messages)
+            self._count_unread(sum(len(m) + LENGTH_PREFIX_BYTES for m in messages))
+        self._changed.set()  # before authentication: recv cuts the next message itself
+        if end_stream:
+            cut = " in the middle of a message" if self._assembler.mid_message else ""
+            self._fail(TransportError(f"{self.remote} closed the connection{cut}"))
+
+    def _count_unread(self, change: int) -> None:
+        """Messages were delivered (``change`` > 0) or read: the credit follows, announced at
+        once when the read freed a large part of it (:meth:`GatedConnection.count_unread`)."""
+        quic = self._protocol._quic
+        if isinstance(quic, GatedConnection) and quic.count_unread(change):
+            self._protocol.transmit()
+
+    def _reject(self, error: ProtocolError) -> None:
+        """The peer's bytes are unacceptable: fail, and reset the stream and the connection."""
+        self._fail(error)
+        code = ERR_MESSAGE_TOO_BIG if isinstance(error, MessageTooBig) else ERR_PROTOCOL
+        self._protocol.abort(self._stream_id, code, str(error))
+
+    def _fail(self, error: TransportError) -> None:
+        """Record why the connection is unusable (the first reason wins) and wake ``recv``."""
+        if self._error is None:
+            self._error = error
+        self._changed.set()
+
+    def _next_held(self) -> bytearray | None:
+        """Before authentication: the next message cut from the bytes held (see
+        :class:`MessageAssembler`); a refused one fails the connection and raises."""
+        try:
+            return self._assembler.next_held()
+        except ProtocolError as exc:
+            self._reject(exc)
+            raise
+
+    # -- Connection ---------------------------------------------------------------------------
+
+    async def send(self, parts: Sequence[Buffer]) -> None:
+        if self._error is not None:
+            raise type(self._error)(str(self._error))
+        views = [memoryview(p) for p in parts]
+        views = [v if v.c_contiguous else memoryview(v.tobytes()) for v in views]
+        total = sum(v.nbytes for v in views)
+        quic = self._protocol._quic
+        try:
+            # No await in between: concurrent sends never interleave.
+            quic.send_stream_data(self._stream_id, total.to_bytes(LENGTH_PREFIX_BYTES, "little"))
+            for view in views:
+                if view.nbytes:
+                    # aioquic annotates bytes but only appends the data to a bytearray:
+                    # passing the view saves copying the payload once more.
+                    quic.send_stream_data(self._stream_id, cast(bytes, view.cast("B")))
+        except (ValueError, RuntimeError) as exc:
+            raise TransportError(f"sending to {self.remote} failed: {exc}") from exc
+        self._protocol.transmit()
+
+    async def recv(self) -> Buffer:
+        while True:
+            if self._closing is None:
+                if self._inbox:
+                    message = self._inbox.popleft()
+                    self._count_unread(-len(message) - LENGTH_PREFIX_BYTES)
+                    return message
+                held = self._next_held()
+                if held is not None:
+                    return held
+            if self._error is not None:
+                raise type(self._error)(str(self._error))
+            self._changed.clear()
+            await self._changed.wait()
+
+    async def close(self) -> None:
+        if self._closing is None:
+            self._fail(TransportError(f"the connection to {self.remote} was closed"))
+            self._inbox.clear()
+            self._closing = asyncio.create_task(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
+        protocol = self._protocol
+        with contextlib.suppress(ValueError, RuntimeError):  # already finished or reset
+            protocol._quic.send_stream_data(self._stream_id, b"", end_stream=True)
+        protocol.transmit()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._close_timeout):
+                while protocol.usable and not protocol.stream_finished(self._stream_id):
+                    await asyncio.sleep(0.005)
+        await protocol.shutdown(self._close_timeout)
+
+
+class QuicProtocol(QuicConnectionProtocol):
+    """One QUIC connection: routes its events to its :class:`QuicStreamConnection`.
+
+    On a listener it also holds the connection's admission ``ticket`` and a ``forget``
+    callback that makes the server drop every reference to it (see :meth:`drop`).
+    """
+
+    def __init__(
+        self,
+        quic: QuicConnection,
+        *,
+        owns_transport: bool,
+        keepalive: float,
+        on_stream: Callable[[QuicProtocol], QuicStreamConnection] | None = None,
+    ) -> None:
+        super().__init__(quic)
+        self.connection: QuicStreamConnection | None = None
+        self.handshake: asyncio.Future[None] = self._loop.create_future()
+        self.terminated = False
+        self.ticket: Ticket | None = None
+        #: Listener side: called when the handshake completes; False: the connection is dropped.
+        self.admit: Callable[[QuicProtocol], bool] | None = None
+        self.forget: Callable[[QuicProtocol], None] | None = None
+        self._owns_transport = owns_transport
+        self._keepalive = keepalive
+        self._keepalive_timer: asyncio.TimerHandle | None = None
+        self._handshake_timer: asyncio.TimerHandle | None = None
+        self._on_stream = on_stream
+        self._released = False  # forgotten by the listener: sends nothing, arms no timer
+
+    def quic_event_received(self, event: events.QuicEvent) -> None:
+        # Deliberately not calling super(): it would build asyncio.StreamReaders we do not use.
+        if self.terminated:
+            return  # dropped: what was in the same datagram is of no interest
+        if isinstance(event, events.StreamDataReceived):
+            if self.connection is None and self._on_stream is not None and event.stream_id == 0:
+                self.connection = self._on_stream(self)
+            if self.connection is None or event.stream_id != self.connection._stream_id:
+                self.abort(None, ERR_PROTOCOL, f"unexpected stream {event.stream_id}")
+                return
+            self.connection._on_data(event.data, event.end_stream)
+        elif isinstance(event, events.StreamReset | events.StopSendingReceived):
+            if event.error_code == ERR_MESSAGE_TOO_BIG:
+                error: TransportError = ProtocolError(
+                    f"{self._remote()} rejected a message over its size limit"
+                )
+            else:
+                error = TransportError(f"{self._remote()} reset the stream")
+            if self.connection is not None:
+                self.connection._fail(error)
+        elif isinstance(event, events.HandshakeCompleted):
+            self._settle_handshake()
+            admit, self.admit = self.admit, None
+            if admit is not None and not admit(self):
+                return
+            if not self.handshake.done():
+                self.handshake.set_result(None)
+            self._arm_keepalive()
+        elif isinstance(event, events.ConnectionTerminated):
+            reason = event.reason_phrase or f"code {event.error_code:#x}"
+            self._terminate(TransportError(f"QUIC connection to {self._remote()} ended: {reason}"))
+
+    def error_received(self, exc: Exception) -> None:
+        # ICMP errors reach a connected (client) socket: the peer's port is closed.
+        if isinstance(exc, ConnectionRefusedError):
+            self._terminate(TransportError(f"{self._remote()} refused the connection: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # Our own socket closed (a client's, or the listener's): nothing more can arrive.
+        self._terminate(TransportError(f"the UDP socket for {self._remote()} closed"))
+
+    @property
+    def usable(self) -> bool:
+        """Whether the connection can still exchange packets."""
+        udp = self._transport
+        return not self.terminated and udp is not None and not udp.is_closing()
+
+    def authenticated(self, window: int) -> None:
+        """The other side authenticated: grant it ``window`` of credit, announced at once,
+        and take the connection off the listener's unauthenticated list."""
+        quic = self._quic
+        if isinstance(quic, GatedConnection):
+            quic.open_window(window)
+        if self.ticket is not None:
+            self.ticket.authenticated()
+        self.transmit()
+
+    def start_handshake_deadline(self, seconds: float) -> None:
+        """Drop the connection unless its handshake completes within ``seconds``."""
+        self._handshake_timer = self._loop.call_later(seconds, self._handshake_expired, seconds)
+
+    def _handshake_expired(self, seconds: float) -> None:
+        self._handshake_timer = None
+        self.drop(f"handshake not completed within {seconds:g} s")
+
+    def drop(self, reason: str) -> None:
+        """Close the connection at once with ``reason`` (the peer is sent a CONNECTION_CLOSE)
+        and forget it, without waiting for QUIC's closing period."""
+        if self.terminated:
+            return
+        self._quic.close(error_code=ERR_DROPPED, reason_phrase=reason[:200])
+        self.transmit()
+        self._terminate(TransportError(f"dropped the connection from {self._remote()}: {reason}"))
+
+    def _terminate(self, error: TransportError) -> None:
+        self.terminated = True
+        self._settle_handshake()
+        if not self.handshake.done():
+            self.handshake.set_exception(error)
+            self.handshake.exception()  # retrieved here; the connect path re-raises it
+        if self.connection is not None:
+            self.connection._fail(error)
+        if self._keepalive_timer is not None:
+            self._keepalive_timer.cancel()
+            self._keepalive_timer = None
+        if self._owns_transport and self._transport is not None:
+            self._transport.close()
+        self._closed.set()
+        if self.ticket is not None:
+            self.ticket.release()
+            self.ticket = None
+        if self.forget is not None:
+            self._release()
+
+    def _release(self) -> None:
+        """On a listener, once terminated: stop the connection's timer and make the server
+        forget it, so that nothing keeps its state alive (no reference cycle either)."""
+        forget, self.forget = self.forget, None
+        if forget is not None:
+            forget(self)
+        self._released = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._connection_id_issued_handler = _ignore
+        self._connection_id_retired_handler = _ignore
+        self._connection_terminated_handler = _nothing
+        self.connection = None
+        self._on_stream = None
+        streams = getattr(self._quic, "_streams", None)
+        if isinstance(streams, dict):
+            # aioquic's connection sits in reference cycles of its own (bound methods): free
+            # its stream buffers now rather than at the next garbage collection.
+            streams.clear()
+
+    def _settle_handshake(self) -> None:
+        if self._handshake_timer is not None:
+            self._handshake_timer.cancel()
+            self._handshake_timer = None
+
+    def _arm_keepalive(self) -> None:
+        # A method, not a closure calling itself: that would be a reference cycle keeping
+        # a dropped connection alive until a garbage collection.
+        self._keepalive_timer = self._loop.call_later(self._keepalive, self._ping)
+
+    def _ping(self) -> None:
+        if not self.terminated:
+            self._quic.send_ping(next(_ping_ids))
+            self.transmit()
+            self._keepalive_timer = self._loop.call_later(self._keepalive, self._ping)
+
+    def _remote(self) -> str:
+        address = self._quic.get_peer_address()
+        if address is None:
+            return "?"
+        host = str(address[0]).removeprefix("::ffff:")
+        return f"[{host}]:{address[1]}" if ":" in host else f"{host}:{address[1]}"
+
+    def transmit(self) -> None:
+        # A closed listener socket must not be written to by connections still closing.
+        if not self._released and self._transport is not None and not self._transport.is_closing():
+            super().transmit()
+
+    def stream_finished(self, stream_id: int) -> bool:
+        """Whether the peer acknowledged every byte and the FIN sent on ``stream_id``."""
+        streams = getattr(self._quic, "_streams", None)  # aioquic has no public accessor
+        stream = streams.get(stream_id) if isinstance(streams, dict) else None
+        return stream is None or bool(getattr(stream.sender, "is_finished", True))
+
+    def abort(self, stream_id: int | None, code: int, reason: str) -> None:
+        """Reset ``stream_id`` (when given) with ``code`` and close the connection."""
+        if stream_id is not None:
+            with contextlib.suppress(ValueError, RuntimeError):
+                self._quic.stop_stream(stream_id, code)
+                self._quic.reset_stream(stream_id, code)
+            self.transmit()  # the reset leaves before the CONNECTION_CLOSE
+        self._quic.close(error_code=code, reason_phrase=reason[:200])
+        self.transmit()
+
+    async def shutdown(self, timeout: float) -> None:
+        """Close the QUIC connection and wait (up to ``timeout``) for its closing period."""
+        if self.usable:
+            self._quic.close(error_code=ERR_NO_ERROR)
+            self.transmit()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._closed.wait()
+        if self._keepalive_timer is not None:
+            self._keepalive_timer.cancel()
+        if self._owns_transport:
+            # The socket is ours alone: stop the connection's timers and release it. (On a
+            # listener the closing period runs out and the server forgets the connection.)
+            self.terminated = True
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self._transport is not None:
+                self._transport.close()
+
+
+def _ignore(cid: bytes) -> None:
+    return None
+
+
+def _nothing() -> None:
+    return None
+

@@ -1,0 +1,382 @@
+"""The zero-copy stream core that the TCP and WebSocket transports share.
+
+:class:`StreamProtocol` is an :class:`asyncio.BufferedProtocol` that avoids copying array
+bytes; a subclass supplies the framing (:meth:`StreamProtocol.parse`, one header at a time,
+and :meth:`~burncoll.transport.stream_send.StreamSending.frame_header`):
+
+* **before authentication** (:meth:`StreamProtocol.authenticated`): at most
+  :data:`~burncoll.transport.base.PREAUTH_BYTES` bytes are read from the socket in all
+  (preamble or HTTP upgrade included): the buffer handed to the kernel is never larger than
+  what is left of that budget, so bytes a stranger pipelines behind its handshake stay in the
+  kernel; a frame whose header announces more than is left is refused at once, before anything
+  is allocated (:class:`~burncoll.ProtocolError` naming the pre-authentication limit). The
+  scratch buffer is that small, the socket's kernel buffers keep their defaults, and one
+  message at a time is parsed (the next is parsed when ``recv`` takes this one, so a message
+  pipelined behind the authentication exchange is read under the limits in force once the
+  exchange is done). A listener's connections are admitted, capped and dropped when they do
+  not authenticate in time by an :class:`~burncoll.transport.admission.Admission`.
+* **receive**: small messages are parsed out of a 256 KiB scratch buffer that the kernel fills;
+  a message whose payload does not fit is given its own uninitialised buffer
+  (``numpy.empty``: no zero-filling), or memory its receiver chose (a *placer*, see
+  :meth:`StreamProtocol.expect_payload`), and the kernel then writes the rest of it
+  *directly* there. One copy in all, the kernel's.
+* **send**: :mod:`burncoll.transport.stream_send`.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from burncoll.errors import ProtocolError, TransportError
+from burncoll.transport.admission import Admission, Ticket
+from burncoll.transport.base import PREAUTH_BYTES, Buffer, Placer, format_address
+from burncoll.transport.stream_send import (
+    WRITE_HIGH_WATER,
+    StreamSending,
+    binding_of_peer,
+    enlarge_socket_buffers,
+    host_of,
+    set_no_delay,
+)
+from burncoll.transport.wire import Placed
+from burncoll.transport.writer import SocketWriter, fresh_error
+
+__all__ = ["RECV_QUEUE_BYTES", "SCRATCH_BYTES", "StreamProtocol"]
+
+#: Bytes of the receive scratch buffer; larger messages get a buffer of their own.
+SCRATCH_BYTES = 256 * 1024
+#: Reading pauses while more than this many received bytes wait for ``recv``.
+RECV_QUEUE_BYTES = 16 * 1024 * 1024
+
+
+class StreamProtocol(StreamSending, asyncio.BufferedProtocol):
+    """Receives framed messages into their own buffers; see the module docstring.
+
+    Args:
+        max_message_bytes: the largest message accepted once authenticated.
+        admission: on a listener's side, the :class:`Admission` that admits this connection
+            when it is accepted (refused: it is closed before anything is read).
+        binding: on a listener's side, the channel binding (the listener's certificate's
+            binding over TLS, ``b""`` without); ``None`` on a connecting side, which reads it
+            off the certificate it receives.
+    """
+
+    def __init__(self, max_message_bytes: int, *, admission: Admission | None = None,
+                 binding: bytes | None = None) -> None:
+        super().__init__()
+        self.max_message_bytes = max_message_bytes
+        self.binding = binding
+        self._admission = admission
+        self._ticket: Ticket | None = None
+        #: Bytes that may still be read before authentication; ``None`` once authenticated.
+        self._budget: int | None = PREAUTH_BYTES
+        self._budget_paused = False  # reading paused because the budget is spent
+        self._scratch = bytearray(PREAUTH_BYTES)
+        self._view = memoryview(self._scratch)
+        self._start = 0  # parsed up to here
+        self._end = 0  # received up to here
+        self._direct: memoryview | None = None  # where the current large payload goes
+        self._direct_filled = 0
+        self._direct_done: Callable[[memoryview], None] | None = None
+        self._direct_placed = False  # _direct is memory a placer chose
+        self._messages: deque[Buffer | Placed] = deque()
+        #: Chooses where a large message's payload is received (see :meth:`expect_payload`).
+        self.placer: Placer | None = None
+        self._queued = 0
+        self._reading_paused = False
+        self._recv_waiter: asyncio.Future[None] | None = None
+        self.lost = asyncio.get_running_loop().create_future()
+
+    @abc.abstractmethod
+    def parse(self, view: memoryview) -> int:
+        """Consume one frame's header (and its payload when it is all in ``view``).
+
+        Returns the bytes consumed; 0 when more bytes are needed. To receive a payload
+        directly, call :meth:`expect_payload` and return the header's length plus what of the
+        payload ``view`` holds.
+        """
+
+    # -- pre-authentication limits -------------------------------------------------------------
+    @property
+    def unauthenticated(self) -> bool:
+        """Whether the pre-authentication limits are in force."""
+        return self._budget is not None
+
+    def over_budget(self, frame_bytes: int, have: int) -> bool:
+        """Whether a frame of ``frame_bytes`` (header included), of which ``have`` bytes are
+        buffered, needs more bytes than the pre-authentication budget has left."""
+        return self._budget is not None and frame_bytes - have > self._budget
+
+    def preauth_error(self) -> ProtocolError:
+        """The error for a peer that goes past the pre-authentication budget."""
+        return ProtocolError(
+            f"message from {self.remote} exceeds the pre-authentication limit "
+            f"({PREAUTH_BYTES} bytes): a peer may send no more before it authenticates")
+
+    def authenticated(self) -> None:
+        """Lift the pre-authentication limits: tell the admission ticket, grow the scratch
+        buffer and the socket's kernel buffers, read on. Idempotent."""
+        if self._budget is None:
+            return
+        self._budget = None
+        if self._ticket is not None:
+            self._ticket.authenticated()
+        if self.transport is None or self.error is not None:
+            return  # closed or failing: nothing more will be read
+        left = self._end - self._start
+        scratch = bytearray(SCRATCH_BYTES)
+        scratch[:left] = self._view[self._start:self._end]
+        self._scratch, self._view = scratch, memoryview(scratch)
+        self._start, self._end = 0, left
+        transport = self.transport
+        enlarge_socket_buffers(transport)
+        if self._budget_paused:
+            self._budget_paused = False
+            if not self._reading_paused:
+                transport.resume_reading()
+        if self._start < self._end:
+            self._parse_buffered()
+
+    def drop(self, reason: str) -> None:
+        """Close the connection at once (an admission evicted it or its deadline passed)."""
+        self.fail(TransportError(f"dropped the connection from {self.remote}: {reason}"))
+        self._direct = None
+        if self.transport is not None:
+            self.transport.abort()
+
+    # -- asyncio callbacks -------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.remote = format_address(peer)
+        if self._admission is not None:
+            self._ticket = self._admission.admit(host_of(peer), self.drop)
+            self._admission = None
+            if self._ticket is None:  # refused (and logged)
+                self.fail(TransportError(f"refused the connection from {self.remote}: too "
+                                         "many connections"))
+                transport.abort()
+                return
+        if self.binding is None:  # a connecting side: the listener's certificate, if any
+            self.binding = binding_of_peer(transport)
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        set_no_delay(transport)
+        self._writer = SocketWriter.for_transport(transport, self._write_failed)
+
+    def handed_over(self, transport: asyncio.Transport, ticket: Ticket) -> None:
+        """Start on ``transport`` with the admission ``ticket`` a
+        :class:`~burncoll.transport.tls_gate.TlsGate` took for the connection before its TLS
+        handshake (no second admission): ``connection_made``, then parse what arrived between
+        the handshake and now."""
+        self._admission = None
+        self._ticket = ticket
+        self.connection_made(transport)
+        if self.error is not None or self.transport is None:
+            return
+        if self._budget is not None and self._budget <= 0:
+            self._pause_for_budget()
+        if self._start < self._end:
+            self._parse_buffered()
+
+    def _write_failed(self, exc: OSError) -> None:
+        self.fail(TransportError(f"sending to {self.remote} failed: {exc}"))
+        if self.transport is not None:
+            self.transport.abort()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._direct is not None:
+            view = self._direct[self._direct_filled:]
+        else:
+            if self._end == len(self._scratch):
+                self._compact()
+            view = self._view[self._end:]
+        budget = self._budget
+        if budget is not None and len(view) > budget:
+            # Before authentication the kernel may hand over no more than the budget left
+            # (reading is paused once it is spent, so it is never 0 here).
+            view = view[:max(budget, 1)]
+        return view
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._budget is not None:
+            self._budget -= nbytes
+            if self._budget <= 0:
+                self._pause_for_budget()
+        if self.transport is None:
+            # TLS bytes that follow the handshake before the TLS gate hands the connection
+            # over (at most one buffer, under the budget): parsed by :meth:`handed_over`.
+            self._end += nbytes
+            return
+        if self._direct is not None:
+            self._direct_filled += nbytes
+            if self._direct_filled == len(self._direct):
+                direct, done = self._direct, self._direct_done
+                self._direct, self._direct_done = None, None
+                self._direct_placed = False
+                assert done is not None
+                done(direct)
+            return
+        self._end += nbytes
+        self._parse_buffered()
+
+    def _pause_for_budget(self) -> None:
+        if not self._budget_paused and self.transport is not None:
+            self._budget_paused = True
+            self.transport.pause_reading()
+
+    def _parse_buffered(self) -> None:
+        """Parse what the scratch buffer holds; before authentication, stop after one message
+        until ``recv`` takes it, and refuse a frame the spent budget cannot complete."""
+        try:
+            while self._direct is None and self._start < self._end and self.error is None:
+                if self._budget is not None and self._messages:
+                    break  # one message at a time before authentication
+                used = self.parse(self._view[self._start:self._end])
+                if used == 0:
+                    if self._budget is not None and self._budget <= 0:
+                        raise self.preauth_error()  # it can never be complete
+                    break
+                self._start += used
+        except ProtocolError as exc:
+            exc.__traceback__ = None  # its frames hold this protocol: no cycle
+            self.protocol_error(exc)
+            return
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._start > len(self._scratch) // 2:
+            self._compact()
+
+    def _compact(self) -> None:
+        left = self._end - self._start
+        if left == len(self._scratch):  # pragma: no cover - parse never needs this much
+            self.protocol_error(ProtocolError("a frame header longer than the scratch buffer"))
+            return
+        self._scratch[:left] = self._view[self._start:self._end]
+        self._start, self._end = 0, left
+
+    # -- reading into place ----------------------------------------------------------------------
+    def expect_payload(self, size: int, have: memoryview,
+                       done: Callable[[memoryview], None], message: bool = True) -> None:
+        """Receive a payload of ``size`` bytes, of which ``have`` arrived, into its own buffer;
+        ``done(buffer)`` is called once it is complete.
+
+        ``message``: the payload is a whole message. Then :attr:`placer`, when set, may name
+        where its bytes go: ``placer(have, size)`` returns ``(head, destination)`` -- the
+        message's first ``head`` bytes (all in ``have``) are kept apart and the rest is read
+        straight into ``destination`` -- and the message is delivered as a
+        :class:`~burncoll.transport.wire.Placed`.
+        """
+        if message and self.placer is not None:
+            placement = self.placer(have, size)
+            if placement is not None:
+                head_size, destination = placement
+                head = bytes(have[:head_size])
+                self._receive_into(destination, have[head_size:],
+                                   lambda filled: self.deliver(Placed(head, filled)))
+                self._direct_placed = self._direct is not None
+                return
+        buffer = memoryview(np.empty(size, dtype=np.uint8)).cast("B")  # type: ignore[arg-type]
+        self._receive_into(buffer, have, done)
+
+    def stop_placing(self) -> None:
+        """Place nothing more, and stop filling memory a placer chose (its operation failed,
+        its owner may use it again): the rest of a payload in flight goes to a buffer of this
+        protocol's own."""
+        self.placer = None
+        if self._direct is not None and self._direct_placed:
+            spare = np.empty(len(self._direct), dtype=np.uint8)
+            self._direct = memoryview(spare).cast("B")  # type: ignore[arg-type]
+            self._direct_placed = False
+
+    def _receive_into(self, buffer: memoryview, have: memoryview,
+                      done: Callable[[memoryview], None]) -> None:
+        buffer[:len(have)] = have
+        if len(have) == len(buffer):
+            done(buffer)
+            return
+        self._direct, self._direct_filled, self._direct_done = buffer, len(have), done
+
+    def deliver(self, message: Buffer | Placed) -> None:
+        """A whole message: hand it to ``recv``."""
+        self._messages.append(message)
+        self._queued += len(message)
+        if self._queued > RECV_QUEUE_BYTES and not self._reading_paused and self.transport:
+            self._reading_paused = True
+            self.transport.pause_reading()
+        waiter = self._recv_waiter  # inline: once per message
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def eof_received(self) -> bool:
+        return False  # close the transport; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._direct is not None or self._start != self._end:
+            cut = " in the middle of a message"
+        else:
+            cut = ""
+        reason = f": {exc}" if exc is not None else ""
+        self.fail(TransportError(f"connection to {self.remote} closed{cut}{reason}"))
+        if self._ticket is not None:
+            self._ticket.release()
+            self._ticket = None
+        if self._writer is not None:
+            assert self.error is not None
+            self._writer.close(self.error)
+        # Forget every callback that refers back to this protocol, and the transport (over
+        # TLS, asyncio's SSL protocol keeps this one's methods): with no reference cycle left,
+        # the buffers are freed as soon as the last outside reference goes.
+        self._direct, self._direct_done, self.placer = None, None, None
+        self.transport = None
+        if not self.lost.done():
+            self.lost.set_result(None)
+        self._wake_drain()
+
+    # -- failure ---------------------------------------------------------------------------------
+    def fail(self, error: TransportError) -> None:
+        """Record why the connection is unusable (the first reason wins) and wake ``recv``."""
+        if self.error is None:
+            self.error = error
+        self._wake_recv()
+
+    def _wake_recv(self) -> None:
+        waiter = self._recv_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def protocol_error(self, error: ProtocolError) -> None:
+        """The peer broke the framing: fail and drop the connection."""
+        self.fail(error)
+        self._direct = None
+        if self.transport is not None:
+            self.transport.abort()
+
+    # -- used by the connection -------------------------------------------------------------------
+    async def next_message(self) -> Buffer | Placed:
+        """The next whole message; raises (a copy of) :attr:`error` once there is none."""
+        if not self._messages and self._budget is not None and self._start < self._end:
+            # The message held back before authentication (see _parse_buffered), parsed only
+            # now: had the caller authenticated after taking the last one, the limits would be
+            # lifted already.
+            self._parse_buffered()
+        while not self._messages:
+            if self.error is not None:
+                raise fresh_error(self.error)
+            self._recv_waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._recv_waiter
+            finally:
+                self._recv_waiter = None
+        message = self._messages.popleft()
+        self._queued -= len(message)
+        if self._reading_paused and self._queued <= RECV_QUEUE_BYTES // 2 and self.transport:
+            self._reading_paused = False
+            if not self._budget_paused:
+                self.transport.resume_reading()
+        return message

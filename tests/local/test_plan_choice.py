@@ -1,0 +1,246 @@
+"""Which plan the one decision (:func:`burncoll.local.plans.choose.choose`) picks.
+
+The expected plans below were derived by reading the paths as they were before the decision
+moved into one function -- ``compose.prepare`` and ``execute`` (link / sharded / single local
+peer), ``wants_inline`` (``auto``, at most ``INLINE_BYTES``, across nodes only the all-reduce),
+``wants_fused`` (one node, 2+ peers, NumPy, ``auto``, not the mean of integers) and the node
+link's ``_exchanges`` (global ``auto``, at most ``exchange_limit(nodes)`` bytes per node, per
+shard when sharded; a barrier as a 0-byte exchange) -- not by calling the function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+import burncoll
+from burncoll.backends import get_backend
+from burncoll.backends.base import Backend
+from burncoll.local.calls import Call
+from burncoll.local.plans.barrier import LocalBarrier
+from burncoll.local.plans.choose import OpPlan, choose
+from burncoll.local.plans.fused import Fused
+from burncoll.local.plans.global_all_gather import GlobalAllGather
+from burncoll.local.plans.global_barrier import GlobalBarrier
+from burncoll.local.plans.global_broadcast import GlobalBroadcast
+from burncoll.local.plans.global_reduce import GlobalReduce
+from burncoll.local.plans.global_reduce_scatter import GlobalReduceScatter
+from burncoll.local.plans.hierarchical_ring import HierarchicalRing
+from burncoll.local.plans.inline import Inline
+from burncoll.local.plans.out_of_place import OutOfPlace
+from burncoll.local.plans.reduce_broadcast import ReduceGlobalBroadcast
+from burncoll.local.plans.scheduled import LocalSchedule
+from burncoll.local.world import World
+from burncoll.ops import OpKind, ReduceOp
+from burncoll.strategies import Centralized, Ring, Tree
+
+MiB = 1 << 20
+C, R, T = Centralized(), Ring(), Tree(2)
+AR, RED, BC, RS, AG, BAR = (OpKind.ALL_REDUCE, OpKind.REDUCE, OpKind.BROADCAST,
+                            OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.BARRIER)
+
+
+def one_node(devices: int) -> World:
+    return World.of(range(devices), None)
+
+
+def nodes(layout: list[int], node: int = 0, sharded: bool = False) -> World:
+    """Node ``node`` of nodes with ``layout[n]`` local peers each (peer ids in node order)."""
+    ids = [list(range(sum(layout[:n]), sum(layout[:n + 1]))) for n in range(len(layout))]
+    return World(peer_ids=tuple(ids[node]), all_peer_ids=tuple(range(sum(layout))),
+                 num_nodes=len(layout), node_index=node,
+                 node_of={p: n for n, peers in enumerate(ids) for p in peers}, sharded=sharded)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One operation: each peer passes ``nbytes`` of ``dtype`` (with ``rows``: ``rows[i]``
+    rows of ``nbytes`` each on local peer ``i``); broadcast receivers pass ``None``."""
+
+    kind: OpKind
+    nbytes: int = 16
+    dtype: str = "float32"
+    op: ReduceOp | None = None
+    root: int | None = None
+    rows: tuple[int, ...] | None = None
+    strategies: dict[str, Any] = field(default_factory=dict)
+    backend: str = "numpy"
+
+    def calls(self, world: World) -> list[Call]:
+        itemsize = np.dtype(self.dtype).itemsize
+        calls = []
+        for i, pid in enumerate(world.peer_ids):
+            shape: tuple[int, ...] | None = (self.nbytes // itemsize,)
+            if self.rows is not None:
+                shape = (self.rows[i], self.nbytes // itemsize)
+            if self.kind is OpKind.BARRIER or (self.kind is OpKind.BROADCAST
+                                               and pid != self.root):
+                shape = None
+            array = None if shape is None else np.broadcast_to(np.zeros((), self.dtype), shape)
+            op = self.op if self.op is not None or self.kind not in (AR, RED, RS) else (
+                ReduceOp.SUM)
+            calls.append(Call(pid, self.kind, op, self.root, array,
+                              None if shape is None else self.dtype, shape))
+        return calls
+
+    def config(self) -> burncoll.CollectiveConfig:
+        return burncoll.CollectiveConfig(num_devices=1, **self.strategies)
+
+
+def _local(name: str) -> dict[str, Any]:
+    return {"local_all_reduce_strategy": name, "local_reduce_strategy": name,
+            "local_broadcast_strategy": name}
+
+
+RING = _local("ring")
+GLOBAL_RING: dict[str, Any] = {"global_all_reduce_strategy": "ring"}
+
+CASES: list[tuple[str, Case, World, OpPlan]] = [
+    # -- one node: inline up to INLINE_BYTES under auto, for every operation but a barrier
+    ("small all_reduce", Case(AR), one_node(4), Inline()),
+    ("all_reduce of exactly INLINE_BYTES", Case(AR, MiB), one_node(4), Inline()),
+    ("small all_reduce, one peer", Case(AR), one_node(1), Inline()),
+    ("small reduce", Case(RED, root=2), one_node(4), Inline()),
+    ("small broadcast (receivers pass None)", Case(BC, MiB, root=3), one_node(4), Inline()),
+    ("small reduce_scatter", Case(RS, rows=(4,) * 4), one_node(4), Inline()),
+    ("small all_gather", Case(AG, 8, rows=(1, 2, 3)), one_node(3), Inline()),
+    ("small mean of integers", Case(AR, dtype="int32", op=ReduceOp.MEAN), one_node(2),
+     Inline()),
+    ("small all_reduce, local ring", Case(AR, strategies=RING), one_node(4),
+     LocalSchedule(AR, R)),
+    ("small reduce: its own field decides", Case(
+        RED, root=0, strategies={"local_all_reduce_strategy": "ring"}), one_node(2), Inline()),
+    ("small all_reduce: its own field decides", Case(
+        AR, strategies={"local_reduce_strategy": "ring", "local_broadcast_strategy": "tree"}),
+     one_node(2), Inline()),
+    # -- one node past the inline size: fused for NumPy all-reduces under auto
+    ("all_reduce one byte past INLINE_BYTES", Case(AR, MiB + 4), one_node(4), Fused()),
+    ("large all_reduce, 2 peers", Case(AR, 8 * MiB, "float64"), one_node(2), Fused()),
+    ("large mean of floats", Case(AR, 2 * MiB, "float16", ReduceOp.MEAN), one_node(3),
+     Fused()),
+    ("large mean of integers", Case(AR, 2 * MiB, "int32", ReduceOp.MEAN), one_node(3),
+     LocalSchedule(AR, C)),
+    ("large all_reduce, one peer", Case(AR, 2 * MiB), one_node(1), LocalSchedule(AR, C)),
+    ("large all_reduce, JAX", Case(AR, 2 * MiB, backend="jax"), one_node(4),
+     LocalSchedule(AR, C)),
+    ("large all_reduce, local ring", Case(AR, 2 * MiB, strategies=RING), one_node(4),
+     LocalSchedule(AR, R)),
+    ("large all_reduce, local tree", Case(AR, 2 * MiB, strategies=_local("tree:3")),
+     one_node(4), LocalSchedule(AR, Tree(3))),
+    # -- one node, other operations past the inline size: their local schedule
+    ("large reduce", Case(RED, 2 * MiB, root=2), one_node(4), LocalSchedule(RED, C, 2)),
+    ("large reduce, local tree", Case(RED, 2 * MiB, root=1, strategies=_local("tree")),
+     one_node(4), LocalSchedule(RED, T, 1)),
+    ("large broadcast", Case(BC, 2 * MiB, root=3), one_node(4), LocalSchedule(BC, C, 3)),
+    ("large broadcast, local ring", Case(BC, 2 * MiB, root=0, strategies=RING), one_node(2),
+     LocalSchedule(BC, R, 0)),
+    ("large reduce_scatter", Case(RS, MiB, rows=(2,) * 4), one_node(4),
+     LocalSchedule(RS, C)),
+    ("all_gather: the largest array decides", Case(AG, MiB // 2, "uint8", rows=(1, 3)),
+     one_node(2), LocalSchedule(AG, C)),
+    ("barrier", Case(BAR), one_node(4), LocalBarrier()),
+    ("barrier, local ring", Case(BAR, strategies=RING), one_node(4), LocalBarrier()),
+    # -- several nodes: only the all-reduce is inline; the exchange up to exchange_limit
+    ("2x2 small all_reduce", Case(AR), nodes([2, 2]), Inline(exchange=True)),
+    ("2x2 small all_reduce, global ring", Case(AR, strategies=GLOBAL_RING), nodes([2, 2]),
+     Inline(exchange=False)),
+    ("3 nodes, 256 KiB all_reduce", Case(AR, 256 << 10), nodes([1, 1, 1]), Inline(True)),
+    ("3 nodes, 256 KiB + 4 all_reduce", Case(AR, (256 << 10) + 4), nodes([1, 1, 1]),
+     Inline(False)),
+    ("5 nodes use the 4-node limit", Case(AR, 128 << 10), nodes([1] * 5), Inline(True)),
+    ("5 nodes, past the 4-node limit", Case(AR, (128 << 10) + 8, "float64"), nodes([1] * 5),
+     Inline(False)),
+    ("9 nodes use the 8-node limit", Case(AR, 32 << 10), nodes([1] * 9, 4), Inline(True)),
+    ("9 nodes, past the 8-node limit", Case(AR, (32 << 10) + 2, "int16"), nodes([1] * 9),
+     Inline(False)),
+    ("2x2 large all_reduce within the exchange", Case(AR, 2 * MiB), nodes([2, 2]),
+     ReduceGlobalBroadcast(C, C, 0, True)),
+    ("2x2 all_reduce past the exchange", Case(AR, 2 * MiB + 4), nodes([2, 2], 1),
+     ReduceGlobalBroadcast(C, C, 0, False)),
+    ("2x2 all_reduce, local tree / broadcast ring", Case(AR, strategies={
+        "local_all_reduce_strategy": "tree", "local_broadcast_strategy": "ring"}),
+     nodes([2, 2]), ReduceGlobalBroadcast(T, R, 0, True)),
+    ("2x2 large all_reduce, JAX", Case(AR, 4 * MiB, backend="jax"), nodes([2, 2]),
+     ReduceGlobalBroadcast(C, C, 0, False)),
+    # -- a single local peer: its input is the node's reduction, read in place
+    ("1+1 large all_reduce", Case(AR, 2 * MiB), nodes([1, 1]), OutOfPlace(True)),
+    ("1+1 all_reduce past the exchange", Case(AR, 2 * MiB + 4), nodes([1, 1]),
+     OutOfPlace(False)),
+    ("1+1 small all_reduce, local tree", Case(AR, strategies=_local("tree")), nodes([1, 1]),
+     OutOfPlace(True)),
+    ("1+2, the single peer's node", Case(AR, 3 * MiB), nodes([1, 2], 0), OutOfPlace(False)),
+    ("1+2, the other node", Case(AR, 3 * MiB), nodes([1, 2], 1),
+     ReduceGlobalBroadcast(C, C, 0, False)),
+    ("sharded, one peer per node", Case(AR, 4 * MiB, strategies=RING),
+     nodes([1, 1], sharded=True), OutOfPlace(False)),
+    # -- sharded: each shard's exchange by its own size (the first shard holds one more)
+    ("sharded small all_reduce", Case(AR, strategies=RING), nodes([2, 2], sharded=True),
+     HierarchicalRing(R, (True, True))),
+    ("sharded, shards straddle the limit", Case(AR, 4 * MiB + 4, strategies=RING),
+     nodes([2, 2], sharded=True), HierarchicalRing(R, (False, True))),
+    ("sharded, 3 shards past the limit", Case(AR, 7 * MiB, strategies=RING),
+     nodes([3, 3], 1, sharded=True), HierarchicalRing(R, (False, False, False))),
+    ("sharded, global ring", Case(AR, strategies={**RING, **GLOBAL_RING}),
+     nodes([2, 2], sharded=True), HierarchicalRing(R, (False, False))),
+    # -- other operations across nodes (never inline, never exchanged)
+    ("2x2 small reduce, root here", Case(RED, root=1), nodes([2, 2]), GlobalReduce(C, 1, 0)),
+    ("2x2 reduce, root elsewhere", Case(RED, 2 * MiB, root=3), nodes([2, 2]),
+     GlobalReduce(C, 0, 1)),
+    ("2x2 reduce on node 1, root 3", Case(RED, root=3, strategies=RING), nodes([2, 2], 1),
+     GlobalReduce(R, 1, 1)),
+    ("sharded reduce", Case(RED, root=0, strategies=RING), nodes([2, 2], sharded=True),
+     GlobalReduce(R, 0, 0)),
+    ("2x2 small broadcast, root here", Case(BC, root=1), nodes([2, 2]),
+     GlobalBroadcast(C, 1, 0)),
+    ("2x2 broadcast, root elsewhere", Case(BC, root=2, strategies=RING), nodes([2, 2]),
+     GlobalBroadcast(R, 0, 1)),
+    ("2x2 small reduce_scatter", Case(RS, rows=(4, 4)), nodes([2, 2]),
+     GlobalReduceScatter(C, 0)),
+    ("sharded reduce_scatter", Case(RS, rows=(4, 4), strategies=RING),
+     nodes([2, 2], sharded=True), GlobalReduceScatter(R, 0)),
+    ("2x2 small all_gather: the broadcast field", Case(AG, rows=(1, 2), strategies={
+        "local_all_reduce_strategy": "ring"}), nodes([2, 2]), GlobalAllGather(C)),
+    ("2x2 all_gather, local broadcast tree", Case(AG, rows=(1, 2), strategies={
+        "local_broadcast_strategy": "tree"}), nodes([2, 2]), GlobalAllGather(T)),
+    ("2x2 barrier", Case(BAR), nodes([2, 2]), GlobalBarrier(True)),
+    ("1+1 barrier, global ring", Case(BAR, strategies=GLOBAL_RING), nodes([1, 1]),
+     GlobalBarrier(False)),
+    ("3 nodes barrier, global tree", Case(BAR, strategies={
+        "global_all_reduce_strategy": "tree"}), nodes([2, 1, 2], 2), GlobalBarrier(False)),
+]
+
+
+def _backend(name: str) -> Backend:
+    if name != "numpy":
+        pytest.importorskip(name)
+    return get_backend(name)
+
+
+@pytest.mark.parametrize(("case", "world", "expected"), [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_the_decision_picks_the_plan(case: Case, world: World, expected: OpPlan) -> None:
+    calls = case.calls(world)
+    if case.backend != "numpy":
+        calls = [_on(_backend(case.backend), c) for c in calls]
+    assert choose(calls, world, _backend(case.backend), case.config()) == expected
+
+
+def _on(backend: Backend, call: Call) -> Call:
+    array: Any = None if call.array is None else backend.from_host(
+        np.zeros(call.array.shape, call.array.dtype).reshape(-1), call.dtype or "float32",
+        call.shape or (), backend.devices(1)[0])
+    return Call(call.peer_id, call.kind, call.reduce_op, call.root, array, call.dtype,
+                call.shape)
+
+
+def test_an_all_gather_of_scalars_is_refused_unless_inline() -> None:
+    world = one_node(2)
+    scalar = [Call(p, AG, None, None, np.float32(1), "float32", ()) for p in world.peer_ids]
+    assert choose(scalar, world, _backend("numpy"), burncoll.CollectiveConfig()) == Inline()
+    for config, where in ((burncoll.CollectiveConfig(**RING), world),
+                          (burncoll.CollectiveConfig(), nodes([2, 2]))):
+        with pytest.raises(burncoll.UsageError, match="at least one dimension"):
+            choose(scalar, where, _backend("numpy"), config)
