@@ -4,7 +4,7 @@ Each ordered pair of nodes has one connection, opened once at session start and 
 every operation. The *receiving* node dials: node *b* opens a connection to *a*'s listener, and
 *a* sends to *b* only on that connection (as its server side), so each connection has one
 writer. Why the receiver dials: WebSocket clients must mask every frame (RFC 6455 section 5.3),
-servers never do, so array bytes travel unmasked from a server and land in their buffer without
+servers never do, so array bytes travel unmasked from a server into their place without
 a pass over them on either side. Every connection is authenticated before any frame is read
 (:mod:`burncoll.node.dialing`), and every connection is read on both ends.
 

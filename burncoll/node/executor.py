@@ -132,10 +132,10 @@ class GlobalExecutor:
         mailbox = self.service.mailbox
         key, offset, place = request.key, request.offset, request.place
         if place is not None:
-            mailbox.land(key, offset, place)
+            mailbox.offer_place(key, offset, place)
         frame = await mailbox.get(key, op.deadline, lambda: self.timeout_error(op, key[3], key[2]))
         if place is not None:
-            mailbox.unland(key, offset)  # unused if the part came before the room was made
+            mailbox.withdraw_place(key, offset)  # unused if the part came before it was offered
         return frame
 
     def fail_protocol(self, op: GlobalOp, h: DataHeader, what: str) -> CollectiveError:

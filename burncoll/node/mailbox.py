@@ -139,7 +139,7 @@ class Mailbox:
         self._active: dict[int, int] = {}
         #: Memory a receiver has made ready for a part not yet arrived: ``(key, offset)`` ->
         #: the part's final place (the transport may read the payload straight into it).
-        self._landing: dict[tuple[FrameKey, int], memoryview] = {}
+        self._places: dict[tuple[FrameKey, int], memoryview] = {}
         #: Progress of every key of the lanes not left behind.
         self._streams: dict[FrameKey, _Stream] = {}
         #: The lanes started here (not yet left behind), and what each receives.
@@ -152,20 +152,21 @@ class Mailbox:
         self._room.set()
 
     # -- placement ----------------------------------------------------------------------------
-    def land(self, key: FrameKey, offset: int, memory: memoryview) -> None:
+    def offer_place(self, key: FrameKey, offset: int, memory: memoryview) -> None:
         """The part ``(key, offset)`` may be received straight into ``memory``."""
-        self._landing[(key, offset)] = memory
+        self._places[(key, offset)] = memory
 
-    def unland(self, key: FrameKey, offset: int) -> None:
-        self._landing.pop((key, offset), None)
+    def withdraw_place(self, key: FrameKey, offset: int) -> None:
+        """Withdraw the place offered for ``(key, offset)`` if it was not used."""
+        self._places.pop((key, offset), None)
 
-    def landing(self, key: FrameKey, offset: int, size: int) -> memoryview | None:
+    def take_place(self, key: FrameKey, offset: int, size: int) -> memoryview | None:
         """Where the arriving part ``(key, offset)`` of ``size`` bytes goes, if its receiver
-        made room for it (given out once)."""
-        memory = self._landing.get((key, offset))
+        offered a place for it (given out once)."""
+        memory = self._places.get((key, offset))
         if memory is None or len(memory) != size or self._error is not None:
             return None
-        del self._landing[(key, offset)]
+        del self._places[(key, offset)]
         return memory
 
     @property
@@ -244,8 +245,8 @@ class Mailbox:
             return
         self._active.pop(seq, None)
         self._checks.pop(seq, None)
-        for stale in [k for k in self._landing if k[0][0] <= seq]:
-            del self._landing[stale]
+        for stale in [k for k in self._places if k[0][0] <= seq]:
+            del self._places[stale]
 
     def _check(self, frame: Frame) -> None:
         header = frame.header
@@ -388,7 +389,7 @@ class Mailbox:
             return
         self._error = error
         self._frames.clear()
-        self._landing.clear()
+        self._places.clear()
         self._streams.clear()
         self._held.clear()
         self._held_frames = self._held_bytes = 0

@@ -1,8 +1,8 @@
 """Placement: where a large DATA message from a member is received, chosen from its header.
 
 The transport asks (``FastPath.place_with``) as soon as a message's first bytes are in:
-its payload may be received straight into the memory its receiver made ready for it
-(:meth:`~burncoll.node.mailbox.Mailbox.land`), with no copy. Only a part in the sender's own
+its payload may be received straight into the place its receiver offered for it
+(:meth:`~burncoll.node.mailbox.Mailbox.offer_place`), with no copy. Only a part in the sender's own
 name, of this session, whose header and payload make up exactly the message, may be placed:
 a member cannot start writing another node's part into its receiver's memory (and then
 trickle it past the operation's end). The header is checked in full once the message is whole.
@@ -27,7 +27,7 @@ def place(mailbox: Mailbox, session: int | None, node: int, first: memoryview, s
     if peek is None or peek.session != session or peek.key[3] != node or (
             peek.header_len + peek.payload_len != size):
         return None
-    memory = mailbox.landing(peek.key, peek.offset, peek.payload_len)
+    memory = mailbox.take_place(peek.key, peek.offset, peek.payload_len)
     return None if memory is None else (peek.header_len, memory)
 
 

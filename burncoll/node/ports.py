@@ -30,11 +30,11 @@ class Member(Protocol):
 class Inbox(Protocol):
     """Where received DATA frames wait (:class:`~burncoll.node.mailbox.Mailbox`)."""
 
-    def land(self, key: FrameKey, offset: int, memory: memoryview) -> None:
+    def offer_place(self, key: FrameKey, offset: int, memory: memoryview) -> None:
         """The part ``(key, offset)`` may be received straight into ``memory``."""
         ...
 
-    def unland(self, key: FrameKey, offset: int) -> None:
+    def withdraw_place(self, key: FrameKey, offset: int) -> None:
         """Withdraw the memory offered for ``(key, offset)`` if it was not used."""
         ...
 

@@ -562,7 +562,7 @@ def test_only_a_part_in_the_senders_own_name_lands_in_place() -> None:
     nodes = [NodeInfo(i, "127.0.0.1", 1 + i, (i,)) for i in range(3)]
     service.set_session(7, 0, nodes, secret="ab" * 32)
     memory = memoryview(bytearray(PART_BYTES))
-    service.mailbox.land(KEY, 0, memory)  # KEY: node 1's part
+    service.mailbox.offer_place(KEY, 0, memory)  # KEY: node 1's part
     first = memoryview(encode_data_header(header(chunk_bytes=PART_BYTES), PART_BYTES))
     size = len(first) + PART_BYTES
     assert place(service.mailbox, service.session, 2, first, size) is None

@@ -89,7 +89,7 @@ class _Node:
         h = frame.header
         assert h is not None
         self.mailbox.put(frame)  # raises ProtocolError for a part off the schedule
-        memory = self.mailbox.landing((h.seq, h.channel, h.round, h.src, h.chunk), h.offset,
+        memory = self.mailbox.take_place((h.seq, h.channel, h.round, h.src, h.chunk), h.offset,
                                       len(frame.payload))
         if memory is not None:
             memory[:] = frame.payload
@@ -134,7 +134,7 @@ class _World:
                 return False
             reply = queue.popleft()
             if request.place is not None:
-                node.mailbox.unland(request.key, request.offset)
+                node.mailbox.withdraw_place(request.key, request.offset)
         elif (isinstance(request, AwaitChunk)
               and node.versions.get(request.chunk, 0) == node.waits[key]):
             return False
@@ -155,7 +155,7 @@ class _World:
         elif isinstance(request, AwaitChunk):
             node.waits[key] = node.versions.get(request.chunk, 0)
         elif isinstance(request, ReceivePart) and request.place is not None:
-            node.mailbox.land(request.key, request.offset, request.place)
+            node.mailbox.offer_place(request.key, request.offset, request.place)
 
 
 def simulate(schedule: Schedule, ops: list[GlobalOp], chunks: list[list[HostArray | None]],

@@ -1,7 +1,7 @@
 """Receiving a large message's payload straight into memory its receiver chose (``place_with``).
 
-The data service uses it to land all-gathered parts in the result array; here the placer is
-a plain function, so the transport's side is tested alone: the kept head, the landed bytes,
+The data service uses it to place received parts in the result array; here the placer is
+a plain function, so the transport's side is tested alone: the kept head, the placed bytes,
 the fallback when the placer declines, and no placement for masked WebSocket frames (their
 bytes must be unmasked, so they are received into a buffer of their own).
 """
@@ -27,14 +27,14 @@ HEAD = 24
 def test_a_placed_payload_lands_in_the_chosen_memory(make: MakeTransport) -> None:
     async def body() -> None:
         async with connected(make()) as (client, server, _):
-            landing = np.zeros(SIZE - HEAD, np.uint8)
+            target = np.zeros(SIZE - HEAD, np.uint8)
             asked: list[int] = []
 
             def placer(first: memoryview, size: int) -> tuple[int, memoryview] | None:
                 asked.append(size)
                 if len(asked) == 2:
                     return None  # declined: the message gets a buffer of its own
-                return HEAD, memoryview(landing)
+                return HEAD, memoryview(target)
 
             assert isinstance(client, FastPath)
             client.place_with(placer)
@@ -44,7 +44,7 @@ def test_a_placed_payload_lands_in_the_chosen_memory(make: MakeTransport) -> Non
             first = await asyncio.wait_for(client.recv(), 10)
             assert isinstance(first, Placed)
             assert first.head == messages[0][:HEAD]
-            assert bytes(landing) == messages[0][HEAD:]
+            assert bytes(target) == messages[0][HEAD:]
             second = await asyncio.wait_for(client.recv(), 10)
             assert not isinstance(second, Placed) and bytes(second) == messages[1]
             assert asked == [SIZE, SIZE]
@@ -96,26 +96,26 @@ def test_stop_placing_leaves_the_chosen_memory_alone() -> None:
     async def body() -> None:
         async with serving(TcpTransport()) as served:
             _reader, writer = await asyncio.open_connection(HOST, served.port)
-            landing = np.zeros(SIZE - HEAD, np.uint8)
+            target = np.zeros(SIZE - HEAD, np.uint8)
             message = np.frombuffer(os.urandom(SIZE), np.uint8)
             writer.write(PREAMBLE)
             conn = await asyncio.wait_for(served.accepted.get(), 5)
             conn.authenticated()  # as the authentication exchange, skipped here, would
             assert isinstance(conn, FastPath)
-            conn.place_with(lambda first, size: (HEAD, memoryview(landing)))
+            conn.place_with(lambda first, size: (HEAD, memoryview(target)))
             first = 200_000
             writer.write(SIZE.to_bytes(8, "little") + message[:first].tobytes())
             await writer.drain()
-            for _ in range(200):  # until the first bytes have landed
-                if landing[first - HEAD - 1] == message[first - 1] and landing[0] == message[HEAD]:
+            for _ in range(200):  # until the first bytes have been placed
+                if target[first - HEAD - 1] == message[first - 1] and target[0] == message[HEAD]:
                     break
                 await asyncio.sleep(0.01)
             conn.stop_placing()
             writer.write(message[first:].tobytes())
             await writer.drain()
             got = await asyncio.wait_for(conn.recv(), 10)
-            assert isinstance(got, Placed) and got.payload.obj is not landing
-            assert not landing[first - HEAD:].any()  # nothing after the stop landed
+            assert isinstance(got, Placed) and got.payload.obj is not target
+            assert not target[first - HEAD:].any()  # nothing after the stop was placed
             writer.close()
 
     run(body())

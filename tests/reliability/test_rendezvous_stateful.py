@@ -1,4 +1,4 @@
-"""A hypothesis state machine drives the local server: random operations, arrival orders and
+"""A hypothesis state machine drives the rendezvous: random operations, arrival orders and
 failures, on real peer threads through the public API.
 
 Each step picks an operation and an order in which the peers arrive (each waits until the one
@@ -102,7 +102,7 @@ def _outcome(future: concurrent.futures.Future[Any]) -> Any:
     return error if error is not None else future.result()
 
 
-class LocalServerMachine(RuleBasedStateMachine):
+class RendezvousMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.config = burncoll.CollectiveConfig(num_devices=PEERS, timeout=TIMEOUT)
@@ -311,11 +311,11 @@ def _quietly(fn: Callable[[], Any]) -> None:
         fn()
 
 
-LocalServerMachine.TestCase.settings = settings(
+RendezvousMachine.TestCase.settings = settings(
     max_examples=12,
     stateful_step_count=10,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
     database=None,
 )
-TestLocalServer = pytest.mark.timeout(240)(LocalServerMachine.TestCase)
+TestRendezvous = pytest.mark.timeout(240)(RendezvousMachine.TestCase)
