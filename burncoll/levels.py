@@ -8,8 +8,9 @@ shard). The node level sees the local level as :class:`LocalPeers`: it reports f
 and answers other nodes' status queries from it, and never imports the local level.
 
 The path of an operation is decided once, by the local level
-(:func:`burncoll.local.plans.choose.choose`): the link runs what it is told (``exchange``)
-rather than deciding again.
+(:func:`burncoll.local.plans.choose.choose`): every global call carries its :data:`GlobalPath`
+(the one-round :class:`Exchange` or a concrete strategy, ``auto`` already resolved), and the
+link runs what it is told rather than deciding again.
 """
 
 from __future__ import annotations
@@ -21,10 +22,22 @@ from typing import Any, Protocol
 import numpy as np
 
 from burncoll.ops import OpKind, ReduceOp
+from burncoll.strategies import Strategy
 
-__all__ = ["GlobalLink", "GlobalOp", "HostArray", "LocalPeers"]
+__all__ = ["Exchange", "GlobalLink", "GlobalOp", "GlobalPath", "HostArray", "LocalPeers"]
 
 HostArray = np.ndarray[Any, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """The one-round exchange: every node sends its array to every other node and reduces
+    them all itself (``auto``'s path for small all-reduces and for barriers)."""
+
+
+#: How the nodes run a global all-reduce or barrier: the exchange, or a concrete strategy's
+#: schedule (never :class:`~burncoll.strategies.Auto`).
+GlobalPath = Exchange | Strategy
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +71,12 @@ class GlobalLink(Protocol):
     sharded: bool
 
     def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0,
-                   out: HostArray | None = None, *, exchange: bool) -> None:
+                   out: HostArray | None = None, *, path: GlobalPath) -> None:
         """Reduce the flat ``buf`` over all nodes, bitwise identical everywhere.
 
-        ``exchange``: as the one-round exchange (every node sends ``buf`` to every other node
-        and reduces them all itself), else by the global all-reduce schedule. Every node must
-        pass the same choice for the same operation.
+        ``path``: the one-round :class:`Exchange` (every node sends ``buf`` to every other node
+        and reduces them all itself), or the strategy whose all-reduce schedule runs. Every
+        node must pass the same path for the same operation.
 
         In place by default. With ``out`` (same dtype and size as ``buf``, C-contiguous,
         writable, not overlapping it) ``buf`` is only read -- it may be read-only, e.g. the
@@ -72,29 +85,33 @@ class GlobalLink(Protocol):
         """
         ...
 
-    def reduce(self, op: GlobalOp, buf: HostArray, root_node: int) -> None:
-        """Reduce ``buf`` over all nodes into ``root_node``'s ``buf`` (in place)."""
+    def reduce(self, op: GlobalOp, buf: HostArray, root_node: int, *,
+               strategy: Strategy) -> None:
+        """Reduce ``buf`` over all nodes into ``root_node``'s ``buf`` (in place), by
+        ``strategy``'s reduce schedule (as are the other operations by theirs)."""
         ...
 
-    def broadcast(self, op: GlobalOp, buf: HostArray | None, root_node: int) -> HostArray:
+    def broadcast(self, op: GlobalOp, buf: HostArray | None, root_node: int, *,
+                  strategy: Strategy) -> HostArray:
         """``root_node``'s flat ``buf`` on every node (returned; dtype/shape from the root)."""
         ...
 
     def reduce_scatter(
         self, op: GlobalOp, buf: HostArray, layout: Sequence[tuple[int, int]],
-        owners: Sequence[int],
+        owners: Sequence[int], *, strategy: Strategy,
     ) -> None:
         """Reduce chunk ``c`` (``layout[c]`` of ``buf``) over all nodes into node
         ``owners[c]``'s ``buf``; other chunks are left unspecified."""
         ...
 
-    def all_gather(self, op: GlobalOp, mine: Mapping[int, HostArray]) -> list[HostArray]:
+    def all_gather(self, op: GlobalOp, mine: Mapping[int, HostArray], *,
+                   strategy: Strategy) -> list[HostArray]:
         """Every peer's array, by rank: ``mine`` maps this node's ranks to their arrays."""
         ...
 
-    def barrier(self, op: GlobalOp, *, exchange: bool) -> None:
-        """Return once every node has reached this barrier (``exchange``: as a one-round
-        exchange of empty messages, else by the global all-reduce schedule)."""
+    def barrier(self, op: GlobalOp, *, path: GlobalPath) -> None:
+        """Return once every node has reached this barrier (``path``: a one-round
+        :class:`Exchange` of empty messages, or the strategy's all-reduce schedule)."""
         ...
 
     def abort(self, error: BaseException) -> None:

@@ -1,10 +1,12 @@
 """Control messages: the JSON objects of CONTROL frames, as frozen dataclasses.
 
-Two conversations use them. A node and the orchestrator (:mod:`burncoll.orchestrator`): the
-node sends :class:`Join`, :class:`Finish`, :class:`Leave`; the orchestrator answers with
-:class:`Table`, :class:`Refused`, :class:`Notice`, :class:`Finished`, :class:`NodeLost`. Two
-members of a session (:mod:`burncoll.node.data_service`): :class:`Hello`, :class:`Bye`,
-:class:`Abort`, :class:`StatusQuery`, :class:`Status`.
+Two conversations use them. A node and the orchestrator (:mod:`burncoll.orchestrator`) share
+this module, which holds their whole conversation: the node sends :class:`Join`,
+:class:`Finish`, :class:`Leave`; the orchestrator answers with :class:`Table`,
+:class:`Refused`, :class:`Notice`, :class:`Finished`, :class:`NodeLost`. Two members of a
+session talk with the messages of :mod:`burncoll.node.member_messages`, built on what is here:
+the frame (:func:`encode`, :func:`kind_of`, :func:`tell`), the shapes several messages share
+and the decoding by type.
 
 Each message encodes to the JSON object sent before these types existed (same keys, same
 order, so the same bytes). Decoding checks every field: a message whose fields are not what
@@ -23,15 +25,15 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, Self, TypeAlias, TypeVar
 
 from burncoll.errors import TransportError
-from burncoll.node.json_fields import Fields, JsonObject, MalformedMessage, count, int_tuple, is_int
+from burncoll.node.json_fields import Fields, JsonObject, is_int
 from burncoll.transport.base import Connection
 from burncoll.transport.wire import Frame, encode_control
 
 __all__ = [
-    "MAX_FIELD_BYTES", "MAX_NODE_PEERS", "Abort", "Bye", "ControlMessage", "Finish", "Finished",
-    "FromNode", "FromOrchestrator", "Hello", "Join", "Leave", "MemberMessage", "NodeLost",
-    "Notice", "Refused", "Status", "StatusQuery", "Table", "TableEntry", "decode_from_node",
-    "decode_from_orchestrator", "decode_member", "encode", "kind_of", "tell",
+    "MAX_FIELD_BYTES", "MAX_NODE_PEERS", "MAX_PEER_ID", "MAX_SESSION", "AboutNode",
+    "ControlMessage", "Finish", "Finished", "FromNode", "FromOrchestrator", "Join", "Leave",
+    "NodeLost", "Notice", "Refused", "Table", "TableEntry", "decode_by_type",
+    "decode_from_node", "decode_from_orchestrator", "encode", "kind_of", "tell",
 ]
 
 #: Most peer ids one node may register (devices on one node).
@@ -39,8 +41,10 @@ MAX_NODE_PEERS = 4096
 #: Largest fingerprint, and largest meta, of a join (bytes of canonical JSON).
 MAX_FIELD_BYTES = 4096
 _MAX_HOST = 255
-_MAX_PEER_ID = 2**63 - 1  # a peer id travels as an i64 (a DATA header's root)
-_MAX_SESSION = 2**64 - 1  # a session id travels as a u64
+#: Largest peer id: it travels as an i64 (a DATA header's root).
+MAX_PEER_ID = 2**63 - 1
+#: Largest session id: it travels as a u64.
+MAX_SESSION = 2**64 - 1
 _SECRET_HEX = 64  # a session secret: 32 random bytes, in hex
 M = TypeVar("M")
 
@@ -90,7 +94,7 @@ class _Bare:
 
 
 @dataclass(frozen=True, slots=True)
-class _FromNode:
+class AboutNode:
     """A message whose one field is the node it comes from, or is about."""
 
     KIND: ClassVar[str]
@@ -123,112 +127,6 @@ class _Reason:
         reason = fields.text("reason")
         fields.check()
         return cls(reason)
-
-
-# -- between members of a session ------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Hello:
-    """A dialer's first frame: which member it is, of which session."""
-
-    KIND: ClassVar[str] = "hello"
-    node: int
-    session: int
-
-    def to_json(self) -> JsonObject:
-        return {"type": self.KIND, "node": self.node, "session": self.session}
-
-    @classmethod
-    def from_json(cls, message: Mapping[str, object]) -> Hello:
-        node, session = message.get("node"), message.get("session")
-        if not is_int(node, 0):
-            raise MalformedMessage(f"hello from an unknown node {node!r}")
-        if session is None:
-            raise MalformedMessage(f"hello from node {node} without its session")
-        if not is_int(session, 0, _MAX_SESSION):
-            raise MalformedMessage(f"hello from node {node} of another session ({session!r})")
-        assert isinstance(node, int) and isinstance(session, int)
-        return cls(node, session)
-
-
-@dataclass(frozen=True, slots=True)
-class Bye(_FromNode):
-    """A member leaving cleanly: its connections end, and that is no failure."""
-
-    KIND: ClassVar[str] = "bye"
-
-
-@dataclass(frozen=True, slots=True)
-class StatusQuery(_FromNode):
-    """``status?``: what are your peers doing? (asked when an operation times out)."""
-
-    KIND: ClassVar[str] = "status?"
-
-
-@dataclass(frozen=True, slots=True)
-class Abort:
-    """A member failed the session: the error's class name and message, for every node to
-    raise (see :func:`burncoll.node.membership.error_from_abort`)."""
-
-    KIND: ClassVar[str] = "abort"
-    node: int
-    error: str
-    message: str
-
-    def to_json(self) -> JsonObject:
-        return {"type": self.KIND, "node": self.node, "error": self.error,
-                "message": self.message}
-
-    @classmethod
-    def from_json(cls, message: Mapping[str, object]) -> Abort:
-        fields = Fields(message, "abort message")
-        node, error, text = fields.integer("node", 0), fields.text("error"), fields.text("message")
-        fields.check()
-        return cls(node, error, text)
-
-
-@dataclass(frozen=True, slots=True)
-class Status:
-    """The answer to a :class:`StatusQuery`: which of the node's peers arrived at which
-    operation, and each peer's next operation. ``None``: the node has no local level yet
-    (the field is then left out of the message)."""
-
-    KIND: ClassVar[str] = "status"
-    node: int
-    #: Operation sequence number -> the peer ids whose call of it has arrived.
-    arrived: Mapping[int, tuple[int, ...]] | None = None
-    #: Peer id -> the sequence number of its next operation.
-    next_seq: Mapping[int, int] | None = None
-
-    def to_json(self) -> JsonObject:
-        message: JsonObject = {"type": self.KIND, "node": self.node}
-        if self.arrived is not None:  # json spells the int keys as strings
-            message["arrived"] = {str(k): list(v) for k, v in self.arrived.items()}
-        if self.next_seq is not None:
-            message["next_seq"] = {str(k): v for k, v in self.next_seq.items()}
-        return message
-
-    @classmethod
-    def from_json(cls, message: Mapping[str, object]) -> Status:
-        fields = Fields(message, "status message")
-        node = fields.integer("node", 0)
-        arrived = fields.int_map("arrived", lambda v: int_tuple(v, _MAX_PEER_ID),
-                                 "lists of peer ids")
-        next_seq = fields.int_map("next_seq", count, "ints >= 0")
-        fields.check()
-        return cls(node, arrived, next_seq)
-
-    @classmethod
-    def of(cls, node: int, report: Mapping[str, object]) -> Status:
-        """This node's answer, from its local level's report (``arrived``, ``next_seq``),
-        checked as another node checks it."""
-        return cls.from_json({"type": cls.KIND, "node": node, **report})
-
-
-MemberMessage: TypeAlias = "Hello | Bye | Abort | StatusQuery | Status"
-_MEMBER: dict[str, Callable[[Mapping[str, object]], MemberMessage]] = {
-    Hello.KIND: Hello.from_json, Bye.KIND: Bye.from_json, Abort.KIND: Abort.from_json,
-    StatusQuery.KIND: StatusQuery.from_json, Status.KIND: Status.from_json,
-}
 
 
 # -- between a node and the orchestrator -----------------------------------------------------
@@ -267,7 +165,7 @@ class Join:
         larger than :data:`MAX_NODE_PEERS` ids or :data:`MAX_FIELD_BYTES` is kept."""
         fields = Fields(message, "join message")
         host, port = fields.text("host", _MAX_HOST), fields.integer("port", 1, 65535)
-        peer_ids = fields.ids("peer_ids", MAX_NODE_PEERS, _MAX_PEER_ID)
+        peer_ids = fields.ids("peer_ids", MAX_NODE_PEERS, MAX_PEER_ID)
         fingerprint = fields.json_object("fingerprint", MAX_FIELD_BYTES)
         if fingerprint.get("num_nodes") is not None and not is_int(fingerprint["num_nodes"], 1):
             fields.problem("fingerprint.num_nodes must be an int >= 1")
@@ -296,7 +194,7 @@ class TableEntry:
         if not is_int(fields.message.get("index"), position, position):
             fields.problem(f"index must be {position}")
         host, port = fields.text("host", _MAX_HOST), fields.integer("port", 1, 65535)
-        peer_ids = fields.ids("peer_ids", MAX_NODE_PEERS, _MAX_PEER_ID)
+        peer_ids = fields.ids("peer_ids", MAX_NODE_PEERS, MAX_PEER_ID)
         meta = fields.message.get("meta")
         if meta is not None and not isinstance(meta, dict):
             fields.problem("meta must be an object")
@@ -324,7 +222,7 @@ class Table:
     @classmethod
     def from_json(cls, message: Mapping[str, object]) -> Table:
         fields = Fields(message, "node table")
-        session = fields.integer("session", 0, _MAX_SESSION)
+        session = fields.integer("session", 0, MAX_SESSION)
         listed = message.get("nodes")
         nodes: list[TableEntry] = []
         if not isinstance(listed, list) or not listed:
@@ -362,7 +260,7 @@ class Notice(_Reason):
 
 
 @dataclass(frozen=True, slots=True)
-class NodeLost(_FromNode):
+class NodeLost(AboutNode):
     """A member's connection to the orchestrator dropped before it finished."""
 
     KIND: ClassVar[str] = "node_lost"
@@ -401,23 +299,20 @@ _FROM_ORCHESTRATOR: dict[str, Callable[[Mapping[str, object]], FromOrchestrator]
 }
 
 
-def _decode(frame: Frame, parsers: Mapping[str, Callable[[Mapping[str, object]], M]]
-            ) -> M | None:
+def decode_by_type(frame: Frame, parsers: Mapping[str, Callable[[Mapping[str, object]], M]]
+                   ) -> M | None:
+    """The message of a CONTROL frame, by the parser of its ``"type"``; ``None`` for a DATA
+    frame or a type without a parser."""
     control = frame.control
     parse = None if control is None else parsers.get(control["type"])
     return None if parse is None else parse(frame.control or {})
 
 
-def decode_member(frame: Frame) -> MemberMessage | None:
-    """The message of a member's CONTROL frame; ``None`` for a DATA frame or another type."""
-    return _decode(frame, _MEMBER)
-
-
 def decode_from_node(frame: Frame) -> FromNode | None:
     """The message a node sent the orchestrator; ``None`` for anything else."""
-    return _decode(frame, _FROM_NODE)
+    return decode_by_type(frame, _FROM_NODE)
 
 
 def decode_from_orchestrator(frame: Frame) -> FromOrchestrator | None:
     """The message the orchestrator sent a node; ``None`` for anything else."""
-    return _decode(frame, _FROM_ORCHESTRATOR)
+    return decode_by_type(frame, _FROM_ORCHESTRATOR)

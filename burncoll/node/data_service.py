@@ -17,7 +17,8 @@ accepting connections), :class:`~burncoll.node.connections.MemberConnections` (s
 
 A member connection that breaks without ``bye``, or that sends bytes that are not a valid
 frame, fails the session with :class:`~burncoll.PeerLost` / :class:`~burncoll.ProtocolError`
-on every node; a failing node tells the others why (:class:`~burncoll.node.control.Abort`).
+on every node; a failing node tells the others why
+(:class:`~burncoll.node.member_messages.Abort`).
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 from burncoll.errors import PeerLost, TransportError
 from burncoll.node.connections import MemberConnections
-from burncoll.node.control import Abort, Bye, Status, StatusQuery
 from burncoll.node.dialing import Dialing
 from burncoll.node.mailbox import Mailbox
+from burncoll.node.member_messages import Abort, Bye, Status, StatusQuery
 from burncoll.node.membership import Membership, NodeInfo, explain_lost
 from burncoll.node.placement import placer_for
 from burncoll.node.reading import MemberReader
@@ -70,7 +71,7 @@ class DataService:
         #: Called once when the session fails because of another node (set by the link).
         self.on_failure: Callable[[BaseException], None] = lambda error: None
         #: Answers a status query: what this node's peers are doing (its local level's
-        #: report, see :class:`~burncoll.node.control.Status`).
+        #: report, see :class:`~burncoll.node.member_messages.Status`).
         self.status: Callable[[], Mapping[str, object]] = lambda: {}
 
     # -- what the executor and the link read ---------------------------------------------------

@@ -6,8 +6,8 @@ Each ordered pair of nodes has one connection, and the *receiving* node dials it
 session's secret, which the orchestrator hands every member with its table -- so a stranger
 who reaches a data port cannot pose as a member. The accepting side therefore waits (at most
 :data:`~burncoll.transport.base.PREAUTH_SECONDS`) until it knows the session before it
-challenges the dialer. The dialer's first frame is :class:`~burncoll.node.control.Hello`,
-naming its node and the session.
+challenges the dialer. The dialer's first frame is
+:class:`~burncoll.node.member_messages.Hello`, naming its node and the session.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import logging
 import time
 
 from burncoll.errors import AuthenticationError, ProtocolError, TransportError
-from burncoll.node.control import Hello, decode_member, encode, kind_of
+from burncoll.node.control import encode, kind_of
+from burncoll.node.member_messages import Hello, decode_member
 from burncoll.node.membership import Membership, NodeInfo
 from burncoll.transport.admission import BoundedLog
 from burncoll.transport.auth import authenticate_client, authenticate_server

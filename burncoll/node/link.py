@@ -3,8 +3,9 @@
 Peer threads call its blocking methods; the work runs on the node's event loop. It joins the
 collective (orchestrator, then a connection to every node), runs global schedules with the
 :class:`GlobalExecutor`, and turns failures anywhere into a failure of the local peers
-(:class:`~burncoll.levels.LocalPeers`). Whether an all-reduce or a barrier runs as the one-round
-exchange is decided with the operation's plan, by the local level; the link only runs it.
+(:class:`~burncoll.levels.LocalPeers`). Which path each operation takes -- the one-round
+exchange, or which strategy's schedule -- is decided with the operation's plan, by the local
+level; the link only runs it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -22,13 +23,13 @@ from burncoll.config import CollectiveConfig
 from burncoll.config_values import parse_host_port
 from burncoll.errors import CollectiveError, CollectiveTimeout, PeerLost, UsageError
 from burncoll.ioloop import IoLoop
-from burncoll.levels import GlobalOp, HostArray, LocalPeers
+from burncoll.levels import Exchange, GlobalOp, GlobalPath, HostArray, LocalPeers
 from burncoll.node.control import Join
 from burncoll.node.data_service import DataService
 from burncoll.node.exchange import exchange_all_reduce, exchange_parts, exchange_receives
 from burncoll.node.executor import GlobalExecutor
 from burncoll.node.orchestrator_client import OrchestratorClient
-from burncoll.strategies import Ring, Schedule, resolve
+from burncoll.strategies import Ring, Schedule, Strategy
 from burncoll.strategies.layout import even_layout
 from burncoll.transport import get_transport
 
@@ -41,9 +42,8 @@ T = TypeVar("T")
 class NodeLink:
     """This node's membership of a multi-node collective."""
 
-    def __init__(self, config: CollectiveConfig, io: IoLoop, service: DataService,
-                 orchestrator: OrchestratorClient) -> None:
-        self.config = config
+    def __init__(self, io: IoLoop, service: DataService, orchestrator: OrchestratorClient
+                 ) -> None:
         self._io = io
         self._service = service
         self._orch = orchestrator
@@ -148,17 +148,6 @@ class NodeLink:
         self.abort(error)
         return error
 
-    def _schedule(self, field: str, make: str, *args: Any, nbytes: int = 0) -> Schedule:
-        strategy = resolve(self.config.strategy(field), "global", nbytes, self.num_nodes)
-        methods: dict[str, Callable[..., Schedule]] = {
-            "all_reduce": strategy.all_reduce,
-            "reduce": strategy.reduce,
-            "broadcast": strategy.broadcast,
-            "reduce_scatter": strategy.reduce_scatter,
-            "all_gather": strategy.all_gather,
-        }
-        return methods[make](self.num_nodes, *args)
-
     async def _run(self, op: GlobalOp, schedule: Schedule, chunks: list[HostArray | None],
                    channel: int = 0, out: list[HostArray | None] | None = None,
                    ) -> tuple[str | None, tuple[int, ...]]:
@@ -198,8 +187,8 @@ class NodeLink:
             mailbox.done(op.seq)
 
     def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0,
-                   out: HostArray | None = None, *, exchange: bool) -> None:
-        if exchange:
+                   out: HostArray | None = None, *, path: GlobalPath) -> None:
+        if isinstance(path, Exchange):
             if out is not None:
                 _check_out(buf, out)
             result = np.empty_like(buf) if out is None else out
@@ -207,7 +196,7 @@ class NodeLink:
             if out is None:
                 buf[...] = result
             return
-        schedule = self._schedule("global_all_reduce_strategy", "all_reduce", nbytes=buf.nbytes)
+        schedule = path.all_reduce(self.num_nodes)
         layout = even_layout(buf.size, schedule.num_chunks)
         chunks: list[HostArray | None] = [buf[a:b] for a, b in layout]
         outs: list[HostArray | None] | None = None
@@ -216,15 +205,16 @@ class NodeLink:
             outs = [out[a:b] for a, b in layout]
         self._call(op, self._run(op, schedule, chunks, channel, outs))
 
-    def reduce(self, op: GlobalOp, buf: HostArray, root_node: int) -> None:
-        schedule = self._schedule("global_reduce_strategy", "reduce", root_node,
-                                  nbytes=buf.nbytes)
+    def reduce(self, op: GlobalOp, buf: HostArray, root_node: int, *,
+               strategy: Strategy) -> None:
+        schedule = strategy.reduce(self.num_nodes, root_node)
         chunks: list[HostArray | None] = [
             buf[a:b] for a, b in even_layout(buf.size, schedule.num_chunks)]
         self._call(op, self._run(op, schedule, chunks))
 
-    def broadcast(self, op: GlobalOp, buf: HostArray | None, root_node: int) -> HostArray:
-        schedule = self._schedule("global_broadcast_strategy", "broadcast", root_node)
+    def broadcast(self, op: GlobalOp, buf: HostArray | None, root_node: int, *,
+                  strategy: Strategy) -> HostArray:
+        schedule = strategy.broadcast(self.num_nodes, root_node)
         if buf is not None:
             chunks: list[HostArray | None] = [
                 buf[a:b] for a, b in even_layout(buf.size, schedule.num_chunks)]
@@ -242,25 +232,25 @@ class NodeLink:
         return flat.view(dtype_from_name(dtype or "uint8")).reshape(shape)
 
     def reduce_scatter(self, op: GlobalOp, buf: HostArray, layout: Sequence[tuple[int, int]],
-                       owners: Sequence[int]) -> None:
-        schedule = self._schedule("global_all_reduce_strategy", "reduce_scatter", tuple(owners),
-                                  nbytes=buf.nbytes)
+                       owners: Sequence[int], *, strategy: Strategy) -> None:
+        schedule = strategy.reduce_scatter(self.num_nodes, tuple(owners))
         chunks: list[HostArray | None] = [buf[a:b] for a, b in layout]
         self._call(op, self._run(op, schedule, chunks))
 
-    def all_gather(self, op: GlobalOp, mine: Mapping[int, HostArray]) -> list[HostArray]:
+    def all_gather(self, op: GlobalOp, mine: Mapping[int, HostArray], *,
+                   strategy: Strategy) -> list[HostArray]:
         owners = tuple(self.node_of[p] for p in self.peer_ids)
-        schedule = self._schedule("global_all_reduce_strategy", "all_gather", owners)
+        schedule = strategy.all_gather(self.num_nodes, owners)
         chunks: list[HostArray | None] = [mine.get(r) for r in range(len(self.peer_ids))]
         self._call(op, self._run(op, schedule, chunks))
         return [c if c is not None else np.empty(0) for c in chunks]
 
-    def barrier(self, op: GlobalOp, *, exchange: bool) -> None:
-        if exchange:  # one round, and every node leaves it at about the same time
+    def barrier(self, op: GlobalOp, *, path: GlobalPath) -> None:
+        if isinstance(path, Exchange):  # one round, every node leaves at about the same time
             empty = np.empty(0, np.uint8)
             self._exchange(op, empty, np.empty(0, np.uint8), 0)
             return
-        schedule = self._schedule("global_all_reduce_strategy", "all_reduce")
+        schedule = path.all_reduce(self.num_nodes)
         chunks: list[HostArray | None] = [
             np.empty(0, np.uint8) for _ in range(schedule.num_chunks)]
         self._call(op, self._run(op, schedule, chunks))
@@ -322,7 +312,7 @@ def join_collective(config: CollectiveConfig, local_peer_ids: Sequence[int]) -> 
     except BaseException:
         io.stop()
         raise
-    return NodeLink(config, io, service, orch)
+    return NodeLink(io, service, orch)
 
 
 async def _join(service: DataService, orch: OrchestratorClient, config: CollectiveConfig,

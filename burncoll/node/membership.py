@@ -21,8 +21,8 @@ from burncoll.errors import (
     PeerLost,
     ProtocolError,
 )
-from burncoll.node.control import Abort, Hello
 from burncoll.node.mailbox import Mailbox
+from burncoll.node.member_messages import Abort, Hello
 
 __all__ = ["Membership", "NodeInfo", "error_from_abort", "explain_lost"]
 

@@ -4,8 +4,8 @@ DATA frames go to the :class:`~burncoll.node.mailbox.Mailbox` -- only the sender
 of this session, on the connection this node dialed (the only one array data comes on). A
 reader stops reading while the mailbox holds too many frames of operations not started here
 (see :mod:`burncoll.node.mailbox`: backpressure, not hoarding). CONTROL frames carry
-:class:`~burncoll.node.control.Abort` (another node failed), :class:`~burncoll.node.control.Bye`
-(a node leaving cleanly) and status queries.
+:class:`~burncoll.node.member_messages.Abort` (another node failed),
+:class:`~burncoll.node.member_messages.Bye` (a node leaving cleanly) and status queries.
 
 A connection that breaks without ``bye``, or that sends bytes that are not a valid frame, fails
 the session with :class:`~burncoll.PeerLost` / :class:`~burncoll.ProtocolError`.
@@ -17,8 +17,8 @@ import logging
 from typing import Protocol
 
 from burncoll.errors import PeerLost, ProtocolError, TransportError
-from burncoll.node.control import Abort, Bye, Status, StatusQuery, decode_member
 from burncoll.node.mailbox import Mailbox
+from burncoll.node.member_messages import Abort, Bye, Status, StatusQuery, decode_member
 from burncoll.node.membership import Membership, error_from_abort
 from burncoll.transport.base import Connection
 from burncoll.transport.wire import Frame, FrameType, decode

@@ -6,7 +6,8 @@ also runs small operations *inline*: the last peer to arrive computes every peer
 one pass (a centralized reduction without the thread barriers of a schedule).
 
 These are the thresholds; the one place that applies them to an operation (inline, fused,
-exchange, and the strategies of its local phases) is :func:`burncoll.local.plans.choose.choose`.
+exchange, and the strategies of its local and global phases) is
+:func:`burncoll.local.plans.choose.choose`.
 """
 
 from __future__ import annotations

@@ -6,6 +6,13 @@ peer), ``wants_inline`` (``auto``, at most ``INLINE_BYTES``, across nodes only t
 ``wants_fused`` (one node, 2+ peers, NumPy, ``auto``, not the mean of integers) and the node
 link's ``_exchanges`` (global ``auto``, at most ``exchange_limit(nodes)`` bytes per node, per
 shard when sharded; a barrier as a 0-byte exchange) -- not by calling the function.
+
+The global path of each plan (the exchange, or the strategy of the global schedule) is what
+the node link used to resolve itself, by hand from ``strategies/auto.py``: the operation's own
+config field (``global_all_reduce_strategy`` for an all-reduce, reduce-scatter, all-gather and
+barrier), and under ``auto`` ``tree:2`` up to 64 KiB and ``ring`` past it, by the size the node
+was handed: the node's array (each shard when sharded) for an all-reduce, its whole array for a
+reduce and a reduce-scatter, and 0 bytes for a barrier, a broadcast and an all-gather.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import pytest
 import burncoll
 from burncoll.backends import get_backend
 from burncoll.backends.base import Backend
+from burncoll.levels import Exchange
 from burncoll.local.calls import Call
 from burncoll.local.plans.barrier import LocalBarrier
 from burncoll.local.plans.choose import OpPlan, choose
@@ -38,7 +46,8 @@ from burncoll.ops import OpKind, ReduceOp
 from burncoll.strategies import Centralized, Ring, Tree
 
 MiB = 1 << 20
-C, R, T = Centralized(), Ring(), Tree(2)
+KiB = 1 << 10
+C, R, T, T3, X = Centralized(), Ring(), Tree(2), Tree(3), Exchange()
 AR, RED, BC, RS, AG, BAR = (OpKind.ALL_REDUCE, OpKind.REDUCE, OpKind.BROADCAST,
                             OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.BARRIER)
 
@@ -143,73 +152,133 @@ CASES: list[tuple[str, Case, World, OpPlan]] = [
      one_node(2), LocalSchedule(AG, C)),
     ("barrier", Case(BAR), one_node(4), LocalBarrier()),
     ("barrier, local ring", Case(BAR, strategies=RING), one_node(4), LocalBarrier()),
-    # -- several nodes: only the all-reduce is inline; the exchange up to exchange_limit
-    ("2x2 small all_reduce", Case(AR), nodes([2, 2]), Inline(exchange=True)),
+    # -- several nodes: only the all-reduce is inline; the exchange up to exchange_limit, then
+    #    the global all-reduce strategy (auto: tree:2 up to 64 KiB, ring past it)
+    ("2x2 small all_reduce", Case(AR), nodes([2, 2]), Inline(X)),
     ("2x2 small all_reduce, global ring", Case(AR, strategies=GLOBAL_RING), nodes([2, 2]),
-     Inline(exchange=False)),
-    ("3 nodes, 256 KiB all_reduce", Case(AR, 256 << 10), nodes([1, 1, 1]), Inline(True)),
-    ("3 nodes, 256 KiB + 4 all_reduce", Case(AR, (256 << 10) + 4), nodes([1, 1, 1]),
-     Inline(False)),
-    ("5 nodes use the 4-node limit", Case(AR, 128 << 10), nodes([1] * 5), Inline(True)),
-    ("5 nodes, past the 4-node limit", Case(AR, (128 << 10) + 8, "float64"), nodes([1] * 5),
-     Inline(False)),
-    ("9 nodes use the 8-node limit", Case(AR, 32 << 10), nodes([1] * 9, 4), Inline(True)),
-    ("9 nodes, past the 8-node limit", Case(AR, (32 << 10) + 2, "int16"), nodes([1] * 9),
-     Inline(False)),
+     Inline(R)),
+    ("3 nodes, 256 KiB all_reduce", Case(AR, 256 * KiB), nodes([1, 1, 1]), Inline(X)),
+    ("3 nodes, 256 KiB + 4 all_reduce", Case(AR, 256 * KiB + 4), nodes([1, 1, 1]),
+     Inline(R)),
+    ("5 nodes use the 4-node limit", Case(AR, 128 * KiB), nodes([1] * 5), Inline(X)),
+    ("5 nodes, past the 4-node limit", Case(AR, 128 * KiB + 8, "float64"), nodes([1] * 5),
+     Inline(R)),
+    ("9 nodes use the 8-node limit", Case(AR, 32 * KiB), nodes([1] * 9, 4), Inline(X)),
+    ("9 nodes, past the 8-node limit: a tree up to 64 KiB", Case(AR, 32 * KiB + 2, "int16"),
+     nodes([1] * 9), Inline(T)),
+    ("9 nodes, exactly 64 KiB: still the tree", Case(AR, 64 * KiB), nodes([1] * 9, 8),
+     Inline(T)),
+    ("9 nodes, past 64 KiB: the ring", Case(AR, 64 * KiB + 4), nodes([1] * 9), Inline(R)),
+    ("9 nodes, global tree:3", Case(AR, 32 * KiB, strategies={
+        "global_all_reduce_strategy": "tree:3"}), nodes([1] * 9), Inline(T3)),
     ("2x2 large all_reduce within the exchange", Case(AR, 2 * MiB), nodes([2, 2]),
-     ReduceGlobalBroadcast(C, C, 0, True)),
+     ReduceGlobalBroadcast(C, C, 0, X)),
     ("2x2 all_reduce past the exchange", Case(AR, 2 * MiB + 4), nodes([2, 2], 1),
-     ReduceGlobalBroadcast(C, C, 0, False)),
+     ReduceGlobalBroadcast(C, C, 0, R)),
+    ("2x2 all_reduce past the exchange, global tree:3", Case(AR, 2 * MiB + 4, strategies={
+        "global_all_reduce_strategy": "tree:3"}), nodes([2, 2]),
+     ReduceGlobalBroadcast(C, C, 0, T3)),
+    ("2x2 all_reduce, global centralized", Case(AR, 2 * MiB, strategies={
+        "global_all_reduce_strategy": "centralized"}), nodes([2, 2]),
+     ReduceGlobalBroadcast(C, C, 0, C)),
+    ("2x2 all_reduce: the other global fields do not decide", Case(AR, 4 * MiB, strategies={
+        "global_reduce_strategy": "centralized", "global_broadcast_strategy": "tree:3"}),
+     nodes([2, 2]), ReduceGlobalBroadcast(C, C, 0, R)),
     ("2x2 all_reduce, local tree / broadcast ring", Case(AR, strategies={
         "local_all_reduce_strategy": "tree", "local_broadcast_strategy": "ring"}),
-     nodes([2, 2]), ReduceGlobalBroadcast(T, R, 0, True)),
+     nodes([2, 2]), ReduceGlobalBroadcast(T, R, 0, X)),
     ("2x2 large all_reduce, JAX", Case(AR, 4 * MiB, backend="jax"), nodes([2, 2]),
-     ReduceGlobalBroadcast(C, C, 0, False)),
+     ReduceGlobalBroadcast(C, C, 0, R)),
     # -- a single local peer: its input is the node's reduction, read in place
-    ("1+1 large all_reduce", Case(AR, 2 * MiB), nodes([1, 1]), OutOfPlace(True)),
+    ("1+1 large all_reduce", Case(AR, 2 * MiB), nodes([1, 1]), OutOfPlace(X)),
     ("1+1 all_reduce past the exchange", Case(AR, 2 * MiB + 4), nodes([1, 1]),
-     OutOfPlace(False)),
+     OutOfPlace(R)),
     ("1+1 small all_reduce, local tree", Case(AR, strategies=_local("tree")), nodes([1, 1]),
-     OutOfPlace(True)),
-    ("1+2, the single peer's node", Case(AR, 3 * MiB), nodes([1, 2], 0), OutOfPlace(False)),
+     OutOfPlace(X)),
+    ("1+1 all_reduce, global centralized", Case(AR, 2 * MiB, strategies={
+        **_local("tree"), "global_all_reduce_strategy": "centralized"}), nodes([1, 1]),
+     OutOfPlace(C)),
+    ("8 nodes of 1, 48 KiB: a tree past the exchange", Case(AR, 48 * KiB, strategies=_local(
+        "tree")), nodes([1] * 8), OutOfPlace(T)),
+    ("1+2, the single peer's node", Case(AR, 3 * MiB), nodes([1, 2], 0), OutOfPlace(R)),
     ("1+2, the other node", Case(AR, 3 * MiB), nodes([1, 2], 1),
-     ReduceGlobalBroadcast(C, C, 0, False)),
+     ReduceGlobalBroadcast(C, C, 0, R)),
     ("sharded, one peer per node", Case(AR, 4 * MiB, strategies=RING),
-     nodes([1, 1], sharded=True), OutOfPlace(False)),
-    # -- sharded: each shard's exchange by its own size (the first shard holds one more)
+     nodes([1, 1], sharded=True), OutOfPlace(R)),
+    # -- sharded: each shard's path by its own size (the first shard holds one more)
     ("sharded small all_reduce", Case(AR, strategies=RING), nodes([2, 2], sharded=True),
-     HierarchicalRing(R, (True, True))),
+     HierarchicalRing(R, (X, X))),
     ("sharded, shards straddle the limit", Case(AR, 4 * MiB + 4, strategies=RING),
-     nodes([2, 2], sharded=True), HierarchicalRing(R, (False, True))),
+     nodes([2, 2], sharded=True), HierarchicalRing(R, (R, X))),
     ("sharded, 3 shards past the limit", Case(AR, 7 * MiB, strategies=RING),
-     nodes([3, 3], 1, sharded=True), HierarchicalRing(R, (False, False, False))),
+     nodes([3, 3], 1, sharded=True), HierarchicalRing(R, (R, R, R))),
     ("sharded, global ring", Case(AR, strategies={**RING, **GLOBAL_RING}),
-     nodes([2, 2], sharded=True), HierarchicalRing(R, (False, False))),
-    # -- other operations across nodes (never inline, never exchanged)
-    ("2x2 small reduce, root here", Case(RED, root=1), nodes([2, 2]), GlobalReduce(C, 1, 0)),
+     nodes([2, 2], sharded=True), HierarchicalRing(R, (R, R))),
+    ("sharded, global tree:3", Case(AR, 8 * MiB, strategies={
+        **RING, "global_all_reduce_strategy": "tree:3"}), nodes([2, 2], sharded=True),
+     HierarchicalRing(R, (T3, T3))),
+    ("8 nodes sharded, shards straddle the 8-node limit", Case(AR, 64 * KiB + 4,
+                                                               strategies=RING),
+     nodes([2] * 8, sharded=True), HierarchicalRing(R, (T, X))),
+    ("8 nodes sharded, shards straddle 64 KiB", Case(AR, 128 * KiB + 4, strategies=RING),
+     nodes([2] * 8, 3, sharded=True), HierarchicalRing(R, (R, T))),
+    # -- other operations across nodes (never inline, never exchanged): their own global field;
+    #    a reduce and a reduce-scatter by the node's whole array, the others by 0 bytes
+    ("2x2 small reduce, root here", Case(RED, root=1), nodes([2, 2]),
+     GlobalReduce(C, 1, 0, T)),
     ("2x2 reduce, root elsewhere", Case(RED, 2 * MiB, root=3), nodes([2, 2]),
-     GlobalReduce(C, 0, 1)),
+     GlobalReduce(C, 0, 1, R)),
+    ("2x2 reduce of exactly 64 KiB", Case(RED, 64 * KiB, root=0), nodes([2, 2]),
+     GlobalReduce(C, 0, 0, T)),
+    ("2x2 reduce past 64 KiB", Case(RED, 64 * KiB + 4, root=0), nodes([2, 2]),
+     GlobalReduce(C, 0, 0, R)),
     ("2x2 reduce on node 1, root 3", Case(RED, root=3, strategies=RING), nodes([2, 2], 1),
-     GlobalReduce(R, 1, 1)),
+     GlobalReduce(R, 1, 1, T)),
+    ("2x2 reduce: its own global field decides", Case(RED, 2 * MiB, root=0, strategies={
+        "global_all_reduce_strategy": "centralized", "global_reduce_strategy": "tree:3"}),
+     nodes([2, 2]), GlobalReduce(C, 0, 0, T3)),
+    ("2x2 reduce: not the all-reduce field", Case(RED, root=0, strategies=GLOBAL_RING),
+     nodes([2, 2]), GlobalReduce(C, 0, 0, T)),
     ("sharded reduce", Case(RED, root=0, strategies=RING), nodes([2, 2], sharded=True),
-     GlobalReduce(R, 0, 0)),
+     GlobalReduce(R, 0, 0, T)),
     ("2x2 small broadcast, root here", Case(BC, root=1), nodes([2, 2]),
-     GlobalBroadcast(C, 1, 0)),
+     GlobalBroadcast(C, 1, 0, T)),
     ("2x2 broadcast, root elsewhere", Case(BC, root=2, strategies=RING), nodes([2, 2]),
-     GlobalBroadcast(R, 0, 1)),
+     GlobalBroadcast(R, 0, 1, T)),
+    ("2x2 large broadcast: a tree whatever its size", Case(BC, 4 * MiB, root=0),
+     nodes([2, 2]), GlobalBroadcast(C, 0, 0, T)),
+    ("2x2 broadcast, global centralized", Case(BC, root=0, strategies={
+        "global_broadcast_strategy": "centralized", "global_all_reduce_strategy": "ring"}),
+     nodes([2, 2], 1), GlobalBroadcast(C, 0, 0, C)),
     ("2x2 small reduce_scatter", Case(RS, rows=(4, 4)), nodes([2, 2]),
-     GlobalReduceScatter(C, 0)),
+     GlobalReduceScatter(C, 0, T)),
+    ("2x2 reduce_scatter of exactly 64 KiB", Case(RS, 32 * KiB, rows=(2, 2)), nodes([2, 2]),
+     GlobalReduceScatter(C, 0, T)),
+    ("2x2 reduce_scatter past 64 KiB", Case(RS, 32 * KiB + 4, rows=(2, 2)), nodes([2, 2]),
+     GlobalReduceScatter(C, 0, R)),
+    ("2x2 reduce_scatter, the all-reduce field", Case(RS, rows=(4, 4), strategies={
+        "global_all_reduce_strategy": "tree:3", "global_reduce_strategy": "ring"}),
+     nodes([2, 2]), GlobalReduceScatter(C, 0, T3)),
     ("sharded reduce_scatter", Case(RS, rows=(4, 4), strategies=RING),
-     nodes([2, 2], sharded=True), GlobalReduceScatter(R, 0)),
+     nodes([2, 2], sharded=True), GlobalReduceScatter(R, 0, T)),
     ("2x2 small all_gather: the broadcast field", Case(AG, rows=(1, 2), strategies={
-        "local_all_reduce_strategy": "ring"}), nodes([2, 2]), GlobalAllGather(C)),
+        "local_all_reduce_strategy": "ring"}), nodes([2, 2]), GlobalAllGather(C, T)),
     ("2x2 all_gather, local broadcast tree", Case(AG, rows=(1, 2), strategies={
-        "local_broadcast_strategy": "tree"}), nodes([2, 2]), GlobalAllGather(T)),
-    ("2x2 barrier", Case(BAR), nodes([2, 2]), GlobalBarrier(True)),
+        "local_broadcast_strategy": "tree"}), nodes([2, 2]), GlobalAllGather(T, T)),
+    ("2x2 large all_gather: a tree whatever its size", Case(AG, 2 * MiB, rows=(2, 2)),
+     nodes([2, 2]), GlobalAllGather(C, T)),
+    ("2x2 all_gather, global ring: the all-reduce field", Case(AG, rows=(1, 2), strategies={
+        **GLOBAL_RING, "global_broadcast_strategy": "centralized"}), nodes([2, 2]),
+     GlobalAllGather(C, R)),
+    ("2x2 barrier", Case(BAR), nodes([2, 2]), GlobalBarrier(X)),
+    ("9 nodes barrier", Case(BAR), nodes([1] * 9), GlobalBarrier(X)),
     ("1+1 barrier, global ring", Case(BAR, strategies=GLOBAL_RING), nodes([1, 1]),
-     GlobalBarrier(False)),
+     GlobalBarrier(R)),
     ("3 nodes barrier, global tree", Case(BAR, strategies={
-        "global_all_reduce_strategy": "tree"}), nodes([2, 1, 2], 2), GlobalBarrier(False)),
+        "global_all_reduce_strategy": "tree"}), nodes([2, 1, 2], 2), GlobalBarrier(T)),
+    ("2x2 barrier, global tree:3", Case(BAR, strategies={
+        "global_all_reduce_strategy": "tree:3", "global_broadcast_strategy": "ring"}),
+     nodes([2, 2]), GlobalBarrier(T3)),
 ]
 
 

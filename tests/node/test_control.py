@@ -15,28 +15,23 @@ from burncoll.errors import ProtocolError
 from burncoll.node.control import (
     MAX_FIELD_BYTES,
     MAX_NODE_PEERS,
-    Abort,
-    Bye,
     ControlMessage,
     Finish,
     Finished,
-    Hello,
     Join,
     Leave,
     NodeLost,
     Notice,
     Refused,
-    Status,
-    StatusQuery,
     Table,
     TableEntry,
     decode_from_node,
     decode_from_orchestrator,
-    decode_member,
     encode,
     kind_of,
 )
 from burncoll.node.json_fields import MalformedMessage
+from burncoll.node.member_messages import Abort, Bye, Hello, Status, StatusQuery, decode_member
 from burncoll.ops import OpKind, ReduceOp
 from burncoll.transport.wire import DataHeader, decode, encode_control, encode_data_header
 

@@ -118,6 +118,7 @@ def corrupt_schedule(comm: burncoll.Communicator, kind: str) -> None:
 
     from burncoll.node.executor import PART_BYTES
     from burncoll.ops import OpKind
+    from burncoll.strategies import Tree
     from burncoll.strategies.layout import even_layout
     from burncoll.transport.wire import decode, encode_data_header
 
@@ -125,7 +126,8 @@ def corrupt_schedule(comm: burncoll.Communicator, kind: str) -> None:
     service = link._service
     real_send = service.send
     state: dict[str, Any] = {"done": False, "held": None}
-    num_chunks = link._schedule("global_broadcast_strategy", "broadcast", 1).num_chunks
+    # the global broadcast's schedule under auto (choose hands the node Tree(2))
+    num_chunks = Tree(2).broadcast(link.num_nodes, 1).num_chunks
 
     async def send(node: int, parts: Any) -> None:
         raw = b"".join(bytes(p) for p in parts)

@@ -4,10 +4,9 @@ Every choice that depends on the operation, the world or the backend is made her
 the last peer to arrive, before any data moves: ``auto``'s inline and fused paths at the local
 level (:data:`~burncoll.strategies.auto.INLINE_BYTES`), the composition with the other nodes
 (sharded, reduce -> global -> broadcast, a single local peer), each local phase's strategy,
-and whether each global all-reduce runs as the one-round exchange
-(:func:`~burncoll.strategies.auto.exchange_limit`), which the node then only executes. Which
-global schedule runs otherwise (``auto``'s tree or ring by size) stays with the node, which
-holds the global crossover table.
+and each global part's path: whether a global all-reduce or barrier runs as the one-round
+exchange (:func:`~burncoll.strategies.auto.exchange_limit`), and otherwise which strategy's
+schedule (``auto``'s tree or ring by size). The node then only executes that path.
 
 The plan kinds, by when they are chosen (first match):
 
@@ -37,6 +36,7 @@ from burncoll.backends.numpy import NumpyBackend
 from burncoll.config import CollectiveConfig
 from burncoll.dtypes import dtype_from_name, is_inexact
 from burncoll.errors import UsageError
+from burncoll.levels import Exchange, GlobalPath
 from burncoll.local.calls import Call
 from burncoll.local.plans.barrier import LocalBarrier
 from burncoll.local.plans.fused import Fused
@@ -74,6 +74,15 @@ _LOCAL_FIELD = {
     OpKind.BROADCAST: "local_broadcast_strategy",
 }
 
+#: The config field of each operation's global strategy.
+_GLOBAL_FIELD = {
+    OpKind.ALL_REDUCE: "global_all_reduce_strategy",
+    OpKind.REDUCE_SCATTER: "global_all_reduce_strategy",
+    OpKind.ALL_GATHER: "global_all_reduce_strategy",
+    OpKind.REDUCE: "global_reduce_strategy",
+    OpKind.BROADCAST: "global_broadcast_strategy",
+}
+
 
 def prepare(rv: Rendezvous, state: OpState) -> Prepared:
     """Choose the plan of ``state``'s operation and prepare it (in the last peer to arrive)."""
@@ -88,12 +97,12 @@ def choose(calls: Sequence[Call], world: World, backend: Backend,
     call = calls[0]
     nbytes = max(_nbytes(c) for c in calls)
     if _inline(call, world, config, nbytes):
-        return Inline(_exchanges(config, world, nbytes) if world.multi_node else None)
+        return Inline(_all_reduce_path(config, world, nbytes) if world.multi_node else None)
     if _fused(calls, world, backend, config):
         return Fused()
     if call.kind is OpKind.BARRIER:
         if world.multi_node:
-            return GlobalBarrier(_exchanges(config, world, 0))
+            return GlobalBarrier(_all_reduce_path(config, world, 0))
         return LocalBarrier()
     if call.kind is OpKind.ALL_GATHER and not call.shape:
         raise UsageError("all_gather needs arrays with at least one dimension")
@@ -145,6 +154,23 @@ def _exchanges(config: CollectiveConfig, world: World, nbytes: int) -> bool:
             and world.num_nodes > 1 and nbytes <= exchange_limit(world.num_nodes))
 
 
+def _global(config: CollectiveConfig, kind: OpKind, nbytes: int, world: World) -> Strategy:
+    """The global strategy of ``kind`` for ``nbytes`` (``auto`` resolved by that size).
+
+    ``nbytes`` is what the node is handed: the node's whole array for a reduce and a
+    reduce-scatter, its array (or shard) for an all-reduce, and 0 for a barrier, a broadcast
+    (a receiver does not know the size) and an all-gather."""
+    return resolve(config.strategy(_GLOBAL_FIELD[kind]), "global", nbytes, world.num_nodes)
+
+
+def _all_reduce_path(config: CollectiveConfig, world: World, nbytes: int) -> GlobalPath:
+    """The exchange, or the global all-reduce schedule's strategy, for ``nbytes`` per node
+    (a barrier is a 0-byte all-reduce)."""
+    if _exchanges(config, world, nbytes):
+        return Exchange()
+    return _global(config, OpKind.ALL_REDUCE, nbytes, world)
+
+
 def _local(config: CollectiveConfig, field: str, nbytes: int, world: World) -> Strategy:
     """The local strategy of ``field`` for this operation (``auto`` resolved by its size)."""
     return resolve(config.strategy(field), "local", nbytes, world.size)
@@ -166,24 +192,28 @@ def _across_nodes(call: Call, world: World, config: CollectiveConfig, nbytes: in
         return _all_reduce_across_nodes(call, world, config, nbytes)
     if kind is OpKind.BROADCAST:
         return GlobalBroadcast(_local(config, "local_broadcast_strategy", nbytes, world),
-                               _leader(world, call.root), _root_node(world, call))
+                               _leader(world, call.root), _root_node(world, call),
+                               _global(config, kind, 0, world))
     if kind is OpKind.ALL_GATHER:
-        return GlobalAllGather(_local(config, "local_broadcast_strategy", nbytes, world))
+        return GlobalAllGather(_local(config, "local_broadcast_strategy", nbytes, world),
+                               _global(config, kind, 0, world))
     if kind is OpKind.REDUCE:
         return GlobalReduce(_local(config, "local_reduce_strategy", nbytes, world),
-                            _leader(world, call.root), _root_node(world, call))
-    return GlobalReduceScatter(_local(config, "local_all_reduce_strategy", nbytes, world), 0)
+                            _leader(world, call.root), _root_node(world, call),
+                            _global(config, kind, nbytes, world))
+    return GlobalReduceScatter(_local(config, "local_all_reduce_strategy", nbytes, world), 0,
+                               _global(config, kind, nbytes, world))
 
 
 def _all_reduce_across_nodes(call: Call, world: World, config: CollectiveConfig,
                              nbytes: int) -> OpPlan:
     local = _local(config, "local_all_reduce_strategy", nbytes, world)
     if world.size == 1:
-        return OutOfPlace(_exchanges(config, world, nbytes))
+        return OutOfPlace(_all_reduce_path(config, world, nbytes))
     if world.sharded:
         itemsize = dtype_from_name(call.dtype or "uint8").itemsize
         shards = even_layout(math.prod(call.shape or ()), world.size)
-        return HierarchicalRing(local, tuple(_exchanges(config, world, (b - a) * itemsize)
+        return HierarchicalRing(local, tuple(_all_reduce_path(config, world, (b - a) * itemsize)
                                              for a, b in shards))
     return ReduceGlobalBroadcast(local, _local(config, "local_broadcast_strategy", nbytes, world),
-                                 0, _exchanges(config, world, nbytes))
+                                 0, _all_reduce_path(config, world, nbytes))

@@ -27,9 +27,10 @@ _GATHERER = 0
 
 @dataclass(frozen=True, slots=True)
 class GlobalAllGather:
-    """``strategy``: the local broadcast's."""
+    """``strategy``: the local broadcast's; ``global_strategy``: the global all-gather's."""
 
     strategy: Strategy
+    global_strategy: Strategy
 
     def prepare(self, rv: Rendezvous, state: OpState) -> GlobalAllGatherRun:
         steps = steps_of.broadcast_steps(self.strategy, rv.size, _GATHERER)
@@ -63,7 +64,8 @@ class GlobalAllGatherRun:
         trailing = (peer_call(self.state, index).shape or ())[1:]
         mine = {rv.rank_of[c.peer_id]: np.ascontiguousarray(backend.to_host(c.array)).reshape(-1)
                 for c in calls}
-        parts = link_of(rv).all_gather(global_op(self.state, deadline), mine)
+        parts = link_of(rv).all_gather(global_op(self.state, deadline), mine,
+                                       strategy=self.plan.global_strategy)
         full = np.concatenate([p.reshape(-1) for p in parts]) if parts else np.empty(0)
         row = count(trailing)
         rows = full.size // row if row else sum((c.shape or (0,))[0] for c in calls)

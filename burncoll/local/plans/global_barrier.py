@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from burncoll.backends.base import Array
+from burncoll.levels import GlobalPath
 from burncoll.local.plans.phases import global_op, link_of
 from burncoll.local.rendezvous import OpState, Rendezvous
 
@@ -13,9 +14,10 @@ __all__ = ["GlobalBarrier", "GlobalBarrierRun"]
 
 @dataclass(frozen=True, slots=True)
 class GlobalBarrier:
-    """``exchange``: the nodes meet in a one-round exchange, else by the global schedule."""
+    """``global_path``: the nodes meet in a one-round exchange, or by that strategy's
+    all-reduce schedule."""
 
-    exchange: bool
+    global_path: GlobalPath
 
     def prepare(self, rv: Rendezvous, state: OpState) -> GlobalBarrierRun:
         return GlobalBarrierRun(self, rv, state)
@@ -30,6 +32,6 @@ class GlobalBarrierRun:
     def run(self, index: int, deadline: float) -> Array | None:
         if index == 0:
             link_of(self.rv).barrier(global_op(self.state, deadline),
-                                     exchange=self.plan.exchange)
+                                     path=self.plan.global_path)
         self.rv.sync(self.state, index, deadline, "global barrier")
         return None

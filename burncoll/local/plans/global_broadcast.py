@@ -22,11 +22,12 @@ __all__ = ["GlobalBroadcast", "GlobalBroadcastRun"]
 @dataclass(frozen=True, slots=True)
 class GlobalBroadcast:
     """``strategy``: the local broadcast's; ``leader``: the local index that talks to other
-    nodes; ``root_node``: the node of the root."""
+    nodes; ``root_node``: the node of the root; ``global_strategy``: the global broadcast's."""
 
     strategy: Strategy
     leader: int
     root_node: int
+    global_strategy: Strategy
 
     def prepare(self, rv: Rendezvous, state: OpState) -> GlobalBroadcastRun:
         steps = steps_of.broadcast_steps(self.strategy, rv.size, self.leader)
@@ -61,7 +62,8 @@ class GlobalBroadcastRun:
             # the root's shape travels in the frames; receivers adopt it
             gop = GlobalOp(gop.seq, gop.kind, gop.reduce_op, mine.dtype, mine.shape or (),
                            gop.root, gop.deadline, gop.started)
-        host = link.broadcast(gop, send, self.plan.root_node)
+        host = link.broadcast(gop, send, self.plan.root_node,
+                              strategy=self.plan.global_strategy)
         self.dtype = dtype_name(host.dtype)
         self.shape = tuple(host.shape)
         self.flat = rv.backend.from_host(np.ascontiguousarray(host).reshape(-1), self.dtype,

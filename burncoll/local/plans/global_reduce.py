@@ -22,11 +22,12 @@ __all__ = ["GlobalReduce", "GlobalReduceRun"]
 @dataclass(frozen=True, slots=True)
 class GlobalReduce:
     """``strategy``: the local reduce's; ``leader``: the local index that talks to other
-    nodes; ``root_node``: the node of the root."""
+    nodes; ``root_node``: the node of the root; ``global_strategy``: the global reduce's."""
 
     strategy: Strategy
     leader: int
     root_node: int
+    global_strategy: Strategy
 
     def prepare(self, rv: Rendezvous, state: OpState) -> GlobalReduceRun:
         return GlobalReduceRun(self, rv, state, LocalReduce(rv, state, self.strategy,
@@ -48,7 +49,8 @@ class GlobalReduceRun:
         if index == plan.leader:
             link = link_of(rv)
             host = self.local_reduce.host()
-            link.reduce(global_op(self.state, deadline), host, plan.root_node)
+            link.reduce(global_op(self.state, deadline), host, plan.root_node,
+                        strategy=plan.global_strategy)
             if plan.root_node == link.node_index:
                 result = rv.backend.from_host(host, call.dtype or "float32", call.shape or (),
                                               rv.devices[index])

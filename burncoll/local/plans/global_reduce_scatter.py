@@ -27,10 +27,11 @@ __all__ = ["GlobalReduceScatter", "GlobalReduceScatterRun"]
 @dataclass(frozen=True, slots=True)
 class GlobalReduceScatter:
     """``strategy``: the local reduce's; ``leader``: the local index that talks to other
-    nodes."""
+    nodes; ``global_strategy``: the global reduce-scatter's."""
 
     strategy: Strategy
     leader: int
+    global_strategy: Strategy
 
     def prepare(self, rv: Rendezvous, state: OpState) -> GlobalReduceScatterRun:
         return GlobalReduceScatterRun(self, rv, state, LocalReduce(rv, state, self.strategy,
@@ -56,7 +57,8 @@ class GlobalReduceScatterRun:
             link = link_of(rv)
             host = self.local_reduce.host()
             owners = [link.node_of[pid] for pid in rv.world_peer_ids]
-            link.reduce_scatter(global_op(self.state, deadline), host, layout, owners)
+            link.reduce_scatter(global_op(self.state, deadline), host, layout, owners,
+                                strategy=self.plan.global_strategy)
             self.host = host
         rv.sync(self.state, index, deadline, "global reduce_scatter")
         if self.host is None:  # pragma: no cover - the leader set it before the sync

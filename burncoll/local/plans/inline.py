@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from burncoll.backends.base import Array, combine
+from burncoll.levels import GlobalPath
 from burncoll.local.calls import Call
 from burncoll.local.plans.phases import global_op, link_of
 from burncoll.local.rendezvous import OpState, Rendezvous
@@ -24,10 +25,10 @@ __all__ = ["Inline", "InlineResults", "inline_results"]
 
 @dataclass(frozen=True, slots=True)
 class Inline:
-    """Every result computed at arrival. ``exchange``: ``None`` on one node; with several,
-    whether the global all-reduce of the node's reduction is the one-round exchange."""
+    """Every result computed at arrival. ``global_path``: ``None`` on one node; with several,
+    the path of the global all-reduce of the node's reduction."""
 
-    exchange: bool | None = None
+    global_path: GlobalPath | None = None
 
     def prepare(self, rv: Rendezvous, state: OpState) -> InlineResults:
         return InlineResults(inline_results(rv, state, self))
@@ -62,7 +63,7 @@ def _copies(rv: Rendezvous, x: Array, calls: list[Call] | None = None) -> list[A
             for d, out in zip(rv.devices, outs, strict=True)]
 
 
-def _across_nodes(rv: Rendezvous, state: OpState, flat: Array, exchange: bool) -> Array:
+def _across_nodes(rv: Rendezvous, state: OpState, flat: Array, path: GlobalPath) -> Array:
     """The global all-reduce of this node's reduction ``flat``."""
     backend = rv.backend
     call = state.complete_calls()[0]
@@ -70,7 +71,7 @@ def _across_nodes(rv: Rendezvous, state: OpState, flat: Array, exchange: bool) -
     if not host.flags.writeable:
         host = np.array(host, copy=True)
     deadline = state.started + rv.config.timeout
-    link_of(rv).all_reduce(global_op(state, deadline), host, exchange=exchange)
+    link_of(rv).all_reduce(global_op(state, deadline), host, path=path)
     return backend.from_host(host, call.dtype or "float32", (host.size,), rv.devices[0])
 
 
@@ -101,8 +102,8 @@ def inline_results(rv: Rendezvous, state: OpState, plan: Inline) -> list[Array |
                                                  for c in calls]))
     op = call.reduce_op or ReduceOp.SUM
     flat = _reduce_all(rv, calls, op)
-    if plan.exchange is not None:
-        flat = _across_nodes(rv, state, flat, plan.exchange)
+    if plan.global_path is not None:
+        flat = _across_nodes(rv, state, flat, plan.global_path)
     total = backend.reshape(flat, shape)
     if op is ReduceOp.MEAN:
         total = backend.scale(total, rv.world_size)

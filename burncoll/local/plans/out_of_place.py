@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from burncoll.backends.base import Array
-from burncoll.levels import GlobalOp, HostArray
+from burncoll.levels import GlobalOp, GlobalPath, HostArray
 from burncoll.local.calls import Call
 from burncoll.local.plans.phases import finish_reduce, flat_input, global_op, link_of, peer_call
 from burncoll.local.rendezvous import OpState, Rendezvous
@@ -27,9 +27,9 @@ __all__ = ["OutOfPlace", "OutOfPlaceRun"]
 
 @dataclass(frozen=True, slots=True)
 class OutOfPlace:
-    """``exchange``: the global all-reduce is the one-round exchange, else the schedule."""
+    """``global_path``: the global all-reduce's, the one-round exchange or a schedule."""
 
-    exchange: bool
+    global_path: GlobalPath
 
     def prepare(self, rv: Rendezvous, state: OpState) -> OutOfPlaceRun:
         return OutOfPlaceRun(self, rv, state)
@@ -50,7 +50,7 @@ class OutOfPlaceRun:
         if not host.flags.c_contiguous:  # pragma: no cover - flatten gives C order
             host = np.ascontiguousarray(host)
         out = np.empty_like(host)
-        link_of(rv).all_reduce(gop, host, out=out, exchange=self.plan.exchange)
+        link_of(rv).all_reduce(gop, host, out=out, path=self.plan.global_path)
         result = rv.backend.from_host(out, call.dtype or "float32", call.shape or (),
                                       rv.devices[0])
         return finish_reduce(rv, result, call.reduce_op)
@@ -58,12 +58,12 @@ class OutOfPlaceRun:
     def _into(self, call: Call, gop: GlobalOp, x: HostArray, out: HostArray) -> HostArray:
         """The caller's ``out=`` on host memory: the network result goes straight into it (in
         place when ``out`` is ``x``); a mean is divided there too (``out`` is a float array)."""
-        link, exchange = link_of(self.rv), self.plan.exchange
+        link, path = link_of(self.rv), self.plan.global_path
         flat_out = out.reshape(-1)
         if out is x:
-            link.all_reduce(gop, flat_out, exchange=exchange)
+            link.all_reduce(gop, flat_out, path=path)
         else:
-            link.all_reduce(gop, x.reshape(-1), out=flat_out, exchange=exchange)
+            link.all_reduce(gop, x.reshape(-1), out=flat_out, path=path)
         if call.reduce_op is ReduceOp.MEAN:
             np.divide(flat_out, self.rv.world_size, out=flat_out)
         return out

@@ -1,0 +1,131 @@
+"""The messages between two members of a session, as frozen dataclasses.
+
+A dialer opens with :class:`Hello` (:mod:`burncoll.node.dialing`); a member leaving cleanly
+says :class:`Bye`, a failing one :class:`Abort`; a member whose operation timed out asks the
+others :class:`StatusQuery` and they answer :class:`Status`
+(:mod:`burncoll.node.data_service`, :mod:`burncoll.node.reading`). The orchestrator never sees
+them, so they live apart from its conversation (:mod:`burncoll.node.control`, whose frame,
+shapes and checks they share): same JSON objects, same bytes, the same strict decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import ClassVar, TypeAlias
+
+from burncoll.node.control import MAX_PEER_ID, MAX_SESSION, AboutNode, decode_by_type
+from burncoll.node.json_fields import Fields, JsonObject, MalformedMessage, count, int_tuple, is_int
+from burncoll.transport.wire import Frame
+
+__all__ = ["Abort", "Bye", "Hello", "MemberMessage", "Status", "StatusQuery", "decode_member"]
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """A dialer's first frame: which member it is, of which session."""
+
+    KIND: ClassVar[str] = "hello"
+    node: int
+    session: int
+
+    def to_json(self) -> JsonObject:
+        return {"type": self.KIND, "node": self.node, "session": self.session}
+
+    @classmethod
+    def from_json(cls, message: Mapping[str, object]) -> Hello:
+        node, session = message.get("node"), message.get("session")
+        if not is_int(node, 0):
+            raise MalformedMessage(f"hello from an unknown node {node!r}")
+        if session is None:
+            raise MalformedMessage(f"hello from node {node} without its session")
+        if not is_int(session, 0, MAX_SESSION):
+            raise MalformedMessage(f"hello from node {node} of another session ({session!r})")
+        assert isinstance(node, int) and isinstance(session, int)
+        return cls(node, session)
+
+
+@dataclass(frozen=True, slots=True)
+class Bye(AboutNode):
+    """A member leaving cleanly: its connections end, and that is no failure."""
+
+    KIND: ClassVar[str] = "bye"
+
+
+@dataclass(frozen=True, slots=True)
+class StatusQuery(AboutNode):
+    """``status?``: what are your peers doing? (asked when an operation times out)."""
+
+    KIND: ClassVar[str] = "status?"
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """A member failed the session: the error's class name and message, for every node to
+    raise (see :func:`burncoll.node.membership.error_from_abort`)."""
+
+    KIND: ClassVar[str] = "abort"
+    node: int
+    error: str
+    message: str
+
+    def to_json(self) -> JsonObject:
+        return {"type": self.KIND, "node": self.node, "error": self.error,
+                "message": self.message}
+
+    @classmethod
+    def from_json(cls, message: Mapping[str, object]) -> Abort:
+        fields = Fields(message, "abort message")
+        node, error, text = fields.integer("node", 0), fields.text("error"), fields.text("message")
+        fields.check()
+        return cls(node, error, text)
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """The answer to a :class:`StatusQuery`: which of the node's peers arrived at which
+    operation, and each peer's next operation. ``None``: the node has no local level yet
+    (the field is then left out of the message)."""
+
+    KIND: ClassVar[str] = "status"
+    node: int
+    #: Operation sequence number -> the peer ids whose call of it has arrived.
+    arrived: Mapping[int, tuple[int, ...]] | None = None
+    #: Peer id -> the sequence number of its next operation.
+    next_seq: Mapping[int, int] | None = None
+
+    def to_json(self) -> JsonObject:
+        message: JsonObject = {"type": self.KIND, "node": self.node}
+        if self.arrived is not None:  # json spells the int keys as strings
+            message["arrived"] = {str(k): list(v) for k, v in self.arrived.items()}
+        if self.next_seq is not None:
+            message["next_seq"] = {str(k): v for k, v in self.next_seq.items()}
+        return message
+
+    @classmethod
+    def from_json(cls, message: Mapping[str, object]) -> Status:
+        fields = Fields(message, "status message")
+        node = fields.integer("node", 0)
+        arrived = fields.int_map("arrived", lambda v: int_tuple(v, MAX_PEER_ID),
+                                 "lists of peer ids")
+        next_seq = fields.int_map("next_seq", count, "ints >= 0")
+        fields.check()
+        return cls(node, arrived, next_seq)
+
+    @classmethod
+    def of(cls, node: int, report: Mapping[str, object]) -> Status:
+        """This node's answer, from its local level's report (``arrived``, ``next_seq``),
+        checked as another node checks it."""
+        return cls.from_json({"type": cls.KIND, "node": node, **report})
+
+
+MemberMessage: TypeAlias = "Hello | Bye | Abort | StatusQuery | Status"
+_MEMBER: dict[str, Callable[[Mapping[str, object]], MemberMessage]] = {
+    Hello.KIND: Hello.from_json, Bye.KIND: Bye.from_json, Abort.KIND: Abort.from_json,
+    StatusQuery.KIND: StatusQuery.from_json, Status.KIND: Status.from_json,
+}
+
+
+def decode_member(frame: Frame) -> MemberMessage | None:
+    """The message of a member's CONTROL frame; ``None`` for a DATA frame or another type."""
+    return decode_by_type(frame, _MEMBER)
