@@ -496,6 +496,7 @@ def test_mismatched_calls_raise_on_every_peer(what: str, layout: list[int], loca
     assert len(records) == sum(layout), records
     odd, usual = _mismatch_messages(what, len(layout))
     for r in records:
+        assert "elapsed" in r, r  # else the good all_reduce before the mismatched one failed
         assert _is_the_mismatch(r), r
         assert odd in r["message"] and usual in r["message"], r["message"]
         assert r["elapsed"] < timeout / 2, r  # found by comparing calls, not by a timeout
