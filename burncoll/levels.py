@@ -53,6 +53,11 @@ class GlobalOp:
     deadline: float
     started: float
 
+    def fingerprint(self) -> tuple[object, ...]:
+        """What every node's call must agree on; a frame's header carries the same tuple
+        (:meth:`burncoll.transport.wire.DataHeader.fingerprint`)."""
+        return (self.kind, self.reduce_op, self.dtype, self.shape, self.root)
+
     @property
     def label(self) -> str:
         return f"{self.kind.label} #{self.seq}"

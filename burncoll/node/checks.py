@@ -103,8 +103,7 @@ def header_check(op: GlobalOp, me: int, describe: Callable[[int], str]) -> Check
                 op.reduce_op, op.dtype, op.shape, len(op.shape) + 1, op.root)
             array = h.chunk
         else:
-            same = (h.op_kind, h.reduce_op, h.dtype, h.shape, h.root) == (
-                op.kind, op.reduce_op, op.dtype, op.shape, op.root)
+            same = h.fingerprint() == op.fingerprint()
         if not same:
             return _mismatch(op, me, describe, h)
         if array is not None:

@@ -190,7 +190,7 @@ class NodeLink:
                    out: HostArray | None = None, *, path: GlobalPath) -> None:
         if isinstance(path, Exchange):
             if out is not None:
-                _check_out(buf, out)
+                _require_separate_out(buf, out)
             result = np.empty_like(buf) if out is None else out
             self._exchange(op, buf, result, channel)
             if out is None:
@@ -201,7 +201,7 @@ class NodeLink:
         chunks: list[HostArray | None] = [buf[a:b] for a, b in layout]
         outs: list[HostArray | None] | None = None
         if out is not None:
-            _check_out(buf, out)
+            _require_separate_out(buf, out)
             outs = [out[a:b] for a, b in layout]
         self._call(op, self._run(op, schedule, chunks, channel, outs))
 
@@ -282,7 +282,7 @@ class NodeLink:
         await self._orch.close()
 
 
-def _check_out(buf: HostArray, out: HostArray) -> None:
+def _require_separate_out(buf: HostArray, out: HostArray) -> None:
     """``out`` must be a separate flat array like ``buf``: the executor writes chunk views of
     it while still reading the same chunks of ``buf``."""
     if out.dtype != buf.dtype or out.shape != buf.shape or buf.ndim != 1:
