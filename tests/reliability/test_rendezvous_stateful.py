@@ -312,7 +312,7 @@ def _quietly(fn: Callable[[], Any]) -> None:
 
 
 RendezvousMachine.TestCase.settings = settings(
-    max_examples=12,
+    max_examples=8,
     stateful_step_count=10,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -78,10 +78,10 @@ QUIC_CONNECTIONS = 12
 INITIAL_PACKETS = 800
 INITIAL_SECONDS = 1.0
 #: How long each attack holds what it opened.
-HOLD = 0.5
+HOLD = 0.3
 #: The quiet time measured before each attack (the RSS baseline), and after it.
-BASELINE_WINDOW = 0.5
-SETTLE = 0.3
+BASELINE_WINDOW = 0.3
+SETTLE = 0.2
 #: The members' operation timeout.
 TIMEOUT = 10.0
 

@@ -87,7 +87,7 @@ def test_a_burncoll_client_talks_to_the_websockets_server() -> None:
 def test_a_server_message_over_the_limit_closes_with_1009() -> None:
     async def flood(ws: ServerConnection) -> None:
         await ws.send(bytes(2048))
-        await asyncio.sleep(5)
+        await ws.wait_closed()  # the client closes with 1009
 
     async def body() -> None:
         async with ws_serve(flood, HOST, 0, compression=None) as server:
