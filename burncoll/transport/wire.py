@@ -22,8 +22,9 @@ Layout (all little-endian)::
         60    8 payload_len    u64, bytes that follow the shape
         68 8*nd shape          u64 each, the operation's array shape (its fingerprint)
 
-The header is the operation's fingerprint (op kind, reduce op, dtype, shape, root, sequence):
-a receiver compares it with its own call and reports a mismatch instead of mixing data.
+The header carries the operation's fingerprint (op kind, reduce op, dtype, shape, root): a
+receiver compares it with its own call and reports a mismatch instead of mixing data. The
+sequence number is part of the frame's key, so a frame of another operation waits or is refused.
 CONTROL frames carry a small JSON object (orchestrator messages, aborts, status queries).
 
 Transports without message boundaries (a QUIC stream) send each message behind its length, a

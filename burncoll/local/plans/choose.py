@@ -34,7 +34,7 @@ import numpy as np
 from burncoll.backends.base import Backend
 from burncoll.backends.numpy import NumpyBackend
 from burncoll.config import CollectiveConfig
-from burncoll.dtypes import dtype_from_name, is_inexact
+from burncoll.dtypes import ITEMSIZES, is_inexact
 from burncoll.errors import UsageError
 from burncoll.levels import Exchange, GlobalPath
 from burncoll.local.calls import Call
@@ -117,7 +117,7 @@ def choose(calls: Sequence[Call], world: World, backend: Backend,
 def _nbytes(call: Call) -> int:
     if call.array is None:
         return 0
-    return math.prod(call.shape or ()) * dtype_from_name(call.dtype or "uint8").itemsize
+    return math.prod(call.shape or ()) * ITEMSIZES[call.dtype or "uint8"]
 
 
 def _inline(call: Call, world: World, config: CollectiveConfig, nbytes: int) -> bool:
@@ -211,7 +211,7 @@ def _all_reduce_across_nodes(call: Call, world: World, config: CollectiveConfig,
     if world.size == 1:
         return OutOfPlace(_all_reduce_path(config, world, nbytes))
     if world.sharded:
-        itemsize = dtype_from_name(call.dtype or "uint8").itemsize
+        itemsize = ITEMSIZES[call.dtype or "uint8"]
         shards = even_layout(math.prod(call.shape or ()), world.size)
         return HierarchicalRing(local, tuple(_all_reduce_path(config, world, (b - a) * itemsize)
                                              for a, b in shards))
