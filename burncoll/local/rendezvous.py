@@ -99,10 +99,11 @@ class Rendezvous:
         self.devices = tuple(devices)
         self.size = len(self.peer_ids)
         self.index_of = {pid: i for i, pid in enumerate(self.peer_ids)}
-        self.world_peer_ids = link.peer_ids if link is not None else self.peer_ids
+        self.world = World.of(self.peer_ids, link)
+        #: Every peer id of the collective (a peer's rank is its index here), and their count.
+        self.world_peer_ids = self.world.all_peer_ids
         self.world_size = len(self.world_peer_ids)
         self.rank_of = {pid: r for r, pid in enumerate(self.world_peer_ids)}
-        self.world = World.of(self.peer_ids, link)
         self._cond = threading.Condition()
         self._ops: dict[int, OpState] = {}
         self._next_seq = [0] * self.size
