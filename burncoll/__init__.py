@@ -22,6 +22,7 @@ from burncoll.errors import (
 )
 from burncoll.ops import ReduceOp
 from burncoll.orchestrator import Orchestrator, start_orchestrator
+from burncoll.ranks import node_rank, peer_ids
 from burncoll.strategies import Auto, Centralized, Ring, Strategy, Tree
 
 __version__ = "0.1.0"
@@ -48,6 +49,8 @@ __all__ = [
     "Tree",
     "UsageError",
     "get_backend",
+    "node_rank",
+    "peer_ids",
     "register",
     "start_orchestrator",
 ]

@@ -17,6 +17,7 @@ from burncoll.buckets import all_reduce_tree
 from burncoll.config import CollectiveConfig
 from burncoll.dtypes import SUPPORTED_DTYPES, dtype_from_name, is_inexact
 from burncoll.errors import CollectiveError, CollectiveTimeout, UsageError
+from burncoll.hosting import hosted_orchestrator
 from burncoll.local.calls import Call
 from burncoll.local.plans import choose
 from burncoll.local.rendezvous import Rendezvous
@@ -343,6 +344,7 @@ class _Registry:
             if config.is_multi_node:
                 from burncoll.node import join_collective
 
+                hosted_orchestrator(config)
                 link = join_collective(config, peer_ids)
             server = Rendezvous(backend, peer_ids, devices, config, link)
             if link is not None:

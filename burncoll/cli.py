@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from burncoll.transport import TRANSPORT_NAMES
 
@@ -61,11 +61,65 @@ def _orchestrator(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from burncoll.launch import launch_nodes
+    from burncoll.launch import launch_host, launch_nodes
 
+    _check_launch_arguments(args.launch_parser, args)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # stop the nodes on the way out
     command = [sys.executable, args.script, *args.script_args]
-    return launch_nodes(command, args.nodes, args.devices, args.transport, _token(args),
-                        integrity=args.integrity, tls=args.tls)
+    if args.nnodes is None:
+        nodes = 2 if args.nodes is None else args.nodes
+        return launch_nodes(command, nodes, args.devices, args.transport, _token(args),
+                            integrity=args.integrity, tls=args.tls,
+                            max_restarts=args.max_restarts)
+    return launch_host(command, args.nnodes, args.node_rank, args.master_addr,
+                       args.master_port, args.devices, args.transport, _token(args),
+                       integrity=args.integrity, tls=args.tls, max_restarts=args.max_restarts,
+                       node_address=args.node_address)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM to the launcher: unwind (which stops its node processes), exit 128 + 15."""
+    raise SystemExit(128 + signum)
+
+
+#: ``burncoll launch`` options that belong to the multi-host form (``--nnodes``) only.
+_HOST_OPTIONS = {"node_rank": "--node-rank", "master_addr": "--master-addr",
+                 "master_port": "--master-port", "node_address": "--node-address"}
+
+
+def _check_launch_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``parser.error`` (exit 2, with the usage) for a launch command line that cannot work."""
+    if args.nnodes is None:
+        given = [flag for name, flag in _HOST_OPTIONS.items() if getattr(args, name) is not None]
+        if given:
+            parser.error(f"{', '.join(given)} belong(s) to the multi-host form: add --nnodes N "
+                         "(the number of hosts), or leave them out and use --nodes N to run "
+                         "every node on this machine")
+        return
+    missing = [flag for name, flag in list(_HOST_OPTIONS.items())[:3]
+               if getattr(args, name) is None]
+    if missing:
+        parser.error(f"--nnodes needs {', '.join(missing)}: run the launcher once per host "
+                     "with --node-rank R (0 on the master), --master-addr HOST and "
+                     "--master-port PORT of the node-rank-0 host")
+    if args.node_rank >= args.nnodes:
+        parser.error(f"--node-rank {args.node_rank} must be below --nnodes {args.nnodes} "
+                     f"(ranks 0 to {args.nnodes - 1}, one per host)")
+    if not 1 <= args.master_port <= 65535:
+        parser.error(f"--master-port {args.master_port}: expected a port in [1, 65535]")
+
+
+def _count(low: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``low``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        return value
+    return parse
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -95,6 +149,34 @@ def _add_mode_arguments(parser: argparse.ArgumentParser) -> None:
                              "plain ws; default automatic (the config's tls field)")
 
 
+def _add_launch_arguments(launch: argparse.ArgumentParser) -> None:
+    form = launch.add_mutually_exclusive_group()
+    form.add_argument("--nodes", type=_count(1), default=None,
+                      help="run N node processes on this machine (default 2)")
+    form.add_argument("--nnodes", type=_count(1), default=None,
+                      help="the number of hosts, one node each; run the launcher on every host")
+    launch.add_argument("--node-rank", type=_count(0), default=None,
+                        help="with --nnodes: this host's node rank, in [0, N)")
+    launch.add_argument("--master-addr", default=None,
+                        help="with --nnodes: the node-rank-0 host, where the orchestrator runs")
+    launch.add_argument("--master-port", type=int, default=None,
+                        help="with --nnodes: the orchestrator's port on --master-addr")
+    launch.add_argument("--node-address", default=None,
+                        help="with --nnodes: the address of this host that the others reach "
+                             "(default: the interface that routes to --master-addr)")
+    launch.add_argument("--devices", type=int, default=1)
+    launch.add_argument("--max-restarts", type=_count(0), default=0,
+                        help="when a node fails, stop this launcher's nodes and start them "
+                             "again, up to K times (default 0)")
+    launch.add_argument("--transport", choices=TRANSPORT_NAMES, default="websocket")
+    _add_token_arguments(launch, "default: $BURNCOLL_AUTH_TOKEN or $BURNCOLL_AUTH_TOKEN_FILE; "
+                                 "else with --nodes a fresh random token for this run, with "
+                                 "--nnodes none, which only a loopback --master-addr allows")
+    _add_mode_arguments(launch)
+    launch.add_argument("script")
+    launch.add_argument("script_args", nargs=argparse.REMAINDER)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="burncoll", description="Collective operations over arrays of any backend.")
@@ -121,16 +203,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_mode_arguments(orch)
     orch.set_defaults(func=_orchestrator)
 
-    launch = sub.add_parser("launch", help="run a script as N local node processes")
-    launch.add_argument("--nodes", type=int, default=2)
-    launch.add_argument("--devices", type=int, default=1)
-    launch.add_argument("--transport", choices=TRANSPORT_NAMES, default="websocket")
-    _add_token_arguments(launch, "default: $BURNCOLL_AUTH_TOKEN or $BURNCOLL_AUTH_TOKEN_FILE, "
-                                 "else a fresh random token for this run")
-    _add_mode_arguments(launch)
-    launch.add_argument("script")
-    launch.add_argument("script_args", nargs=argparse.REMAINDER)
-    launch.set_defaults(func=_launch)
+    launch = sub.add_parser(
+        "launch", help="run a script as node processes: N here, or one per host",
+        description="Run a script as node processes, like torchrun. --nodes N: N node "
+                    "processes on this machine around a fresh orchestrator (the default, "
+                    "--nodes 2). --nnodes N --node-rank R --master-addr HOST --master-port "
+                    "PORT: run once per host, each running node R of N; node rank 0 also runs "
+                    "the orchestrator on HOST:PORT. Every host then needs the same token "
+                    "(BURNCOLL_AUTH_TOKEN or a token file) unless HOST is loopback.")
+    _add_launch_arguments(launch)
+    launch.set_defaults(func=_launch, launch_parser=launch)
 
     demo = sub.add_parser("demo", help="data-parallel training demo on the NumPy backend")
     demo.add_argument("--nodes", type=int, default=1)

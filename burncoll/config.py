@@ -1,8 +1,23 @@
 """``CollectiveConfig``: one frozen dataclass describing a collective, validated on creation.
 
-Values come from, in increasing priority: the field defaults, the constructor (or a YAML file
-through :meth:`CollectiveConfig.from_yaml`), then ``BURNCOLL_<FIELD>`` environment variables
-(``BURNCOLL_NUM_NODES=2``). ``burncoll launch`` hands each node its addresses that way.
+One rule decides where each field's value comes from, first match wins:
+
+1. the code's arguments: the constructor, :meth:`~CollectiveConfig.from_mapping`,
+   :meth:`~CollectiveConfig.replace` and the ``with_*`` builders;
+2. a ``BURNCOLL_<FIELD>`` environment variable (``BURNCOLL_NUM_NODES=2``; ``burncoll launch``
+   hands each node its settings that way);
+3. a YAML file (:meth:`CollectiveConfig.from_yaml`);
+4. the variables of the launcher that started the process (torchrun, SLURM, Open MPI, MPICH;
+   :mod:`burncoll.launchers`): ``num_nodes``, ``node_rank``, ``global_address``;
+5. the field's default.
+
+In short: the nearer to the code, the stronger, and a file is overridden by the environment,
+as pydantic-settings orders its sources and as torch's ``init_process_group(rank=...,
+world_size=...)`` ignores ``RANK`` / ``WORLD_SIZE`` when given them. ``CollectiveConfig(
+timeout=5)`` stays 5 whatever ``BURNCOLL_TIMEOUT`` says; a YAML ``timeout: 5`` does not.
+
+A multi-node config without ``node_address`` uses this machine's
+address toward the rendezvous host (:mod:`burncoll.config_nodes`).
 
 Secure by default: a multi-node config whose ``node_address`` is not a loopback address
 (``127.0.0.0/8``, ``::1``, ``localhost``) must carry an ``auth_token`` (or ``auth_token_file``)
@@ -24,6 +39,7 @@ from typing import Any
 import yaml
 
 from burncoll.backends import BACKEND_NAMES
+from burncoll.config_nodes import check_node_fields, launcher_values
 from burncoll.config_values import ENV_PREFIX, parse_env, parse_host_port, parse_strategy_field
 from burncoll.errors import ConfigError
 from burncoll.secure_defaults import (
@@ -55,7 +71,8 @@ class CollectiveConfig:
     """How a collective is laid out, which algorithms it uses, and how nodes talk.
 
     Build it with keywords, ``with_<field>(value)`` builders, :meth:`from_yaml`, or
-    ``BURNCOLL_<FIELD>`` environment variables (which override everything else). Invalid values
+    ``BURNCOLL_<FIELD>`` environment variables and launcher variables for the fields not given
+(the order is in this module's docstring). Invalid values
     raise :class:`~burncoll.ConfigError` naming the field and what it accepts.
     """
 
@@ -113,12 +130,30 @@ class CollectiveConfig:
     #: token authentication is then bound to the certificate, which defeats a relay).
     #: ``False``: plain ``ws`` (an error with QUIC, or with ``tls_*`` paths). Not for tcp.
     tls: bool | None = None
+    #: This node's rank, ``0 .. num_nodes - 1``; :func:`burncoll.peer_ids` numbers its peers
+    #: ``node_rank * num_devices + i``. ``None``: from the launcher's variables, else 0.
+    node_rank: int | None = None
+    #: Run the orchestrator inside this process, listening on ``global_address`` (as torch's
+    #: rank 0 hosts its TCPStore). ``None`` (automatic): yes on node 0 of a job started by
+    #: torchrun, SLURM or mpirun, no otherwise (``burncoll launch`` runs its own).
+    host_orchestrator: bool | None = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> CollectiveConfig:
+        """Remember which fields the caller gave: those win over every environment variable."""
+        self = super().__new__(cls)
+        given = [f.name for f in fields(cls)][: len(args)] + list(kwargs)
+        object.__setattr__(self, "_given", frozenset(given))
+        return self
 
     def __post_init__(self) -> None:
+        given: frozenset[str] = getattr(self, "_given", frozenset())
         for f in fields(self):
             raw = os.environ.get(ENV_PREFIX + f.name.upper())
-            if raw is not None:
+            if raw is not None and f.name not in given:
                 object.__setattr__(self, f.name, parse_env(f.name, raw))
+                given |= {f.name}
+        for name, value in launcher_values(given, self.num_nodes, self.node_rank).items():
+            object.__setattr__(self, name, value)
         for name in _STRATEGY_FIELDS:
             object.__setattr__(self, name, parse_strategy_field(name, getattr(self, name)))
         _validate(self)
@@ -185,7 +220,8 @@ class CollectiveConfig:
     # -- construction helpers ---------------------------------------------------------------
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> CollectiveConfig:
-        """Read a YAML mapping whose keys are field names; environment variables override."""
+        """Read a YAML mapping whose keys are field names; ``BURNCOLL_<FIELD>`` variables
+        override the file's values (and the file overrides the launcher's variables)."""
         try:
             text = Path(path).read_text()
         except OSError as exc:
@@ -198,7 +234,11 @@ class CollectiveConfig:
             data = {}
         if not isinstance(data, Mapping):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of field: value")
-        return cls.from_mapping(data, source=str(path))
+        # a BURNCOLL_<FIELD> variable overrides the file (the file is not the code's argument)
+        overridden = {k for k in data
+                      if isinstance(k, str) and ENV_PREFIX + k.upper() in os.environ}
+        kept = {k: v for k, v in data.items() if k not in overridden}
+        return cls.from_mapping(kept, source=str(path))
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "mapping") -> CollectiveConfig:
@@ -329,18 +369,15 @@ def _validate(cfg: CollectiveConfig) -> None:
             "orchestrator then have no key, and the session secret that keys the connections "
             "between nodes travels over them; " + HOW_TO_SET_A_TOKEN,
             UserWarning, stacklevel=4)
-    if cfg.is_multi_node:
-        missing = [n for n in ("global_address", "node_address") if getattr(cfg, n) is None]
-        if missing:
-            raise ConfigError(
-                f"num_nodes={cfg.num_nodes} needs {' and '.join(missing)}: set "
-                "global_address='host:port' of the orchestrator and node_address='host' "
-                "that other nodes can reach"
-            )
-    if cfg.global_address is not None:
-        parse_host_port(cfg.global_address, "global_address")
+    found = check_node_fields(cfg.num_nodes, cfg.node_rank, cfg.host_orchestrator,
+                              cfg.global_address, cfg.node_address)
+    if found is not None:
+        object.__setattr__(cfg, "node_address", found)
     if cfg.node_address is not None:
         host, _ = parse_host_port(cfg.node_address, "node_address", default_port=0)
         if cfg.is_multi_node:
-            check_bind_address(host, cfg.auth_token, cfg.insecure, f"node_address={host!r}",
+            what = f"node_address={host!r}" + (
+                " (found: this machine's address toward the rendezvous host)" if found else "")
+            check_bind_address(host, cfg.auth_token, cfg.insecure, what,
                                "insecure: true (BURNCOLL_INSECURE=1)")
+

@@ -93,6 +93,8 @@ _ENV_PARSERS: dict[str, Callable[[str], Any]] = {
     "tls_cert": _parse_optional_str,
     "tls_key": _parse_optional_str,
     "tls_ca": _parse_optional_str,
+    "node_rank": _parse_optional_int,
+    "host_orchestrator": _parse_optional_bool,
 }
 
 

@@ -8,7 +8,7 @@ Run it on one node::
 
 or on several nodes, each with its config from ``BURNCOLL_*`` environment variables::
 
-    burncoll launch --nodes 2 -- python examples/ddp_jax.py
+    burncoll launch --nodes 2 --devices 2 examples/ddp_jax.py
 
 JAX on the CPU has one device unless ``XLA_FLAGS`` asks for more before jax is imported, so
 this script sets it first. Each device holds a replica of the parameters; each step, every
@@ -31,8 +31,8 @@ parser.add_argument("--batch-size", type=int, default=256, help="global batch")
 parser.add_argument("--no-progress", action="store_true")
 ARGS = parser.parse_args()
 
-# Before jax is imported: as many CPU devices as this node uses (`burncoll launch` may set
-# BURNCOLL_NUM_DEVICES, which then overrides --devices in the config too).
+# Before jax is imported: as many CPU devices as this node uses (`burncoll launch --devices D`
+# sets BURNCOLL_NUM_DEVICES, which wins over --devices here).
 DEVICES = int(os.environ.get("BURNCOLL_NUM_DEVICES", ARGS.devices))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={DEVICES}")
@@ -103,7 +103,8 @@ def make_update() -> Any:
 
 
 def main() -> None:
-    # BURNCOLL_* environment variables (set by `burncoll launch`) override these values.
+    # The node's rank, the number of nodes and the addresses come from the environment
+    # (`burncoll launch`, torchrun, SLURM or mpirun); the code sets only what it decides.
     config = CollectiveConfig(backend="jax", num_devices=DEVICES)
     x, y, name = load_data()
     batch = ARGS.batch_size

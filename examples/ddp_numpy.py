@@ -6,7 +6,7 @@ Run it on 4 logical CPU devices of one node::
 
 or on several nodes, each running this script with its config from ``BURNCOLL_*`` variables::
 
-    burncoll launch --nodes 2 -- python examples/ddp_numpy.py
+    burncoll launch --nodes 2 --devices 2 examples/ddp_numpy.py
 
 Each step draws a global minibatch of 256 examples, every device computes the gradient of
 its 256 / world_size examples, ``all_reduce_tree`` averages the gradients of all parameters
@@ -16,6 +16,7 @@ in one collective, and every replica applies the same SGD-with-momentum update.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 import numpy as np
@@ -98,13 +99,17 @@ class Momentum:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=4, help="devices on this node")
+    parser.add_argument(
+        "--devices", type=int, default=int(os.environ.get("BURNCOLL_NUM_DEVICES", "4")),
+        help="devices on this node (default: $BURNCOLL_NUM_DEVICES, which `burncoll launch "
+             "--devices` sets, else 4)")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch-size", type=int, default=256, help="global batch")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
 
-    # BURNCOLL_* environment variables (set by `burncoll launch`) override these values.
+    # The node's rank, the number of nodes and the addresses come from the environment
+    # (`burncoll launch`, torchrun, SLURM or mpirun); the code sets only what it decides.
     config = CollectiveConfig(backend="numpy", num_devices=args.devices)
     x, y = make_spirals()
     trainer = ddp(range(config.num_devices), config)

@@ -28,7 +28,7 @@ def test_defaults_choose_the_strategy_per_operation() -> None:
         ({"num_devices": 0}, ["num_devices", ">= 1"]),
         ({"local_all_reduce_strategy": "tree:0"}, ["local_all_reduce_strategy", "arity"]),
         ({"global_reduce_strategy": "butterfly"}, ["global_reduce_strategy", "'ring'"]),
-        ({"num_nodes": 2}, ["num_nodes=2", "global_address", "node_address"]),
+        ({"num_nodes": 2}, ["num_nodes=2", "global_address", "BURNCOLL_GLOBAL_ADDRESS"]),
         ({"backend": "torch"}, ["backend", "numpy"]),
         ({"transport": "udp"}, ["transport", "websocket"]),
         ({"timeout": 0}, ["timeout"]),

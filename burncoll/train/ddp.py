@@ -9,18 +9,19 @@ blocked in a collective waiting for it raise :class:`~burncoll.CollectiveAborted
 waiting for ``config.timeout``; every thread is joined, and ``run`` re-raises the first error.
 
 Multi-node: with ``config.is_multi_node``, every node process calls the same code; the node's
-rank comes from the ``BURNCOLL_NODE_RANK`` environment variable (see :func:`node_rank`) and
-peer ids are ``node_rank * len(devices) + i``, so every node must use as many devices.
+rank is ``config.node_rank`` (from ``BURNCOLL_NODE_RANK`` or the launcher's variables, see
+:func:`node_rank`) and peer ids are ``node_rank * len(devices) + i``
+(:func:`burncoll.peer_ids`), so every node must use as many devices.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from burncoll import ranks
 from burncoll.api import Communicator, register
 from burncoll.backends import get_backend
 from burncoll.backends.base import Device
@@ -36,41 +37,29 @@ R = TypeVar("R")
 NODE_RANK_ENV = "BURNCOLL_NODE_RANK"
 
 
-def node_rank() -> int:
-    """This process's node rank: ``BURNCOLL_NODE_RANK`` as an int, 0 when unset.
+def node_rank(config: CollectiveConfig | None = None) -> int:
+    """This process's node rank (:func:`burncoll.node_rank`): ``config.node_rank``, which
+    ``BURNCOLL_NODE_RANK`` or the launcher's variables (torchrun's ``RANK``, SLURM's
+    ``SLURM_PROCID``, ...) set when the code does not; 0 on a single node.
 
-    Raises :class:`~burncoll.ConfigError` when the variable is not a non-negative int.
+    Raises :class:`~burncoll.ConfigError` when those variables are not a valid rank.
     """
-    raw = os.environ.get(NODE_RANK_ENV, "").strip()
-    if not raw:
-        return 0
-    try:
-        rank = int(raw)
-    except ValueError:
-        rank = -1
-    if rank < 0:
-        raise ConfigError(f"{NODE_RANK_ENV} must be a non-negative int, got {raw!r}")
-    return rank
+    return ranks.node_rank(config)
 
 
 def ddp(devices: Sequence[Device | int], config: CollectiveConfig) -> DataParallel:
     """A :class:`DataParallel` over ``devices`` (backend devices or their indices).
 
-    ``config.num_devices`` is set to ``len(devices)`` when it differs. Raises
-    :class:`~burncoll.UsageError` for an empty or repeated device list, or when a
-    ``BURNCOLL_NUM_DEVICES`` environment override contradicts ``len(devices)``, and
+    ``config.num_devices`` is set to ``len(devices)`` when it differs (the devices given in
+    the code win, as any argument does). Raises
+    :class:`~burncoll.UsageError` for an empty or repeated device list, and
     :class:`~burncoll.ConfigError` when the node rank is not below ``config.num_nodes``.
     """
     devices = list(devices)
     if not devices:
         raise UsageError("ddp needs at least one device")
     if config.num_devices != len(devices):
-        config = config.replace(num_devices=len(devices))
-        if config.num_devices != len(devices):
-            raise UsageError(
-                f"ddp got {len(devices)} devices but config.num_devices is "
-                f"{config.num_devices} (set by BURNCOLL_NUM_DEVICES?); pass as many devices"
-            )
+        config = config.replace(num_devices=len(devices))  # the code's argument wins
     backend = get_backend(config.backend)
     indices = [d for d in devices if isinstance(d, int) and not isinstance(d, bool)]
     if indices:
@@ -82,7 +71,7 @@ def ddp(devices: Sequence[Device | int], config: CollectiveConfig) -> DataParall
         for b in devices[:i]:
             if a == b:
                 raise UsageError(f"device {a!r} is listed twice; ddp needs distinct devices")
-    return DataParallel(devices, config, node_rank())
+    return DataParallel(devices, config, node_rank(config))
 
 
 class DataParallel:

@@ -129,9 +129,15 @@ def test_the_token_never_shows(tmp_path: Path) -> None:
     assert TOKEN not in str(info.value) and "other" not in str(info.value)
 
 
-def test_the_environment_still_overrides_the_token(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_environment_gives_the_token_unless_the_code_does(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setenv("BURNCOLL_AUTH_TOKEN", TOKEN + "-from-env")
-    assert CollectiveConfig(auth_token=TOKEN).auth_token == TOKEN + "-from-env"
+    assert CollectiveConfig().auth_token == TOKEN + "-from-env"
+    assert CollectiveConfig(auth_token=TOKEN).auth_token == TOKEN  # the code's argument wins
+    path = tmp_path / "c.yaml"
+    path.write_text(f"auth_token: {TOKEN}\n")
+    assert CollectiveConfig.from_yaml(path).auth_token == TOKEN + "-from-env"  # env beats a file
 
 
 # -- token files ------------------------------------------------------------------------------
@@ -210,8 +216,9 @@ def test_tls_modes_and_the_fingerprint(monkeypatch: pytest.MonkeyPatch) -> None:
     assert fingerprints[0] != fingerprints[1] != fingerprints[2]
     monkeypatch.setenv("BURNCOLL_TLS", "auto")
     monkeypatch.setenv("BURNCOLL_INTEGRITY", "on")
-    cfg = CollectiveConfig(tls=True)
-    assert cfg.tls is None and cfg.integrity
+    assert CollectiveConfig().tls is None and CollectiveConfig().integrity
+    cfg = CollectiveConfig(tls=True)  # the code's argument wins over BURNCOLL_TLS
+    assert cfg.tls is True and cfg.integrity
     monkeypatch.setenv("BURNCOLL_TLS", "off")
     assert CollectiveConfig().tls is False
 

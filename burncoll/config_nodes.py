@@ -1,0 +1,77 @@
+"""The config fields that say where a node stands: its rank, the number of nodes, the
+rendezvous address and its own address, filled from a launcher's variables when the code and
+the ``BURNCOLL_*`` variables leave them unset (the order is in :mod:`burncoll.config`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from burncoll.addresses import route_address
+from burncoll.config_values import parse_host_port
+from burncoll.errors import ConfigError
+from burncoll.launchers import detect_launcher
+
+__all__ = ["check_node_fields", "launcher_values"]
+
+#: The fields a launcher's variables (torchrun, SLURM, mpirun) can fill.
+LAUNCHER_FIELDS = ("num_nodes", "node_rank", "global_address")
+
+
+def launcher_values(given: frozenset[str], num_nodes: int | None,
+                    node_rank: int | None) -> dict[str, Any]:
+    """The field values the launcher's variables give, for the fields not in ``given``.
+
+    ``num_nodes`` and ``node_rank``: the values so far. Node 0 of a torchrun, SLURM or
+    mpirun job hosts the orchestrator (``host_orchestrator``) when the rendezvous address
+    came from the launcher too. Raises :class:`~burncoll.ConfigError` when the launcher's
+    variables don't add up.
+    """
+    if all(name in given for name in LAUNCHER_FIELDS):
+        return {}
+    found = detect_launcher()
+    if found is None:
+        return {}
+    offered = {"num_nodes": found.num_nodes, "node_rank": found.node_rank,
+               "global_address": found.rendezvous}
+    values = {name: value for name, value in offered.items()
+              if name not in given and value is not None}
+    if ("host_orchestrator" not in given and "global_address" not in given
+            and found.launcher != "burncoll" and found.rendezvous is not None):
+        nodes = found.num_nodes if "num_nodes" in values else (num_nodes or 1)
+        rank = found.node_rank if "node_rank" in values else (node_rank or 0)
+        values["host_orchestrator"] = nodes > 1 and rank == 0
+    return values
+
+
+def _require_rank(node_rank: object, nodes: int) -> None:
+    if node_rank is None:
+        return
+    if isinstance(node_rank, bool) or not isinstance(node_rank, int) or node_rank < 0:
+        raise ConfigError(f"node_rank={node_rank!r}: expected an integer >= 0")
+    if node_rank >= nodes:
+        raise ConfigError(
+            f"node_rank={node_rank} but num_nodes={nodes}: the node rank must be below the "
+            "number of nodes (check BURNCOLL_NODE_RANK / BURNCOLL_NUM_NODES or the launcher's "
+            "RANK / WORLD_SIZE)")
+
+
+def check_node_fields(num_nodes: int | None, node_rank: object, host_orchestrator: object,
+                      global_address: str | None, node_address: str | None) -> str | None:
+    """Check ``node_rank``, ``host_orchestrator`` and the rendezvous address; the address
+    found for ``node_address`` when a multi-node config leaves it unset (else ``None``): this
+    machine's address toward the rendezvous host, loopback for a loopback rendezvous."""
+    nodes = num_nodes or 1
+    _require_rank(node_rank, nodes)
+    if host_orchestrator is not None and not isinstance(host_orchestrator, bool):
+        raise ConfigError(
+            f"host_orchestrator={host_orchestrator!r}: expected true, false or null (auto)")
+    if global_address is None and (nodes > 1 or host_orchestrator):
+        raise ConfigError(
+            f"num_nodes={nodes} needs global_address='host:port' of the orchestrator "
+            "(BURNCOLL_GLOBAL_ADDRESS), or a launcher's variables (torchrun, SLURM, mpirun)")
+    if global_address is None:
+        return None
+    rendezvous, _ = parse_host_port(global_address, "global_address")
+    if nodes <= 1 or node_address is not None:
+        return None
+    return route_address(rendezvous)

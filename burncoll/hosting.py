@@ -1,0 +1,64 @@
+"""The orchestrator that node 0 hosts inside its own process.
+
+Under torchrun, SLURM or mpirun nobody starts ``burncoll orchestrator`` by hand: as torch's
+rank 0 hosts its TCPStore, the node whose config says ``host_orchestrator`` (node 0 of such a
+job, automatically) starts one listening on ``global_address`` when its peers register. It
+stays up for the life of the process (later collectives of the process use it too) and is
+closed at exit; the other nodes' registrations wait for it with the usual retries until their
+deadline.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+
+from burncoll.config import CollectiveConfig
+from burncoll.config_values import parse_host_port
+from burncoll.errors import TransportError
+from burncoll.orchestrator import Orchestrator, start_orchestrator
+
+__all__ = ["hosted_orchestrator"]
+
+_LOCK = threading.Lock()
+_HOSTED: dict[tuple[str, int, str], Orchestrator] = {}
+
+
+def hosted_orchestrator(config: CollectiveConfig) -> Orchestrator | None:
+    """The orchestrator this process hosts for ``config``, started on first use; ``None`` when
+    the config does not ask this process to host one.
+
+    Raises :class:`~burncoll.TransportError` naming the address when it cannot be bound.
+    """
+    if not config.host_orchestrator or config.global_address is None:
+        return None
+    host, port = parse_host_port(config.global_address, "global_address")
+    key = (host, port, config.transport)
+    with _LOCK:
+        running = _HOSTED.get(key)
+        if running is not None:
+            return running
+        try:
+            running = start_orchestrator(
+                host, port, config.transport, config.auth_token, timeout=config.timeout,
+                tls_cert=config.tls_cert, tls_key=config.tls_key, tls_ca=config.tls_ca,
+                tls=config.tls, integrity=config.integrity, insecure=config.insecure,
+                expected_nodes=config.num_nodes)
+        except TransportError as exc:
+            raise TransportError(
+                f"node {config.node_rank or 0} hosts the orchestrator at "
+                f"{config.global_address} and cannot listen there ({exc}); choose a free "
+                "address with BURNCOLL_GLOBAL_ADDRESS=host:port on every node (under torchrun "
+                "burncoll takes MASTER_PORT + 1)") from None
+        if not _HOSTED:
+            atexit.register(_close_all)
+        _HOSTED[key] = running
+        return running
+
+
+def _close_all() -> None:
+    with _LOCK:
+        hosted = list(_HOSTED.values())
+        _HOSTED.clear()
+    for orchestrator in hosted:
+        orchestrator.close()

@@ -1,0 +1,416 @@
+"""Which launcher started this process: ``burncoll launch``, torchrun, SLURM, Open MPI or MPICH.
+
+Each launcher tells its processes their rank and the size of the job in environment variables;
+:func:`detect_launcher` reads them so that burncoll never runs as a silent world of one under a
+launcher. Each launched process is one burncoll node. Launchers are tried in the order of
+:data:`LAUNCHERS`; the first whose marker variable is set wins (``BURNCOLL_*`` variables beat
+torchrun's, torchrun's inside a SLURM allocation beat SLURM's). A process started by mpirun
+inside a SLURM batch script inherits the batch step's ``SLURM_PROCID=0``: when the Open MPI or
+MPICH rank or size differs from SLURM's, the MPI launcher's wins. Variables that don't add up
+(a rank past the size, a non-integer, half of a pair) raise :class:`~burncoll.ConfigError`
+naming them, never a guess. A variable set to ``""``, ``none`` or ``null`` counts as unset.
+
+The rendezvous (burncoll's orchestrator) address comes from the launcher too:
+
+* torchrun: ``MASTER_ADDR:(MASTER_PORT + 1)``. torchrun's agent already holds ``MASTER_PORT``
+  with torch's own TCPStore (under ``torchrun --standalone`` that port is busy), so burncoll's
+  rendezvous takes the next port; ``BURNCOLL_GLOBAL_ADDRESS`` chooses another.
+* SLURM: ``MASTER_ADDR`` or the first host of the step's node list; ``MASTER_PORT + 1`` or a
+  port derived from ``SLURM_JOB_ID`` (:func:`derived_port`, as jax does).
+* Open MPI / MPICH: ``MASTER_ADDR``, else ``127.0.0.1`` when every process is on this host,
+  else (Open MPI) mpirun's host from ``OMPI_MCA_orte_hnp_uri``; ``MASTER_PORT + 1`` or a port
+  derived from the job id (``OMPI_MCA_ess_base_jobid``, ``PMIX_NAMESPACE``, ``PMI_KVSNAME``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import NoReturn
+
+from burncoll.errors import ConfigError
+
+__all__ = ["LAUNCHERS", "LaunchEnvironment", "derived_port", "detect_launcher", "expand_hostlist"]
+
+#: The launchers :func:`detect_launcher` knows, in the order it tries them.
+LAUNCHERS: tuple[str, ...] = ("burncoll", "torchrun", "slurm", "openmpi", "mpich")
+
+#: At most this many hosts come out of one host list (a hostile variable can't exhaust memory).
+MAX_HOSTS = 65536
+_PORT_BASE = 61440
+_PORT_SPAN = 4096
+_BLANK = ("", "none", "null")
+
+
+@dataclass(frozen=True)
+class LaunchEnvironment:
+    """What the launcher told this process: its place in the job and the rendezvous address."""
+
+    launcher: str  #: one of :data:`LAUNCHERS`
+    node_rank: int  #: this process's node rank (each launched process is one node)
+    num_nodes: int  #: processes in the job
+    local_rank: int  #: rank among the processes on this host
+    local_world_size: int  #: processes on this host (1 when the launcher doesn't say)
+    #: ``"host:port"`` of burncoll's rendezvous; ``None`` only for ``"burncoll"`` without
+    #: ``BURNCOLL_GLOBAL_ADDRESS``
+    rendezvous: str | None
+    variables: tuple[str, ...]  #: names of the (set) variables it read, for messages
+
+    @property
+    def all_on_one_host(self) -> bool:
+        """Whether every process of the job runs on this host."""
+        return self.local_world_size == self.num_nodes
+
+
+def _show(text: str) -> str:
+    """``repr`` of a variable's text, cut short so a huge hostile value can't flood a message."""
+    return repr(text) if len(text) <= 120 else repr(text[:120]) + "..."
+
+
+class _Vars:
+    """One launcher's variables: reads them, remembers which were set, explains bad values."""
+
+    def __init__(self, launcher: str, environ: Mapping[str, str]) -> None:
+        self.launcher = launcher
+        self.environ = environ
+        self.read: list[str] = []
+
+    def text(self, name: str) -> str | None:
+        value = self.environ.get(name, "")
+        if value.strip().lower() in _BLANK:
+            return None
+        if name not in self.read:
+            self.read.append(name)
+        return value.strip()
+
+    def number(self, name: str, minimum: int = 0) -> int | None:
+        raw = self.text(name)
+        if raw is None:
+            return None
+        try:
+            value = int(raw)
+        except ValueError:
+            self.fail(f"{name}={_show(raw)} is not an integer; fix it or unset it")
+        if value < minimum:
+            self.fail(f"{name}={value} (must be at least {minimum})")
+        return value
+
+    def need(self, name: str, minimum: int = 0) -> int:
+        value = self.number(name, minimum)
+        if value is None:
+            given = ", ".join(f"{n}={self.environ[n].strip()[:40]}" for n in self.read)
+            self.fail(f"{given} set but {name} is not (the launcher sets them together: "
+                      f"set {name} too, or unset the others)")
+        return value
+
+    def fail(self, detail: str) -> NoReturn:
+        raise ConfigError(f"{self.launcher} variables don't add up: {detail}")
+
+    def check(self, ok: bool, detail: str) -> None:
+        if not ok:
+            self.fail(detail)
+
+    def world(self, rank_name: str, size_name: str) -> tuple[int, int]:
+        """(rank, size) from a required pair; the rank must be below the size."""
+        self.number(size_name, 1)  # read first, so a missing rank's message names the size
+        rank, size = self.need(rank_name), self.need(size_name, 1)
+        self.check(rank < size, f"{rank_name}={rank} but {size_name}={size} "
+                                f"({rank_name} must be below {size_name})")
+        return rank, size
+
+    def local(self, rank_name: str, size_name: str, world: tuple[str, int]) -> tuple[int, int]:
+        """(local rank, local size); (0, 1) when neither is set, an error when half is."""
+        rank, size = self.number(rank_name), self.number(size_name, 1)
+        if size is None:
+            self.check(not rank, f"{rank_name}={rank} but {size_name} is not set "
+                                 f"(set {size_name} to the processes on this host)")
+            return 0, 1
+        if rank is None:
+            self.fail(f"{size_name}={size} but {rank_name} is not set (set {rank_name} too, "
+                      f"or unset {size_name})")
+        self.check(rank < size, f"{rank_name}={rank} but {size_name}={size} "
+                                f"({rank_name} must be below {size_name})")
+        self.check(size <= world[1], f"{size_name}={size} but {world[0]}={world[1]} "
+                                     f"(a host can't run more processes than the job has)")
+        return rank, size
+
+    def next_port(self) -> int | None:
+        """``MASTER_PORT + 1`` (the launcher's own store holds ``MASTER_PORT``), or None."""
+        port = self.number("MASTER_PORT")
+        if port is None:
+            return None
+        self.check(0 < port < 65535, f"MASTER_PORT={port}: burncoll's rendezvous takes "
+                   "MASTER_PORT + 1, so MASTER_PORT must be 1..65534; pick another MASTER_PORT "
+                   "or set BURNCOLL_GLOBAL_ADDRESS='host:port'")
+        return port + 1
+
+    def job_port(self, *names: str) -> int:
+        """``MASTER_PORT + 1``, else a port derived from the first job id variable set."""
+        port = self.next_port()
+        if port is not None:
+            return port
+        for name in names:
+            key = self.text(name)
+            if key is not None:
+                return derived_port(key)
+        self.fail(f"none of MASTER_PORT, {', '.join(names)} is set, so there is no port for "
+                  "burncoll's rendezvous; set MASTER_PORT (burncoll uses MASTER_PORT + 1) or "
+                  "BURNCOLL_GLOBAL_ADDRESS='host:port'")
+
+    def done(self, rank: int, size: int, local: tuple[int, int],
+             host: str | None, port: int | None) -> LaunchEnvironment:
+        if host is not None and ":" in host and not host.startswith("["):
+            host = f"[{host}]"  # an IPv6 address
+        rendezvous = None if host is None or port is None else f"{host}:{port}"
+        return LaunchEnvironment(self.launcher, rank, size, local[0], local[1], rendezvous,
+                                 tuple(self.read))
+
+
+def derived_port(key: str) -> int:
+    """A port in 61440..65535 from a job id, the same on every process of the job.
+
+    An integer id gives ``id % 4096 + 61440`` (as jax does for SLURM); other text gives
+    ``crc32(text) % 4096 + 61440``.
+    """
+    text = key.strip()
+    if text.isascii() and text.isdigit() and len(text) < 4000:  # int() takes up to 4300
+        return int(text) % _PORT_SPAN + _PORT_BASE
+    return zlib.crc32(text.encode("utf-8", "surrogatepass")) % _PORT_SPAN + _PORT_BASE
+
+
+def _split_entries(spec: str) -> list[str]:
+    """Top-level comma-separated entries; a comma inside brackets belongs to the bracket."""
+    entries, depth, start = [], 0, 0
+    for at, char in enumerate(spec):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if not 0 <= depth <= 1:
+            what = "a nested '['" if depth > 1 else "a ']' without '['"
+            raise ConfigError(f"host list {_show(spec)}: {what} at position {at}")
+        if char == "," and depth == 0:
+            entries.append(spec[start:at])
+            start = at + 1
+    if depth:
+        raise ConfigError(f"host list {_show(spec)}: a '[' is never closed")
+    entries.append(spec[start:])
+    return [entry.strip() for entry in entries if entry.strip()]
+
+
+def _ranges(group: str, spec: str) -> list[tuple[int, int, int]]:
+    """``"01-04,07"`` -> ``[(1, 4, 2), (7, 7, 2)]``: (first, last, zero-padded width)."""
+    out = []
+    for item in group.split(","):
+        low, dash, high = item.strip().partition("-")
+        high = high if dash else low
+        if not (low.isascii() and low.isdigit() and high.isascii() and high.isdigit()):
+            raise ConfigError(f"host list {_show(spec)}: {_show(item.strip())} in brackets is "
+                              "not a number or a range like 01-04")
+        try:
+            first, last = int(low), int(high)
+        except ValueError:
+            raise ConfigError(f"host list {_show(spec)}: a number is too long") from None
+        if first > last:
+            raise ConfigError(f"host list {_show(spec)}: the range {low}-{high} runs backwards")
+        out.append((first, last, len(low)))
+    return out
+
+
+def expand_hostlist(spec: str) -> list[str]:
+    """SLURM's compressed host list -> host names, in order.
+
+    ``"gpu[01-04,07],login"`` -> gpu01..gpu04, gpu07, login; several bracket groups in one
+    entry expand as a cartesian product (``"rack[1-2]-n[1-2]"`` -> rack1-n1, rack1-n2,
+    rack2-n1, rack2-n2). Raises :class:`~burncoll.ConfigError` for a malformed list or one of
+    more than :data:`MAX_HOSTS` hosts.
+    """
+    hosts: list[str] = []
+    for entry in _split_entries(spec):
+        pieces = re.split(r"\[([^\]]*)\]", entry)  # literal, group, literal, group, ..., literal
+        groups = [_ranges(group, spec) for group in pieces[1::2]]
+        count = 1
+        for group_ranges in groups:
+            count *= sum(last - first + 1 for first, last, _ in group_ranges)
+        if len(hosts) + count > MAX_HOSTS:  # checked before anything is expanded
+            raise ConfigError(f"host list {_show(spec)} names more than {MAX_HOSTS} hosts")
+        choices = [[f"{n:0{width}d}" for first, last, width in group_ranges
+                    for n in range(first, last + 1)] for group_ranges in groups]
+        for picked in itertools.product(*choices):
+            hosts.append(pieces[0] + "".join(p + s for p, s in zip(picked, pieces[2::2],
+                                                                    strict=True)))
+    return hosts
+
+
+def _tasks_on_node(v: _Vars, name: str, text: str, node: int) -> int:
+    """Tasks on node ``node`` from SLURM's ``"2(x3),1"`` (2 tasks on each of 3 nodes, then 1)."""
+    seen = 0
+    for item in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:\(x(\d+)\))?\s*", item)
+        if match is None:
+            v.fail(f"{name}={_show(text)} is not a tasks-per-node list like '2(x3),1'")
+        seen += int(match.group(2) or 1)
+        if node < seen:
+            return int(match.group(1))
+    v.fail(f"{name}={_show(text)} lists {seen} nodes but SLURM_NODEID={node}")
+
+
+def _burncoll(v: _Vars) -> LaunchEnvironment:
+    rank, size = v.number("BURNCOLL_NODE_RANK") or 0, v.number("BURNCOLL_NUM_NODES", 1) or 1
+    v.check(rank < size, f"BURNCOLL_NODE_RANK={rank} but BURNCOLL_NUM_NODES={size} "
+                         "(BURNCOLL_NODE_RANK must be below BURNCOLL_NUM_NODES)")
+    address = v.text("BURNCOLL_GLOBAL_ADDRESS")
+    return LaunchEnvironment("burncoll", rank, size, rank, size, address, tuple(v.read))
+
+
+def _torchrun(v: _Vars) -> LaunchEnvironment:
+    v.text("TORCHELASTIC_RUN_ID")
+    rank, size = v.world("RANK", "WORLD_SIZE")
+    local = v.local("LOCAL_RANK", "LOCAL_WORLD_SIZE", ("WORLD_SIZE", size))
+    v.check(local[0] <= rank, f"LOCAL_RANK={local[0]} but RANK={rank} "
+                              "(a local rank can't exceed the global one)")
+    group = v.number("GROUP_RANK")
+    v.check(group is None or group <= rank - local[0],
+            f"GROUP_RANK={group} but RANK={rank} and LOCAL_RANK={local[0]} (each lower group "
+            "runs at least one process, so GROUP_RANK must be at most RANK - LOCAL_RANK)")
+    host = v.text("MASTER_ADDR")
+    v.check(host is not None, "MASTER_ADDR is not set; set it to the host of rank 0 (or set "
+                              "BURNCOLL_GLOBAL_ADDRESS='host:port')")
+    port = v.next_port()
+    v.check(port is not None, "MASTER_PORT is not set; set it (burncoll's rendezvous uses "
+                              "MASTER_PORT + 1) or set BURNCOLL_GLOBAL_ADDRESS='host:port'")
+    return v.done(rank, size, local, host, port)
+
+
+def _slurm(v: _Vars) -> LaunchEnvironment:
+    tasks_name = "SLURM_STEP_NUM_TASKS" if v.text("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
+    nodes_name = "SLURM_STEP_NUM_NODES" if v.text("SLURM_STEP_NUM_NODES") else "SLURM_NNODES"
+    node, nodes = v.number("SLURM_NODEID") or 0, v.number(nodes_name, 1)
+    v.check(nodes is None or node < nodes, f"SLURM_NODEID={node} but {nodes_name}={nodes} "
+                                           "(SLURM_NODEID must be below the node count)")
+    if v.text(tasks_name) is None:  # the batch step of a job without --ntasks: one process
+        rank = v.need("SLURM_PROCID")
+        v.check(rank == 0, f"SLURM_PROCID={rank} but neither SLURM_STEP_NUM_TASKS nor "
+                           "SLURM_NTASKS is set (set SLURM_NTASKS to the number of tasks)")
+        size, local = 1, (0, 1)
+    else:
+        rank, size = v.world("SLURM_PROCID", tasks_name)
+        local = _slurm_local(v, node, (tasks_name, size))
+    host = v.text("MASTER_ADDR") or _first_slurm_host(v)
+    return v.done(rank, size, local, host, v.job_port("SLURM_JOB_ID"))
+
+
+def _slurm_local(v: _Vars, node: int, world: tuple[str, int]) -> tuple[int, int]:
+    """(SLURM_LOCALID, tasks on this node from the step's or job's tasks-per-node list)."""
+    local_rank = v.number("SLURM_LOCALID") or 0
+    name = next((n for n in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+                 if v.text(n)), None)
+    if name is None:  # the launcher doesn't say: count this process alone
+        v.check(local_rank == 0, f"SLURM_LOCALID={local_rank} but neither "
+                "SLURM_STEP_TASKS_PER_NODE nor SLURM_TASKS_PER_NODE is set (set one)")
+        return 0, 1
+    per_node = v.text(name) or ""
+    local_size = _tasks_on_node(v, name, per_node, node)
+    v.check(local_rank < local_size, f"SLURM_LOCALID={local_rank} but {name}={_show(per_node)}"
+            f" puts {local_size} tasks on node SLURM_NODEID={node} (SLURM_LOCALID must be "
+            "below that)")
+    v.check(local_size <= world[1], f"{name}={_show(per_node)} puts {local_size} tasks on "
+            f"node SLURM_NODEID={node} but {world[0]}={world[1]}")
+    return local_rank, local_size
+
+
+def _first_slurm_host(v: _Vars) -> str:
+    for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"):
+        text = v.text(name)
+        if text is not None:
+            try:
+                hosts = expand_hostlist(text)
+            except ConfigError as exc:
+                v.fail(f"{name}={_show(text)} is not a SLURM host list ({exc})")
+            if hosts:
+                return hosts[0]
+    v.fail("neither MASTER_ADDR nor SLURM_STEP_NODELIST / SLURM_JOB_NODELIST names a host "
+           "for burncoll's rendezvous; set MASTER_ADDR or BURNCOLL_GLOBAL_ADDRESS='host:port'")
+
+
+def _hnp_host(uri: str | None) -> str | None:
+    """mpirun's host from ``OMPI_MCA_orte_hnp_uri`` (``'jobid.0;tcp://IP[,IP]:PORT;...'``)."""
+    for part in (uri or "").split(";"):
+        if part.startswith("tcp://"):
+            address = part[len("tcp://"):].rpartition(":")[0].split(",")[0].strip()
+            if address:
+                return address
+    return None
+
+
+#: Open MPI's and MPICH's (rank, size, local rank, local size) variables, then job id ones.
+_MPI: dict[str, tuple[tuple[str, str, str, str], tuple[str, ...]]] = {
+    "openmpi": (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                 "OMPI_COMM_WORLD_LOCAL_SIZE"), ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE")),
+    "mpich": (("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+              ("PMI_KVSNAME", "PMIX_NAMESPACE")),
+}
+
+
+def _mpi(v: _Vars) -> LaunchEnvironment:
+    """Open MPI and MPICH (hydra): the rendezvous host is MASTER_ADDR, this host when every
+    process is here, or (Open MPI) mpirun's host."""
+    names, job_ids = _MPI[v.launcher]
+    rank, size = v.world(names[0], names[1])
+    local = v.local(names[2], names[3], (names[1], size))
+    host = v.text("MASTER_ADDR") or ("127.0.0.1" if local[1] == size else None)
+    if host is None and v.launcher == "openmpi":
+        host = _hnp_host(v.text("OMPI_MCA_orte_hnp_uri"))
+    v.check(host is not None, f"{names[1]}={size} processes are not all on this host "
+            f"({names[3]}={local[1] if v.text(names[3]) else 'unset'}) and nothing names the "
+            "rendezvous host; set MASTER_ADDR to the host of rank 0 (burncoll uses "
+            "MASTER_PORT + 1) or BURNCOLL_GLOBAL_ADDRESS='host:port'")
+    return v.done(rank, size, local, host, v.job_port(*job_ids))
+
+
+#: Each launcher's reader and its markers: it is detected when all names of a group are set.
+_READERS: dict[str, tuple[Callable[[_Vars], LaunchEnvironment], tuple[tuple[str, ...], ...]]] = {
+    "burncoll": (_burncoll, (("BURNCOLL_NUM_NODES",), ("BURNCOLL_NODE_RANK",))),
+    "torchrun": (_torchrun, (("RANK", "WORLD_SIZE"), ("TORCHELASTIC_RUN_ID",))),
+    "slurm": (_slurm, (("SLURM_PROCID",),)),
+    "openmpi": (_mpi, (("OMPI_COMM_WORLD_RANK",), ("OMPI_COMM_WORLD_SIZE",))),
+    "mpich": (_mpi, (("PMI_RANK",), ("PMI_SIZE",))),
+}
+
+
+def _is_set(environ: Mapping[str, str], name: str) -> bool:
+    return environ.get(name, "").strip().lower() not in _BLANK
+
+
+def _mpi_inside_slurm(env: Mapping[str, str], slurm: LaunchEnvironment) -> str | None:
+    """An MPI launcher that ran inside a SLURM step (mpirun in a batch script): SLURM's
+    variables are inherited, so the MPI launcher's rank or size differs from SLURM's."""
+    for launcher, (names, _) in _MPI.items():
+        texts = [env.get(name, "").strip() for name in names[:2]]
+        if any(texts) and texts != [str(slurm.node_rank), str(slurm.num_nodes)]:
+            return launcher
+    return None
+
+
+def detect_launcher(environ: Mapping[str, str] | None = None) -> LaunchEnvironment | None:
+    """The launcher that started this process and what it says, or None when there is none.
+
+    ``environ`` defaults to ``os.environ``. Raises :class:`~burncoll.ConfigError` naming the
+    variables when they don't add up, or when only half of torchrun's ``RANK`` /
+    ``WORLD_SIZE`` pair is set and no other launcher is found.
+    """
+    env = os.environ if environ is None else environ
+    for launcher in LAUNCHERS:
+        read, markers = _READERS[launcher]
+        if any(all(_is_set(env, n) for n in group) for group in markers):
+            found = read(_Vars(launcher, env))
+            inner = _mpi_inside_slurm(env, found) if launcher == "slurm" else None
+            return found if inner is None else _READERS[inner][0](_Vars(inner, env))
+    half = [f"{n}={env[n].strip()[:40]}" for n in ("RANK", "WORLD_SIZE") if _is_set(env, n)]
+    if half:
+        missing = "WORLD_SIZE" if half[0].startswith("RANK=") else "RANK"
+        raise ConfigError(f"torchrun variables don't add up: {half[0]} is set but {missing} is "
+                          f"not (torchrun sets both); set {missing} too, or unset "
+                          f"{half[0].partition('=')[0]} to run without a launcher")
+    return None
