@@ -16,6 +16,7 @@ rank is ``config.node_rank`` (from ``BURNCOLL_NODE_RANK`` or the launcher's vari
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -182,8 +183,11 @@ class DataParallel:
         progress: bool = True,
         desc: str = "ddp",
         callback: Callable[[Communicator, int, Any], None] | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int | None = None,
     ) -> FitResult:
-        """Train with data parallelism; see :func:`burncoll.train.fit.fit` for the contract."""
+        """Train with data parallelism; see :func:`burncoll.train.fit.fit` for the contract
+        (``checkpoint_dir`` / ``checkpoint_every``: checkpoint and resume after a restart)."""
         return fit(
             self,
             params,
@@ -197,6 +201,8 @@ class DataParallel:
             progress=progress,
             desc=desc,
             callback=callback,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
         )
 
 

@@ -9,11 +9,19 @@ and the update is deterministic, the replicas stay bitwise identical.
 With equal shards, the mean of the per-shard mean gradients is the full-batch mean gradient,
 so ``fit`` computes what single-device training on the whole batch computes, up to float
 rounding (``grad_fn`` must return the *mean* loss over its batch, and its gradient).
+
+Checkpoint and resume. With ``checkpoint_dir``, the peer of global rank 0 saves the step
+count, params, optimizer state and losses every ``checkpoint_every`` steps and after the last
+step (:mod:`burncoll.train.checkpoint`: one ``.npz``, no pickle, written atomically). A run
+started again with the same directory (say by an elastic launcher after a crash) resumes after
+the saved step: the batches are a function of the step and the replicas stay identical, so it
+ends with the same parameters, bitwise, as a run that never stopped.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +41,7 @@ from burncoll.buckets import (
 from burncoll.config import CollectiveConfig
 from burncoll.dtypes import dtype_from_name, dtype_name, is_inexact
 from burncoll.errors import UsageError
+from burncoll.train.checkpoint import Checkpointer, checkpointer, from_numpy
 
 R = TypeVar("R")
 
@@ -94,6 +103,8 @@ def fit(
     progress: bool = True,
     desc: str = "ddp",
     callback: Callable[[Communicator, int, Any], None] | None = None,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    checkpoint_every: int | None = None,
 ) -> FitResult:
     """Train ``params`` for ``steps`` steps on every device of ``dp``; the final state.
 
@@ -113,17 +124,27 @@ def fit(
       remainder of an epoch is not used. The global batch must divide evenly by the world
       size: a :class:`~burncoll.UsageError` says so otherwise, rather than dropping examples.
     - ``progress``: a tqdm bar with the loss on rank 0 (plain lines when tqdm is missing).
-    - ``callback(comm, step, params)``: called on every peer after every step.
+    - ``callback(comm, step, params)``: called on every peer after every step and checkpoint.
+    - ``checkpoint_dir``: rank 0 saves ``fit-checkpoint.npz`` there (created when missing;
+      :mod:`burncoll.train.checkpoint`) after every ``checkpoint_every``-th and the last step.
+      A run finding one resumes after its step (rank 0 reads it, every peer receives it), with
+      final params bitwise those of an uninterrupted run; one of ``steps`` or more steps returns
+      its stored result at once. An unreadable one, or one whose leaves (count, dtypes, shapes)
+      differ from this run's, raises :class:`~burncoll.UsageError` on every peer.
+    - ``checkpoint_every``: an int >= 1; by default ``max(1, steps // 10)``. Checked but
+      unused without ``checkpoint_dir`` (``None`` switches checkpointing off).
+
+    ``FitResult.losses`` covers every step, those done before a restart included.
 
     Failures follow :meth:`DataParallel.run`: an error on one peer aborts all and is raised.
     """
     arrays, as_tuple = _split_data(data)
     world = dp.config.num_devices * (dp.config.num_nodes or 1)
+    batch = _global_batch(steps, batch_size, arrays[0].shape[0], world)
     job = _Job(
-        params, arrays, as_tuple, grad_fn, update, steps,
-        _global_batch(steps, batch_size, arrays[0].shape[0], world), batch_size is None, seed,
+        params, arrays, as_tuple, grad_fn, update, steps, batch, batch_size is None, seed,
         DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes, progress, desc,
-        callback,
+        callback, checkpointer(checkpoint_dir, checkpoint_every, steps),
     )
     results = dp.run(job.train)
     final, losses, _ = results[0]
@@ -163,6 +184,7 @@ class _Job:
     progress: bool
     desc: str
     callback: Callable[[Communicator, int, Any], None] | None
+    checkpoint: Checkpointer | None
 
     def train(self, comm: Communicator) -> tuple[Any, list[float], bool]:
         """This replica's training loop: its final params, losses, and whether all agree."""
@@ -170,12 +192,17 @@ class _Job:
         sampler = _Sampler(self.arrays, self.as_tuple, self.batch, self.full_batch, self.seed,
                            comm, backend)
         p = broadcast_tree(comm, self.params, comm.peer_ids[0], self.bucket)
-        update = self.update
+        update, ckpt = self.update, self.checkpoint
+        stateful = isinstance(update, GradientTransformation)
         state = update.init(p) if isinstance(update, GradientTransformation) else None
-        losses: list[float] = []
-        bar = _Progress(self.steps, self.desc, self.progress and comm.rank == 0)
+        start, losses = 0, list[float]()
+        if ckpt is not None:
+            restored = ckpt.restore(comm, p, state, stateful, self.bucket)
+            if restored is not None:
+                start, p, state, losses = restored
+        bar = _Progress(self.steps, self.desc, self.progress and comm.rank == 0, start)
         try:
-            for step in range(self.steps):
+            for step in range(start, self.steps):
                 loss, grads = self.grad_fn(p, sampler.batch(step))
                 loss_leaf = _loss_leaf(backend, loss, grads, comm.device)
                 loss_mean, grads = all_reduce_tree(comm, (loss_leaf, grads), "mean", self.bucket)
@@ -186,6 +213,8 @@ class _Job:
                     p = update(p, grads)
                 losses.append(float(backend.to_host(loss_mean)))
                 bar.step(losses[-1])
+                if ckpt is not None and ckpt.due(step + 1, self.steps):
+                    ckpt.save(comm, step + 1, p, state, stateful, losses)
                 if self.callback is not None:
                     self.callback(comm, step, p)
         finally:
@@ -207,7 +236,7 @@ def replicas_identical(comm: Communicator, tree: Any) -> bool:
         digest.update(f"{dtype_name(host.dtype)}{host.shape};".encode())
         digest.update(host.tobytes())
     mine = np.frombuffer(digest.digest(), dtype=np.uint8).copy()
-    gathered = np.asarray(backend.to_host(comm.all_gather(_from_numpy(backend, mine, comm.device))))
+    gathered = np.asarray(backend.to_host(comm.all_gather(from_numpy(backend, mine, comm.device))))
     rows = gathered.reshape(comm.world_size, mine.size)
     return bool((rows == rows[0]).all())
 
@@ -228,14 +257,6 @@ def _split_data(data: Any) -> tuple[list[Any], bool]:
     if len(set(rows)) != 1:
         raise UsageError(f"the data arrays must share their first dimension, got {rows}")
     return arrays, isinstance(data, list | tuple)
-
-
-def _from_numpy(backend: Backend, host: np.ndarray[Any, Any], device: Device) -> Array:
-    """``host`` as an array of ``backend`` on ``device`` (itself for NumPy)."""
-    if backend.is_array(host):
-        return host
-    host = np.ascontiguousarray(host)
-    return backend.from_host(host, dtype_name(host.dtype), tuple(host.shape), device)
 
 
 class _Sampler:
@@ -283,7 +304,7 @@ class _Sampler:
     def _to_peer(self, x: Any) -> Any:
         if self._backend.is_array(x):
             return self._backend.to_device(x, self._device)
-        return _from_numpy(self._backend, np.asarray(x), self._device)
+        return from_numpy(self._backend, np.asarray(x), self._device)
 
 
 def _loss_leaf(backend: Backend, loss: Any, grads: Any, device: Device) -> Array:
@@ -300,7 +321,7 @@ def _loss_leaf(backend: Backend, loss: Any, grads: Any, device: Device) -> Array
     host = np.asarray(loss, dtype=dtype_from_name(like))
     if host.shape != ():
         raise UsageError(f"grad_fn must return a scalar loss, got shape {host.shape}")
-    return _from_numpy(backend, host, device)
+    return from_numpy(backend, host, device)
 
 
 def _apply_updates(params: Any, updates: Any) -> Any:
@@ -320,18 +341,19 @@ def _apply_updates(params: Any, updates: Any) -> Any:
 class _Progress:
     """A tqdm bar with the loss; plain lines on stderr when tqdm is not installed."""
 
-    def __init__(self, total: int, desc: str, enabled: bool) -> None:
+    def __init__(self, total: int, desc: str, enabled: bool, done: int = 0) -> None:
         self._total = total
         self._desc = desc
         self._enabled = enabled
-        self._done = 0
+        self._done = done
         self._bar: Any = None
         if enabled:
             try:
                 from tqdm.auto import tqdm
             except ImportError:
                 return
-            self._bar = tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=total, initial=min(done, total), desc=desc, unit="step",
+                             dynamic_ncols=True)
 
     def step(self, loss: float) -> None:
         if not self._enabled:
