@@ -136,6 +136,11 @@ class LocalPeers(Protocol):
         the other nodes need not be told)."""
         ...
 
+    @property
+    def failure(self) -> BaseException | None:
+        """The error that aborted the local peers, if any."""
+        ...
+
     def status(self) -> dict[str, Any]:
         """Which local peers have arrived at which operations (for other nodes' queries)."""
         ...

@@ -89,6 +89,10 @@ class NodeLink:
     def abort(self, error: BaseException) -> None:
         if self._closed:
             return
+        self.abort_now(error)
+
+    def abort_now(self, error: BaseException) -> None:
+        """Fail the node level with ``error`` and let the abort message leave (best effort)."""
         try:
             self._io.submit(self._abort(error)).result(3.0)
         except Exception:  # pragma: no cover - best effort
@@ -261,6 +265,12 @@ class NodeLink:
         if self._closed:
             return
         self._closed = True
+        local = self._local.failure if self._local is not None else None
+        if local is not None and self._service.mailbox.error is None:
+            # a local peer failed and another peer, woken by it, closes the node before the
+            # failing thread told the node level: tell the other nodes now, never wait for a
+            # finish that they will not send
+            self.abort_now(local)
         healthy = self._service.mailbox.error is None
         error: BaseException | None = None
         try:
