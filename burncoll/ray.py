@@ -1,0 +1,340 @@
+"""``burncoll.ray.run``: a function on N Ray actors, one per burncoll node, rendezvous arranged.
+
+What ``burncoll launch`` does with processes on one machine, :func:`run` does with Ray actors
+anywhere in a Ray cluster: one actor per node (a placement group of ``num_nodes`` bundles,
+strategy ``SPREAD``, so a real cluster spreads the nodes over its machines and one machine
+packs them), node 0's actor hosts the orchestrator, and every actor gets the ``BURNCOLL_*``
+environment variables a ``burncoll launch`` node gets before it calls ``fn(*args,
+**kwargs)``. So an unchanged training script works::
+
+    def train() -> float:
+        trainer = burncoll.train.ddp(range(2), CollectiveConfig(backend="numpy"))
+        return trainer.fit(...).losses[-1]
+
+    ray.init()
+    losses = burncoll.ray.run(train, num_nodes=4, devices_per_node=2)
+
+Addresses. Each actor's node address is its Ray node IP (``ray.util.get_node_ip_address``)
+and the orchestrator binds node 0's. When every actor reports the same IP they share one
+machine (one network namespace), and then everything binds loopback instead, as with
+``burncoll launch``. The run is authenticated either way: a fresh random token
+(:func:`burncoll.launch.new_token`) is made for each call.
+
+Two channels, and what crosses each. ``fn``, ``args``, ``kwargs``, the results, the
+exceptions and the nodes' settings (the token among them) travel between the driver and the
+actors over Ray's own channel (remote-call arguments and its object store, pickled by Ray),
+as they do for any Ray task; they must therefore be picklable by Ray, and whoever can read
+Ray's object store can read the token, which is never printed or logged. burncoll's own
+network (the orchestrator, the nodes' data services) carries only its frames and never
+unpickles anything it receives.
+
+Ray: install it with ``pip install 'burncoll[ray]'``. As Ray does on a first remote call (and
+as Ray Train does), :func:`run` calls ``ray.init()`` itself when Ray is not initialised yet,
+which joins the cluster named by ``RAY_ADDRESS`` or else starts a local one; call
+``ray.init(...)`` first to choose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from burncoll.config_values import parse_env
+from burncoll.errors import (
+    BackendUnavailable,
+    CollectiveAborted,
+    CollectiveError,
+    CollectiveTimeout,
+    PeerLost,
+    UsageError,
+)
+from burncoll.launch import new_token, node_environment
+from burncoll.orchestrator import Orchestrator, start_orchestrator
+from burncoll.transport import TRANSPORT_NAMES
+
+__all__ = ["run"]
+
+R = TypeVar("R")
+
+LOOPBACK = "127.0.0.1"
+#: The variables :func:`run` sets on every node itself; ``env`` may not set them.
+OWNED_VARIABLES = (
+    "BURNCOLL_NODE_RANK", "BURNCOLL_NUM_NODES", "BURNCOLL_NUM_DEVICES", "BURNCOLL_GLOBAL_ADDRESS",
+    "BURNCOLL_NODE_ADDRESS", "BURNCOLL_DATA_SERVICE_PORT", "BURNCOLL_TRANSPORT",
+    "BURNCOLL_AUTH_TOKEN", "BURNCOLL_AUTH_TOKEN_FILE",
+)
+#: Seconds the orchestrator gets to stop before its actor is killed anyway.
+_STOP_SECONDS = 5.0
+
+
+def _consequence(error: BaseException) -> bool:
+    """Whether a node raised ``error`` because another node failed first: an abort, a lost
+    node, or a plain :class:`CollectiveError` (how burncoll hands a node another node's
+    failure whose type is not burncoll's). Not the cause to report when there is another."""
+    return isinstance(error, CollectiveAborted | PeerLost) or type(error) is CollectiveError
+
+
+class _Node:
+    """One burncoll node: the class of the Ray actors (``ray.remote`` is applied in run)."""
+
+    def __init__(self) -> None:
+        self._orchestrator: Orchestrator | None = None
+
+    def node_ip(self) -> str:
+        """This actor's Ray node IP."""
+        import ray.util
+
+        node_ip: Callable[[], str] = ray.util.get_node_ip_address  # untyped in Ray
+        return str(node_ip())
+
+    def start_orchestrator(self, host: str, transport: str, token: str, nodes: int,
+                           integrity: bool, tls: bool | None) -> str:
+        """Start the orchestrator in this actor's process; its ``"host:port"``."""
+        self._orchestrator = start_orchestrator(
+            host, 0, transport, token, integrity=integrity, tls=tls, expected_nodes=nodes)
+        return self._orchestrator.address
+
+    def stop_orchestrator(self) -> None:
+        """Stop the orchestrator, if this actor hosts one."""
+        orchestrator, self._orchestrator = self._orchestrator, None
+        if orchestrator is not None:
+            orchestrator.close()
+
+    def call(self, settings: dict[str, str], fn: Callable[..., Any], args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
+        """Set this node's ``BURNCOLL_*`` variables in the process, then call ``fn``."""
+        os.environ.pop("BURNCOLL_AUTH_TOKEN_FILE", None)  # the token comes in settings
+        os.environ.update(settings)
+        return fn(*args, **kwargs)
+
+
+def run(
+    fn: Callable[..., R],
+    *args: Any,
+    num_nodes: int,
+    devices_per_node: int = 1,
+    transport: str = "websocket",
+    timeout: float = 120.0,
+    num_cpus_per_node: float = 1,
+    env: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> list[R]:
+    """Call ``fn(*args, **kwargs)`` on ``num_nodes`` Ray actors, one per burncoll node.
+
+    Each actor is a node of ``devices_per_node`` devices: in its process,
+    ``BURNCOLL_NODE_RANK``, ``BURNCOLL_NUM_NODES``, ``BURNCOLL_NUM_DEVICES``,
+    ``BURNCOLL_GLOBAL_ADDRESS`` (node 0's orchestrator), ``BURNCOLL_NODE_ADDRESS``,
+    ``BURNCOLL_DATA_SERVICE_PORT=0``, ``BURNCOLL_TRANSPORT`` and ``BURNCOLL_AUTH_TOKEN`` are
+    set, so ``CollectiveConfig()`` there finds its node; so are the driver's other
+    ``BURNCOLL_*`` variables (as ``burncoll launch`` passes its own on), then ``env``.
+    ``BURNCOLL_INTEGRITY`` and ``BURNCOLL_TLS`` in ``env`` apply to the orchestrator too;
+    ``env`` may not set the variables listed in :data:`OWNED_VARIABLES`.
+
+    Returns the nodes' results in node-rank order. When ``fn`` fails on a node, burncoll
+    aborts the other nodes' collectives, and ``run`` raises the error of the node that failed
+    first -- the exception ``fn`` raised (its remote traceback in ``__cause__``, a note naming
+    the node), preferring it over the errors the others raise in consequence
+    (:class:`~burncoll.PeerLost`, :class:`~burncoll.CollectiveAborted`, or a plain
+    :class:`~burncoll.CollectiveError` relaying it); a node whose actor died raises
+    :class:`~burncoll.PeerLost`. Whatever happens, the actors are killed, the
+    placement group removed and the orchestrator stopped before ``run`` returns.
+
+    ``timeout`` (seconds) bounds each wait of the set-up (placing the actors, starting them,
+    starting the orchestrator) -- :class:`~burncoll.CollectiveTimeout` naming the step -- and,
+    once a node has failed, the time the others get to stop. ``fn`` itself runs as long as it
+    needs (each collective is bounded by its config's ``timeout``).
+    ``num_cpus_per_node``: the Ray CPUs each node's bundle and actor reserve. Raises
+    :class:`~burncoll.UsageError` for a bad argument and :class:`~burncoll.BackendUnavailable`
+    when Ray is not installed.
+    """
+    extra = _check(fn, num_nodes, devices_per_node, transport, timeout, num_cpus_per_node, env)
+    job = _Job(_import_ray(), num_nodes, num_cpus_per_node, timeout)
+    try:
+        hosts = job.start()
+        token = new_token()
+        integrity = bool(parse_env("integrity", extra.get("BURNCOLL_INTEGRITY", "0")))
+        tls = parse_env("tls", extra.get("BURNCOLL_TLS", "auto"))
+        address = job.start_orchestrator(hosts[0], transport, token, integrity, tls)
+        settings = [
+            _settings(rank, num_nodes, devices_per_node, address, host, transport, token, extra)
+            for rank, host in enumerate(hosts)
+        ]
+        return job.call(settings, fn, args, kwargs)
+    finally:
+        job.tear_down()
+
+
+def _check(fn: Any, num_nodes: Any, devices_per_node: Any, transport: Any, timeout: Any,
+           num_cpus_per_node: Any, env: Mapping[str, str] | None) -> dict[str, str]:
+    """Validate run's arguments; ``env`` as a dict."""
+    if not callable(fn):
+        raise UsageError(f"burncoll.ray.run: fn={fn!r} is not callable")
+    for name, value in (("num_nodes", num_nodes), ("devices_per_node", devices_per_node)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"burncoll.ray.run: {name}={value!r}: expected an int >= 1")
+    if transport not in TRANSPORT_NAMES:
+        raise UsageError(f"burncoll.ray.run: transport={transport!r}: expected one of "
+                         f"{', '.join(TRANSPORT_NAMES)}")
+    for name, value in (("timeout", timeout), ("num_cpus_per_node", num_cpus_per_node)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise UsageError(f"burncoll.ray.run: {name}={value!r}: expected a number > 0")
+    extra = dict(env or {})
+    for key, value in extra.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise UsageError(f"burncoll.ray.run: env must map str to str, got {key!r}: "
+                             f"{type(value).__name__}")
+    owned = sorted(set(extra) & set(OWNED_VARIABLES))
+    if owned:
+        raise UsageError(
+            f"burncoll.ray.run: env sets {', '.join(owned)}, which run sets on each node itself; "
+            "use num_nodes=, devices_per_node= and transport= instead")
+    for key, field in (("BURNCOLL_INTEGRITY", "integrity"), ("BURNCOLL_TLS", "tls")):
+        if key in extra:
+            parse_env(field, extra[key])  # a ConfigError naming the variable when invalid
+    return extra
+
+
+def _import_ray() -> Any:
+    """The ``ray`` module, initialised (``ray.init()`` when it is not yet)."""
+    try:
+        import ray
+        import ray.util.placement_group  # the submodule run uses
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] != "ray":
+            raise
+        raise BackendUnavailable(
+            f"burncoll.ray needs Ray, which is not installed ({exc}): "
+            "pip install 'burncoll[ray]'") from exc
+    if not ray.is_initialized():
+        ray.init()
+    return ray
+
+
+def _settings(rank: int, nodes: int, devices: int, address: str, host: str, transport: str,
+              token: str, extra: dict[str, str]) -> dict[str, str]:
+    """The ``BURNCOLL_*`` variables of node ``rank``, as ``burncoll launch`` sets them."""
+    full = node_environment(rank, nodes, devices, address, transport)
+    settings = {k: v for k, v in full.items() if k.startswith("BURNCOLL_")}
+    settings.pop("BURNCOLL_AUTH_TOKEN_FILE", None)
+    settings.update({"BURNCOLL_NODE_ADDRESS": host, "BURNCOLL_AUTH_TOKEN": token,
+                     "BURNCOLL_INTEGRITY": "0", "BURNCOLL_TLS": "auto"})
+    settings.update(extra)
+    return settings
+
+
+class _Job:
+    """One call of :func:`run`: its placement group, actors and pending calls."""
+
+    def __init__(self, ray: Any, nodes: int, cpus: float, timeout: float) -> None:
+        from ray.util.placement_group import placement_group
+
+        self.ray = ray
+        self.nodes = nodes
+        self.cpus = cpus
+        self.timeout = timeout
+        self.actors: list[Any] = []
+        self.calls: list[Any] = []
+        self.hosting = False
+        self.group = placement_group([{"CPU": float(cpus)}] * nodes, strategy="SPREAD")
+
+    def start(self) -> list[str]:
+        """Place and start the actors; each node's address (loopback on one machine)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not self.group.wait(self.timeout):
+            raise CollectiveTimeout(
+                f"burncoll.ray.run: Ray could not place {self.nodes} node(s) of "
+                f"{{'CPU': {self.cpus:g}}} within {self.timeout:g} s (available: "
+                f"{self.ray.available_resources()}); lower num_nodes or num_cpus_per_node, "
+                "add machines to the cluster, or raise timeout")
+        actor_class = self.ray.remote(_Node)
+        for rank in range(self.nodes):
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=self.group, placement_group_bundle_index=rank)
+            self.actors.append(actor_class.options(
+                num_cpus=self.cpus, max_restarts=0, scheduling_strategy=strategy).remote())
+        ips = self._get([a.node_ip.remote() for a in self.actors], "starting the actors")
+        return [LOOPBACK] * self.nodes if len(set(ips)) == 1 else [str(ip) for ip in ips]
+
+    def start_orchestrator(self, host: str, transport: str, token: str, integrity: bool,
+                           tls: bool | None) -> str:
+        """Start the orchestrator in node 0's actor; its address."""
+        self.hosting = True
+        ref = self.actors[0].start_orchestrator.remote(host, transport, token, self.nodes,
+                                                       integrity, tls)
+        return str(self._get([ref], "starting the orchestrator on node 0")[0])
+
+    def _get(self, refs: list[Any], step: str) -> list[Any]:
+        """``ray.get`` within the timeout; a node's error as :func:`_node_error` makes it."""
+        exceptions = self.ray.exceptions
+        try:
+            ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=self.timeout)
+            if len(ready) < len(refs):
+                raise CollectiveTimeout(
+                    f"burncoll.ray.run: {step} took more than timeout={self.timeout:g} s")
+            return list(self.ray.get(refs, timeout=self.timeout))
+        except exceptions.RayError as exc:
+            raise _node_error(exceptions, f"a node ({step})", exc) from None
+
+    def call(self, settings: list[dict[str, str]], fn: Callable[..., R], args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> list[R]:
+        """Call ``fn`` on every actor; the results in rank order, or the first node's error."""
+        self.calls = [actor.call.remote(s, fn, args, kwargs)
+                      for actor, s in zip(self.actors, settings, strict=True)]
+        pending = {ref: rank for rank, ref in enumerate(self.calls)}
+        results: dict[int, Any] = {}
+        failures: list[BaseException] = []
+        deadline: float | None = None
+        while pending:
+            wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if wait <= 0:
+                break
+            ready, _ = self.ray.wait(list(pending), num_returns=1, timeout=wait)
+            for ref in sorted(ready, key=pending.__getitem__):
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = self.ray.get(ref, timeout=self.timeout)
+                except self.ray.exceptions.RayError as exc:
+                    failures.append(
+                        _node_error(self.ray.exceptions, f"node {rank} of {self.nodes}", exc))
+            if not all(_consequence(f) for f in failures):
+                break  # the cause is known: the others are only being stopped
+            if failures and deadline is None:
+                deadline = time.monotonic() + self.timeout
+        if failures:
+            raise next((f for f in failures if not _consequence(f)), failures[0])
+        if pending:  # pragma: no cover - only without failures, which never set a deadline
+            raise CollectiveTimeout("burncoll.ray.run: the nodes did not finish")
+        return [results[rank] for rank in range(self.nodes)]
+
+    def tear_down(self) -> None:
+        """Stop the orchestrator, kill the actors, remove the placement group (best effort)."""
+        ray = self.ray
+        idle = not self.calls or not ray.wait(self.calls[:1], timeout=0)[1]
+        if self.hosting and idle:
+            with contextlib.suppress(Exception):  # killing the actor stops it all the same
+                ray.get(self.actors[0].stop_orchestrator.remote(), timeout=_STOP_SECONDS)
+        for actor in self.actors:
+            with contextlib.suppress(Exception):  # already dead
+                ray.kill(actor, no_restart=True)
+        with contextlib.suppress(Exception):  # already removed
+            ray.util.remove_placement_group(self.group)
+
+
+def _node_error(exceptions: Any, where: str, exc: BaseException) -> BaseException:
+    """What to raise for the failure ``exc`` (a Ray error) of the node ``where`` names."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, exceptions.RayTaskError) and isinstance(cause, BaseException) and not (
+            isinstance(cause, exceptions.RayError)):
+        cause.add_note(f"burncoll.ray: raised on {where} (its Ray actor's traceback is in "
+                       "__cause__)")
+        cause.__cause__ = exc
+        return cause
+    if isinstance(exc, exceptions.RayActorError):
+        lost = PeerLost(f"burncoll.ray: the Ray actor of {where} died: {exc}")
+        lost.__cause__ = exc
+        return lost
+    return exc
