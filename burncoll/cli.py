@@ -74,7 +74,8 @@ def _launch(args: argparse.Namespace) -> int:
     return launch_host(command, args.nnodes, args.node_rank, args.master_addr,
                        args.master_port, args.devices, args.transport, _token(args),
                        integrity=args.integrity, tls=args.tls, max_restarts=args.max_restarts,
-                       node_address=args.node_address)
+                       node_address=args.node_address, min_nodes=args.min_nodes,
+                       min_nodes_wait=args.min_nodes_wait)
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -84,7 +85,8 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 #: ``burncoll launch`` options that belong to the multi-host form (``--nnodes``) only.
 _HOST_OPTIONS = {"node_rank": "--node-rank", "master_addr": "--master-addr",
-                 "master_port": "--master-port", "node_address": "--node-address"}
+                 "master_port": "--master-port", "node_address": "--node-address",
+                 "min_nodes": "--min-nodes"}
 
 
 def _check_launch_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -107,6 +109,10 @@ def _check_launch_arguments(parser: argparse.ArgumentParser, args: argparse.Name
                      f"(ranks 0 to {args.nnodes - 1}, one per host)")
     if not 1 <= args.master_port <= 65535:
         parser.error(f"--master-port {args.master_port}: expected a port in [1, 65535]")
+    if args.min_nodes is not None and args.min_nodes > args.nnodes:
+        parser.error(f"--min-nodes {args.min_nodes} must be at most --nnodes {args.nnodes}")
+    if not args.min_nodes_wait > 0:
+        parser.error(f"--min-nodes-wait {args.min_nodes_wait}: expected seconds > 0")
 
 
 def _count(low: int) -> Callable[[str], int]:
@@ -168,6 +174,13 @@ def _add_launch_arguments(launch: argparse.ArgumentParser) -> None:
     launch.add_argument("--max-restarts", type=_count(0), default=0,
                         help="when a node fails, stop this launcher's nodes and start them "
                              "again, up to K times (default 0)")
+    launch.add_argument("--min-nodes", type=_count(1), default=None,
+                        help="with --nnodes, elastic: go on with at least M hosts when the "
+                             "others have not (re)joined within --min-nodes-wait seconds "
+                             "(give it on every host; node 0's launcher applies it)")
+    launch.add_argument("--min-nodes-wait", type=float, default=30.0, metavar="SECONDS",
+                        help="with --min-nodes: how long the missing hosts get once M have "
+                             "joined (default 30)")
     launch.add_argument("--transport", choices=TRANSPORT_NAMES, default="websocket")
     _add_token_arguments(launch, "default: $BURNCOLL_AUTH_TOKEN or $BURNCOLL_AUTH_TOKEN_FILE; "
                                  "else with --nodes a fresh random token for this run, with "

@@ -21,6 +21,8 @@ from burncoll.orchestrator import Orchestrator, start_orchestrator
 __all__ = ["hosted_orchestrator"]
 
 _LOCK = threading.Lock()
+#: Seconds the exiting host waits for ``finished`` messages still on their way to other nodes.
+_DRAIN_SECONDS = 5.0
 _HOSTED: dict[tuple[str, int, str], Orchestrator] = {}
 
 
@@ -61,4 +63,4 @@ def _close_all() -> None:
         hosted = list(_HOSTED.values())
         _HOSTED.clear()
     for orchestrator in hosted:
-        orchestrator.close()
+        orchestrator.close(drain=_DRAIN_SECONDS)

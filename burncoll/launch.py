@@ -198,6 +198,8 @@ def launch_host(
     tls: bool | None = None,
     max_restarts: int = 0,
     node_address: str | None = None,
+    min_nodes: int | None = None,
+    min_nodes_wait: float = 30.0,
 ) -> int:
     """Run node ``node_rank`` of ``nnodes`` (one per host) of ``command`` on this host.
 
@@ -208,7 +210,10 @@ def launch_host(
     (:class:`~burncoll.ConfigError` otherwise, before anything connects). ``node_address``:
     where this node's data service listens, for the other hosts to reach; default the address
     of the interface that routes to ``master_addr``. ``max_restarts``, ``grace`` and the
-    result: as :func:`launch_nodes`.
+    result: as :func:`launch_nodes`. ``min_nodes`` (elastic, given to node 0's launcher): a
+    session forms with fewer nodes, at least ``min_nodes``, when the missing ones have not
+    joined ``min_nodes_wait`` seconds after the ``min_nodes``-th did (a host that died does
+    not come back; the others restart and go on without it).
     """
     _check_host(nnodes, node_rank, master_addr, master_port, devices)
     _check_restarts(max_restarts)
@@ -229,7 +234,8 @@ def launch_host(
     if node_rank != 0:
         return _run_rounds(command, envs_for, max_restarts, grace)
     with start_orchestrator(host, master_port, transport, auth_token, integrity=integrity,
-                            tls=tls, expected_nodes=nnodes):
+                            tls=tls, expected_nodes=nnodes, min_nodes=min_nodes,
+                            min_nodes_wait=min_nodes_wait):
         return _run_rounds(command, envs_for, max_restarts, grace)
 
 

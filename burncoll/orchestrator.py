@@ -46,6 +46,7 @@ operations under way (only ``finish`` and new registrations need it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from burncoll.errors import AuthenticationError, ConfigError, ProtocolError, TransportError
@@ -91,7 +92,8 @@ class Orchestrator:
 
     def __init__(self, host: str, port: int, transport: str, auth_token: str | None,
                  timeout: float, tls: TlsSettings | None, *, integrity: bool = False,
-                 expected_nodes: int | None = None) -> None:
+                 expected_nodes: int | None = None, min_nodes: int | None = None,
+                 min_nodes_wait: float = 30.0) -> None:
         self._io = IoLoop("burncoll-orchestrator")
         # Only CONTROL messages ever come here: no connection may announce more.
         self._transport = get_transport(transport, tls=tls,
@@ -100,6 +102,10 @@ class Orchestrator:
         self._timeout = timeout
         self._integrity = integrity
         self._room = WaitingRoom(auth_token is not None, expected_nodes)
+        self._min_nodes = min_nodes
+        self._min_nodes_wait = min_nodes_wait
+        self._last_calls: set[str] = set()  # groups with a partial session scheduled
+        self._telling_finished = 0  # sessions whose ``finished`` messages are being sent
         self._listener: Listener | None = None
         self.transport = transport
         try:
@@ -122,10 +128,18 @@ class Orchestrator:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
 
-    def close(self) -> None:
-        """Stop listening and drop every connection (idempotent)."""
+    def close(self, drain: float = 0.0) -> None:
+        """Stop listening and drop every connection (idempotent).
+
+        ``drain``: seconds to wait first for ``finished`` messages on their way to nodes (a
+        node that hosts the orchestrator may hear its own ``finished`` and exit before the
+        others have been told).
+        """
         listener, self._listener = self._listener, None
         if listener is not None:
+            if drain > 0:
+                with contextlib.suppress(Exception):
+                    self._io.submit(self._drain(drain)).result(drain + 1)
             try:
                 self._io.submit(listener.close()).result(5)
             except Exception:  # pragma: no cover - best effort on shutdown
@@ -183,9 +197,33 @@ class Orchestrator:
         if full is not None:
             await self._start_session(full)
         else:
+            self._maybe_last_call(member.key)
             for m, notice in self._room.notices(member):
                 await tell(m.conn, notice, _TELL_SECONDS)
         return member
+
+    def _maybe_last_call(self, key: str) -> None:
+        """Elastic (``min_nodes``): once a group holds ``min_nodes`` members, the others get
+        ``min_nodes_wait`` seconds more to join; then the session forms without them."""
+        group = self._room.groups.get(key)
+        if (self._min_nodes is None or group is None or key in self._last_calls
+                or len(group.members) < self._min_nodes):
+            return
+        self._last_calls.add(key)
+        loop = asyncio.get_running_loop()
+        loop.call_later(self._min_nodes_wait,
+                        lambda: loop.create_task(self._last_call(key)))
+
+    async def _last_call(self, key: str) -> None:
+        self._last_calls.discard(key)
+        members = self._room.take_partial(key, self._min_nodes or 1)
+        if members is None:
+            self._maybe_last_call(key)  # members left meanwhile: wait for min_nodes again
+            return
+        log.warning("orchestrator: %d of %d nodes joined within %g s; the session goes on "
+                    "without the others (min_nodes=%d)", len(members), members[0].num_nodes,
+                    self._min_nodes_wait, self._min_nodes or 1)
+        await self._start_session(members)
 
     async def _start_session(self, members: list[Member]) -> None:
         session = Session.form(members)
@@ -197,8 +235,17 @@ class Orchestrator:
     async def _finish(self, member: Member) -> None:
         session = member.session
         if session is not None and session.finish(member):
-            for m in session.members:
-                await tell(m.conn, Finished(), _TELL_SECONDS)
+            self._telling_finished += 1
+            try:
+                await asyncio.gather(*(tell(m.conn, Finished(), _TELL_SECONDS)
+                                       for m in session.members))
+            finally:
+                self._telling_finished -= 1
+
+    async def _drain(self, seconds: float) -> None:
+        deadline = asyncio.get_running_loop().time() + seconds
+        while self._telling_finished and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.005)
 
     async def _gone(self, member: Member, exc: BaseException) -> None:
         if self._room.unwait(member):
@@ -233,6 +280,8 @@ def start_orchestrator(
     integrity: bool = False,
     insecure: bool = False,
     expected_nodes: int | None = None,
+    min_nodes: int | None = None,
+    min_nodes_wait: float = 30.0,
 ) -> Orchestrator:
     """Start the rendezvous server on ``host:port`` (0 = a free port) in the background.
 
@@ -241,8 +290,10 @@ def start_orchestrator(
     an ``auth_token`` or ``insecure=True`` (:class:`~burncoll.ConfigError` otherwise).
     ``tls``, ``integrity``: as the :class:`~burncoll.CollectiveConfig` fields of the same
     names, which every node must match. ``expected_nodes``: refuse registrations of any other
-    ``num_nodes``. Raises :class:`~burncoll.TransportError` naming the port when it cannot be
-    bound.
+    ``num_nodes``. ``min_nodes`` (elastic, as torchrun's ``--nnodes MIN:MAX``): once that many
+    nodes of a collective have joined, the others get ``min_nodes_wait`` seconds more, then
+    the session forms without them (its table is smaller than ``num_nodes``). Raises
+    :class:`~burncoll.TransportError` naming the port when it cannot be bound.
     """
     if transport not in TRANSPORT_NAMES:
         raise ConfigError(f"transport={transport!r}: expected one of {', '.join(TRANSPORT_NAMES)}")
@@ -251,10 +302,19 @@ def start_orchestrator(
             and 1 <= expected_nodes <= MAX_WAITING):
         raise ConfigError(f"expected_nodes={expected_nodes!r}: expected an int in "
                           f"[1, {MAX_WAITING}] or None")
+    if min_nodes is not None and not (
+            isinstance(min_nodes, int) and not isinstance(min_nodes, bool)
+            and 1 <= min_nodes <= (expected_nodes or MAX_WAITING)):
+        raise ConfigError(f"min_nodes={min_nodes!r}: expected an int in [1, expected_nodes] "
+                          "or None")
+    if isinstance(min_nodes_wait, bool) or not (
+            isinstance(min_nodes_wait, int | float) and min_nodes_wait > 0):
+        raise ConfigError(f"min_nodes_wait={min_nodes_wait!r}: expected seconds > 0")
     check_token(auth_token, "the orchestrator's auth token")
     check_bind_address(host, auth_token, insecure, f"the orchestrator's host {host!r}",
                        "--insecure (insecure=True)")
     check_tls_mode(transport, tls, (tls_cert, tls_key, tls_ca))
     settings = TlsSettings(tls_cert, tls_key, tls_ca, ephemeral=bool(tls))
     return Orchestrator(host, port, transport, auth_token, timeout, settings,
-                        integrity=integrity, expected_nodes=expected_nodes)
+                        integrity=integrity, expected_nodes=expected_nodes,
+                        min_nodes=min_nodes, min_nodes_wait=min_nodes_wait)

@@ -201,6 +201,18 @@ class WaitingRoom:
                 "is flooding it (set an auth token)"
             )
 
+    def take_partial(self, key: str, min_nodes: int) -> list[Member] | None:
+        """The members of group ``key``, taken out of the room, when it holds at least
+        ``min_nodes`` but not all of its ``num_nodes`` (an elastic session of fewer nodes:
+        the missing ones did not come in time); else ``None``."""
+        group = self.groups.get(key)
+        if group is None or not min_nodes <= len(group.members) < group.num_nodes:
+            return None
+        members = list(group.members)
+        for m in members:
+            self.unwait(m)
+        return members
+
     def unwait(self, member: Member) -> bool:
         """Take ``member`` out of its waiting group; whether it was waiting."""
         group, member.group = member.group, None

@@ -17,7 +17,7 @@ nodes and the rendezvous address from the launcher's variables, and node 0 of a 
 SLURM or mpirun job hosts the rendezvous itself. With ``--checkpoint-dir`` the run resumes
 from its last checkpoint when a launcher restarts it (``burncoll launch --max-restarts 1``).
 
-The model: linear regression by gradient descent with momentum on 256 fixed examples, in
+The model: linear regression by gradient descent with momentum on 240 fixed examples, in
 float64; the global batch is all of them, split evenly among the replicas.
 """
 
@@ -36,7 +36,7 @@ from burncoll.train import FitResult, ddp
 
 NDArray = np.ndarray[Any, Any]
 Params = dict[str, NDArray]
-EXAMPLES, FEATURES = 256, 8
+EXAMPLES, FEATURES = 240, 8  # 240 rows divide evenly among 1-6, 8, 10, 12 ... replicas
 
 
 def make_data(seed: int = 0) -> tuple[NDArray, NDArray]:
@@ -79,15 +79,24 @@ def train(devices: int, steps: int, checkpoint_dir: str | None = None,
           checkpoint_every: int = 5,
           callback: Callable[[Communicator, int, Any], None] | None = None
           ) -> tuple[FitResult, int, int]:
-    """Fit on this node's ``devices``; the result, this node's rank and the number of nodes."""
+    """Fit on this node's ``devices``; the result, this node's rank and the number of peers
+    that took part in the last step (fewer than configured after an elastic restart)."""
     config = CollectiveConfig(backend="numpy", num_devices=devices)
     trainer = ddp(range(devices), config)
+    world: list[int] = []
+
+    def each_step(comm: Communicator, step: int, params: Any) -> None:
+        world[:] = [comm.world_size]
+        if callback is not None:
+            callback(comm, step, params)
+
     keywords: dict[str, Any] = {}
     if checkpoint_dir is not None:
         keywords = {"checkpoint_dir": checkpoint_dir, "checkpoint_every": checkpoint_every}
     result = trainer.fit(init_params(), make_data(), loss_and_grad, Momentum(), steps=steps,
-                         progress=False, callback=callback, **keywords)
-    return result, trainer.node_rank, config.num_nodes or 1
+                         progress=False, callback=each_step, **keywords)
+    nodes = world[0] // devices if world else (config.num_nodes or 1)
+    return result, trainer.node_rank, nodes
 
 
 def main(argv: Sequence[str] | None = None,

@@ -63,6 +63,8 @@ class OrchestratorClient:
         self.notice: str | None = None
         self.gone: BaseException | None = None
         self._finished = asyncio.Event()
+        #: The orchestrator said ``finished`` (its connection may close right after).
+        self._confirmed = False
         self._reader: asyncio.Task[None] | None = None
         #: Called with a node index when the orchestrator reports it lost.
         self.on_node_lost: Callable[[int], None] = lambda node: None
@@ -172,6 +174,7 @@ class OrchestratorClient:
             while True:
                 message = decode_from_orchestrator(decode(await conn.recv()))
                 if isinstance(message, Finished):
+                    self._confirmed = True
                     self._finished.set()
                 elif isinstance(message, NodeLost):
                     if message.node >= len(self.nodes):
@@ -205,7 +208,7 @@ class OrchestratorClient:
                 "did not confirm that every node finished. Hint: a node has not called "
                 "finish() yet, or the orchestrator is down"
             ) from None
-        if self.gone is not None:
+        if not self._confirmed:  # woken by the connection's end, not by ``finished``
             raise TransportError(
                 f"finish: the orchestrator at {self.address} went away ({self.gone}) before "
                 "every node finished"

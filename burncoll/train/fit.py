@@ -189,6 +189,10 @@ class _Job:
     def train(self, comm: Communicator) -> tuple[Any, list[float], bool]:
         """This replica's training loop: its final params, losses, and whether all agree."""
         backend = get_backend(comm.config.backend)
+        if self.batch % comm.world_size:  # an elastic session with fewer nodes than configured
+            _global_batch(self.steps, None if self.full_batch else self.batch,
+                          self.arrays[0].shape[0] if self.full_batch else self.batch,
+                          comm.world_size)
         sampler = _Sampler(self.arrays, self.as_tuple, self.batch, self.full_batch, self.seed,
                            comm, backend)
         p = broadcast_tree(comm, self.params, comm.peer_ids[0], self.bucket)

@@ -1,5 +1,6 @@
 """``examples/train_anywhere.py`` with a fault: on its first attempt, node ``CRASH_NODE`` kills
-itself with SIGKILL after step ``CRASH_STEP`` (as a machine dies: no cleanup, no goodbye).
+itself with SIGKILL after step ``CRASH_STEP`` (as a machine dies: no cleanup, no goodbye);
+with ``CRASH_HOST=1`` it kills its launcher first, as when the whole host is lost.
 
 Launchers start it like the example (same arguments); ``BURNCOLL_RESTART_COUNT`` (set by
 ``burncoll launch``) tells the attempts apart.
@@ -35,6 +36,8 @@ def main() -> None:
     def maybe_die(comm: burncoll.Communicator, step: int, params: Any) -> None:
         if first_attempt and step == crash_step and burncoll.node_rank() == crash_node:
             print(f"crash_train: node {crash_node} dies after step {step}", flush=True)
+            if os.environ.get("CRASH_HOST") == "1":  # the whole host: its launcher dies too
+                os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
 
     load_example().main(sys.argv[1:], callback=maybe_die)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.launchers.common import CRASHING, EXAMPLE, assert_trained, clean_env, read_result, run
+from tests.launchers.common import (
+    CRASHING,
+    EXAMPLE,
+    REPO,
+    assert_trained,
+    clean_env,
+    read_result,
+    run,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -42,3 +52,38 @@ def test_a_killed_node_restarts_and_ends_like_an_undisturbed_run(tmp_path: Path)
     for name, value in undisturbed["params"].items():
         assert np.array_equal(resumed["params"][name], value), name
     assert_trained(killed, steps, nodes=2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_lost_host_is_dropped_and_the_others_go_on_with_fewer_nodes(tmp_path: Path) -> None:
+    """``--min-nodes 2`` of 3: host 2 dies with its launcher after step 12; hosts 0 and 1
+    restart, wait 2 s for host 2, then resume from the checkpoint as 2 nodes and finish;
+    the parameters equal single-process descent (only the sharding changed)."""
+    steps, port = 30, _free_port()
+    result = tmp_path / "r.json"
+    launchers = []
+    for rank in range(3):
+        argv = [sys.executable, "-m", "burncoll.cli", "launch", "--nnodes", "3", "--node-rank",
+                str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                "--max-restarts", "1", "--min-nodes", "2", "--min-nodes-wait", "2",
+                str(CRASHING), "--devices", "1", "--steps", str(steps), "--checkpoint-dir",
+                str(tmp_path / "ckpt"), "--checkpoint-every", "5", "--result", str(result)]
+        env = clean_env(CRASH_NODE="2", CRASH_STEP="12", CRASH_HOST="1")
+        launchers.append(subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+    try:
+        outputs = [p.communicate(timeout=150)[0] for p in launchers]
+    finally:
+        for p in launchers:
+            p.kill()
+    codes = [p.returncode for p in launchers]
+    assert codes[:2] == [0, 0] and codes[2] == -signal.SIGKILL, (codes, outputs)
+    assert all("restart 1 of 1" in out for out in outputs[:2]), outputs
+    assert "2 of 3 nodes joined" in outputs[0], outputs[0]  # node 0's launcher hosts it
+    state = assert_trained(result, steps, nodes=2)
+    assert len(state["losses"]) == steps

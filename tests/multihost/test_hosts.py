@@ -180,3 +180,23 @@ def test_real_torchrun_on_two_hosts(tmp_path: Path) -> None:
                   "--nproc-per-node", "1", str(WORKER)] for h in hs]
         runs = _run_on(hs, argvs, [env, env], tmp_path)
         _check_reduced(runs, devices=1, rendezvous=f"{hs[0].address}:{PORT + 1}")
+
+
+def test_a_lost_host_is_dropped_with_min_nodes(tmp_path: Path) -> None:
+    """Three hosts, ``--min-nodes 2``: host 2 is lost (its node and its launcher die) after
+    step 12 of 30; hosts 0 and 1 restart, wait 2 s more for it, then go on as 2 nodes from
+    the step-10 checkpoint, and the final parameters equal single-process descent."""
+    result = tmp_path / "r.json"
+    env = clean_env(BURNCOLL_AUTH_TOKEN=secrets.token_urlsafe(32), CRASH_NODE="2",
+                    CRASH_STEP="12", CRASH_HOST="1")
+    with hosts(3) as hs:
+        argvs = [_launch_argv(hs[0], h, 3, PORT, "--max-restarts", "1", "--min-nodes", "2",
+                              "--min-nodes-wait", "2", str(CRASHING), "--devices", "1",
+                              "--steps", "30", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                              "--checkpoint-every", "5", "--result", str(result))
+                 for h in hs]
+        runs = _run_on(hs, argvs, [env] * 3, tmp_path / "logs")
+    _ok(runs[:2])
+    assert runs[2].code != 0  # its launcher was killed with it
+    assert "2 of 3 nodes joined" in runs[0].output, runs[0].output
+    assert len(assert_trained(result, 30, nodes=2)["losses"]) == 30
