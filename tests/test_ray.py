@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow  # a local Ray instance takes 10-20 s to start
 NDArray = np.ndarray[Any, Any]
 CPUS = 4
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ray_train.py"
+TRAIN_ANYWHERE = EXAMPLE.with_name("train_anywhere.py")
 
 
 def x_for(rank: int) -> NDArray:
@@ -229,3 +230,35 @@ def test_a_cluster_too_small_is_a_timeout_naming_the_placement(local_ray: None) 
 def test_bad_arguments_are_usage_errors(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(burncoll.UsageError, match=match):
         burncoll_ray.run(print, **kwargs)
+
+
+def train_anywhere_node(argv: list[str]) -> dict[str, Any]:
+    """examples/train_anywhere.py's own ``main``, unchanged, as one Ray node; its result file."""
+    import importlib.util
+    import json
+    import tempfile
+
+    spec = importlib.util.spec_from_file_location("train_anywhere", TRAIN_ANYWHERE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with tempfile.TemporaryDirectory() as scratch:
+        result = Path(scratch) / "r.json"
+        module.main([*argv, "--result", str(result)])
+        loaded: dict[str, Any] = json.loads(result.read_text()) if result.exists() else {}
+    return loaded
+
+
+def test_the_same_training_script_runs_on_ray(local_ray: None) -> None:
+    """The script every launcher runs (examples/train_anywhere.py) on 2 Ray nodes of 2
+    devices: node 0's final parameters equal single-process float64 descent."""
+    from tests.launchers.common import reference
+
+    results = burncoll_ray.run(train_anywhere_node, ["--steps", "20"], num_nodes=2,
+                               devices_per_node=2, timeout=60)
+    state = results[0]
+    assert results[1] == {}  # only node 0 writes the result
+    assert state["nodes"] == 2 and state["devices"] == 2 and state["identical"]
+    for name, value in reference(20).items():
+        np.testing.assert_allclose(np.asarray(state["params"][name]), value, rtol=1e-9,
+                                   atol=1e-12)

@@ -33,6 +33,12 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def reference(steps: int) -> dict[str, np.ndarray[Any, Any]]:
     """Full-batch gradient descent with momentum on the example's data, on one process."""
+    return descend(steps)[0]
+
+
+def descend(steps: int) -> tuple[dict[str, np.ndarray[Any, Any]], list[float]]:
+    """The example's model trained on one process, in float64: the final parameters and the
+    loss of every step (before its update)."""
     sys.path.insert(0, str(EXAMPLE.parent))
     try:
         import train_anywhere as ex
@@ -41,11 +47,13 @@ def reference(steps: int) -> dict[str, np.ndarray[Any, Any]]:
     x, y = ex.make_data()
     params, opt = ex.init_params(), ex.Momentum()
     velocity = opt.init(params)
+    losses = []
     for _ in range(steps):
-        _, grads = ex.loss_and_grad(params, (x, y))
+        loss, grads = ex.loss_and_grad(params, (x, y))
+        losses.append(loss)
         updates, velocity = opt.update(grads, velocity)
         params = {k: params[k] + updates[k] for k in params}
-    return params
+    return params, losses
 
 
 def read_result(path: Path) -> dict[str, Any]:
