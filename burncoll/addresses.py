@@ -13,7 +13,7 @@ import socket
 
 from burncoll.errors import ConfigError
 
-__all__ = ["route_address"]
+__all__ = ["resolves_to_loopback", "route_address"]
 
 
 def route_address(host: str, port: int = 9) -> str:
@@ -45,3 +45,15 @@ def route_address(host: str, port: int = 9) -> str:
         f"({'; '.join(errors) or 'no address'}); set node_address (BURNCOLL_NODE_ADDRESS) to "
         "an address other nodes can reach"
     )
+
+
+def resolves_to_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an IP) resolves to a loopback address only, as a name in
+    ``/etc/hosts`` mapped to ``127.0.1.1`` does; ``False`` when it does not resolve."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), None)
+    except (OSError, UnicodeError):
+        return False
+    addresses = {str(info[4][0]) for info in infos}
+    return bool(addresses) and all(
+        a.startswith("127.") or a in ("::1", "::ffff:127.0.0.1") for a in addresses)

@@ -79,7 +79,9 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
-    """SIGTERM to the launcher: unwind (which stops its node processes), exit 128 + 15."""
+    """SIGTERM to the launcher: unwind (which stops its node processes), exit 128 + 15. A
+    second SIGTERM (SLURM and systemd send more than one) must not cut that unwinding short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 

@@ -28,7 +28,6 @@ unless ``insecure`` is set; an empty token is refused and one shorter than
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
 from collections.abc import Mapping
@@ -133,9 +132,10 @@ class CollectiveConfig:
     #: This node's rank, ``0 .. num_nodes - 1``; :func:`burncoll.peer_ids` numbers its peers
     #: ``node_rank * num_devices + i``. ``None``: from the launcher's variables, else 0.
     node_rank: int | None = None
-    #: Run the orchestrator inside this process, listening on ``global_address`` (as torch's
-    #: rank 0 hosts its TCPStore). ``None`` (automatic): yes on node 0 of a job started by
-    #: torchrun, SLURM or mpirun, no otherwise (``burncoll launch`` runs its own).
+    #: Node 0 runs the orchestrator inside its process, listening on ``global_address`` (as
+    #: torch's rank 0 hosts its TCPStore); other nodes ignore it. ``None`` (automatic): yes in
+    #: a job started by torchrun, SLURM or mpirun unless the code set ``global_address``;
+    #: ``burncoll launch`` runs its own.
     host_orchestrator: bool | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> CollectiveConfig:
@@ -146,13 +146,15 @@ class CollectiveConfig:
         return self
 
     def __post_init__(self) -> None:
-        given: frozenset[str] = getattr(self, "_given", frozenset())
+        code: frozenset[str] = getattr(self, "_given", frozenset())
+        from_env: set[str] = set()
         for f in fields(self):
             raw = os.environ.get(ENV_PREFIX + f.name.upper())
-            if raw is not None and f.name not in given:
+            if raw is not None and f.name not in code:
                 object.__setattr__(self, f.name, parse_env(f.name, raw))
-                given |= {f.name}
-        for name, value in launcher_values(given, self.num_nodes, self.node_rank).items():
+                from_env.add(f.name)
+        for name, value in launcher_values(code, frozenset(from_env), self.num_nodes,
+                                           self.node_rank).items():
             object.__setattr__(self, name, value)
         for name in _STRATEGY_FIELDS:
             object.__setattr__(self, name, parse_strategy_field(name, getattr(self, name)))
@@ -253,8 +255,13 @@ class CollectiveConfig:
         return cls(**{str(k): v for k, v in data.items()})
 
     def replace(self, **changes: Any) -> CollectiveConfig:
-        """A copy with ``changes`` applied (validated again)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` applied (validated again): the fields the code gave, with
+        ``changes``; the others are found again from the environment and the launcher, so a
+        derived value (the routed ``node_address``, ``host_orchestrator``) follows the change.
+        """
+        given: frozenset[str] = getattr(self, "_given", frozenset())
+        kept = {name: getattr(self, name) for name in given if name not in changes}
+        return type(self)(**kept, **changes)
 
     def with_backend(self, value: str) -> CollectiveConfig:
         return self.replace(backend=value)

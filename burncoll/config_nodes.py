@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from burncoll.addresses import route_address
+from burncoll.addresses import resolves_to_loopback, route_address
 from burncoll.config_values import parse_host_port
 from burncoll.errors import ConfigError
 from burncoll.launchers import detect_launcher
@@ -17,30 +17,48 @@ __all__ = ["check_node_fields", "launcher_values"]
 LAUNCHER_FIELDS = ("num_nodes", "node_rank", "global_address")
 
 
-def launcher_values(given: frozenset[str], num_nodes: int | None,
+def launcher_values(code: frozenset[str], env: frozenset[str], num_nodes: int | None,
                     node_rank: int | None) -> dict[str, Any]:
-    """The field values the launcher's variables give, for the fields not in ``given``.
+    """The field values the launcher's variables give, for the fields that neither the code
+    (``code``) nor a ``BURNCOLL_*`` variable (``env``) set.
 
-    ``num_nodes`` and ``node_rank``: the values so far. Node 0 of a torchrun, SLURM or
-    mpirun job hosts the orchestrator (``host_orchestrator``) when the rendezvous address
-    came from the launcher too. Raises :class:`~burncoll.ConfigError` when the launcher's
-    variables don't add up.
+    ``num_nodes`` and ``node_rank``: the values so far. A ``num_nodes`` set elsewhere that
+    differs from the launcher's takes nothing from it (the three fields go together). Node 0
+    of a torchrun, SLURM or mpirun job hosts the orchestrator (``host_orchestrator``) unless
+    the code chose the rendezvous address or said who hosts. Raises
+    :class:`~burncoll.ConfigError` when the launcher's variables don't add up.
     """
+    given = code | env
     if all(name in given for name in LAUNCHER_FIELDS):
         return {}
     found = detect_launcher()
     if found is None:
         return {}
+    if "num_nodes" in given and (num_nodes or 1) != found.num_nodes:
+        return {}  # a job of another size than the launcher's: nothing of it applies
+    if "global_address" not in given and found.rendezvous is not None:
+        _check_spans_hosts(found.rendezvous, found.num_nodes, found.all_on_one_host,
+                           found.launcher)
     offered = {"num_nodes": found.num_nodes, "node_rank": found.node_rank,
                "global_address": found.rendezvous}
     values = {name: value for name, value in offered.items()
               if name not in given and value is not None}
-    if ("host_orchestrator" not in given and "global_address" not in given
-            and found.launcher != "burncoll" and found.rendezvous is not None):
-        nodes = found.num_nodes if "num_nodes" in values else (num_nodes or 1)
+    if ("host_orchestrator" not in given and "global_address" not in code
+            and found.launcher != "burncoll"):
         rank = found.node_rank if "node_rank" in values else (node_rank or 0)
-        values["host_orchestrator"] = nodes > 1 and rank == 0
+        values["host_orchestrator"] = found.num_nodes > 1 and rank == 0
     return values
+
+
+def _check_spans_hosts(rendezvous: str, nodes: int, one_host: bool, launcher: str) -> None:
+    """A job over several hosts cannot meet at a loopback address (a host name that
+    ``/etc/hosts`` maps to ``127.0.1.1``, say): the other hosts would wait out the timeout."""
+    host, _ = parse_host_port(rendezvous, "the rendezvous address")
+    if nodes > 1 and not one_host and resolves_to_loopback(host):
+        raise ConfigError(
+            f"the {launcher} job spans several hosts but its rendezvous host {host!r} resolves "
+            "to a loopback address, which the other hosts cannot reach; set MASTER_ADDR to "
+            "an address of node 0's host that the others reach (or BURNCOLL_GLOBAL_ADDRESS)")
 
 
 def _require_rank(node_rank: object, nodes: int) -> None:

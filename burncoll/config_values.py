@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -19,8 +20,19 @@ ENV_PREFIX = "BURNCOLL_"
 def parse_host_port(
     value: str, field_name: str, default_port: int | None = None
 ) -> tuple[str, int]:
-    """``"host:port"``, ``"ws://host:port/path"``, ``"quic://[::1]:5000"`` -> ``(host, port)``."""
+    """``"host:port"``, ``"ws://host:port/path"``, ``"quic://[::1]:5000"`` -> ``(host, port)``;
+    a bare IPv6 address (``"fd00::2"``) is a host without a port."""
     text = value.strip()
+    if text.count(":") > 1 and "[" not in text and "//" not in text:
+        try:
+            ipaddress.IPv6Address(text.split("%", 1)[0])
+        except ValueError:
+            pass
+        else:
+            if default_port is None:
+                raise ConfigError(f"{field_name}={value!r}: the port is missing; use "
+                                  f"'[{text}]:port'")
+            return text, default_port
     split = urlsplit(text if "://" in text else "//" + text)
     try:
         port = split.port

@@ -1,8 +1,9 @@
 """The orchestrator that node 0 hosts inside its own process.
 
 Under torchrun, SLURM or mpirun nobody starts ``burncoll orchestrator`` by hand: as torch's
-rank 0 hosts its TCPStore, the node whose config says ``host_orchestrator`` (node 0 of such a
-job, automatically) starts one listening on ``global_address`` when its peers register. It
+rank 0 hosts its TCPStore, node 0, when its config says ``host_orchestrator`` (automatic in
+such a job; other nodes ignore the setting), starts one listening on ``global_address`` when
+its peers register. It
 stays up for the life of the process (later collectives of the process use it too) and is
 closed at exit; the other nodes' registrations wait for it with the usual retries until their
 deadline.
@@ -32,8 +33,8 @@ def hosted_orchestrator(config: CollectiveConfig) -> Orchestrator | None:
 
     Raises :class:`~burncoll.TransportError` naming the address when it cannot be bound.
     """
-    if not config.host_orchestrator or config.global_address is None:
-        return None
+    if not config.host_orchestrator or config.global_address is None or config.node_rank:
+        return None  # only node 0 hosts, so the setting may be the same on every node
     host, port = parse_host_port(config.global_address, "global_address")
     key = (host, port, config.transport)
     with _LOCK:
@@ -48,10 +49,12 @@ def hosted_orchestrator(config: CollectiveConfig) -> Orchestrator | None:
                 expected_nodes=config.num_nodes)
         except TransportError as exc:
             raise TransportError(
-                f"node {config.node_rank or 0} hosts the orchestrator at "
-                f"{config.global_address} and cannot listen there ({exc}); choose a free "
-                "address with BURNCOLL_GLOBAL_ADDRESS=host:port on every node (under torchrun "
-                "burncoll takes MASTER_PORT + 1)") from None
+                f"node 0 hosts the orchestrator at {config.global_address} and cannot listen "
+                f"there ({exc}). Is node 0 on that host, and is the port free? Choose another "
+                "port with MASTER_PORT (burncoll takes MASTER_PORT + 1; torchrun "
+                "--master-port) or BURNCOLL_GLOBAL_ADDRESS=host:port on every node; if an "
+                "orchestrator of your own already runs there, set BURNCOLL_HOST_ORCHESTRATOR=0"
+            ) from None
         if not _HOSTED:
             atexit.register(_close_all)
         _HOSTED[key] = running

@@ -4,27 +4,28 @@ Each launcher tells its processes their rank and the size of the job in environm
 :func:`detect_launcher` reads them so that burncoll never runs as a silent world of one under a
 launcher. Each launched process is one burncoll node. Launchers are tried in the order of
 :data:`LAUNCHERS`; the first whose marker variable is set wins (``BURNCOLL_*`` variables beat
-torchrun's, torchrun's inside a SLURM allocation beat SLURM's). A process started by mpirun
-inside a SLURM batch script inherits the batch step's ``SLURM_PROCID=0``: when the Open MPI or
-MPICH rank or size differs from SLURM's, the MPI launcher's wins. Variables that don't add up
-(a rank past the size, a non-integer, half of a pair) raise :class:`~burncoll.ConfigError`
-naming them, never a guess. A variable set to ``""``, ``none`` or ``null`` counts as unset.
+torchrun's, torchrun's inside a SLURM allocation beat SLURM's). Ranks started by mpirun or
+mpiexec inside a SLURM allocation inherit its variables: the MPI launcher wins there, decided
+on what every rank sees alike (see :func:`_mpi_inside_slurm`). SLURM counts several processes
+only inside an srun step (``SLURM_STEP_NUM_TASKS``); a batch script run without srun is one
+process. Variables that don't add up (a rank past the size, a non-integer, half of a pair)
+raise :class:`~burncoll.ConfigError` naming them, never a guess; ``""``, ``none`` or ``null``
+count as unset.
 
-The rendezvous (burncoll's orchestrator) address comes from the launcher too:
+The rendezvous (burncoll's orchestrator) address comes from the launcher too, and is
+``127.0.0.1`` whenever every process of the job is on this host:
 
-* torchrun: ``MASTER_ADDR:(MASTER_PORT + 1)``. torchrun's agent already holds ``MASTER_PORT``
-  with torch's own TCPStore (under ``torchrun --standalone`` that port is busy), so burncoll's
-  rendezvous takes the next port; ``BURNCOLL_GLOBAL_ADDRESS`` chooses another.
+* torchrun: ``MASTER_ADDR:(MASTER_PORT + 1)``: torchrun's agent already holds ``MASTER_PORT``
+  with torch's own TCPStore (under ``torchrun --standalone`` that port is busy).
 * SLURM: ``MASTER_ADDR`` or the first host of the step's node list; ``MASTER_PORT + 1`` or a
   port derived from ``SLURM_JOB_ID`` (:func:`derived_port`, as jax does).
-* Open MPI / MPICH: ``MASTER_ADDR``, else ``127.0.0.1`` when every process is on this host,
-  else (Open MPI) mpirun's host from ``OMPI_MCA_orte_hnp_uri``; ``MASTER_PORT + 1`` or a port
-  derived from the job id (``OMPI_MCA_ess_base_jobid``, ``PMIX_NAMESPACE``, ``PMI_KVSNAME``).
+* Open MPI / MPICH: ``MASTER_ADDR``, else (Open MPI) mpirun's host from
+  ``OMPI_MCA_orte_hnp_uri``; ``MASTER_PORT + 1`` or a port derived from the job id
+  (``OMPI_MCA_ess_base_jobid``, ``PMIX_NAMESPACE``, ``PMI_KVSNAME``).
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 import zlib
@@ -33,14 +34,14 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from burncoll.errors import ConfigError
+from burncoll.hostlists import MAX_HOSTS, expand_hostlist
 
-__all__ = ["LAUNCHERS", "LaunchEnvironment", "derived_port", "detect_launcher", "expand_hostlist"]
+__all__ = ["LAUNCHERS", "MAX_HOSTS", "LaunchEnvironment", "derived_port", "detect_launcher",
+           "expand_hostlist"]
 
 #: The launchers :func:`detect_launcher` knows, in the order it tries them.
 LAUNCHERS: tuple[str, ...] = ("burncoll", "torchrun", "slurm", "openmpi", "mpich")
 
-#: At most this many hosts come out of one host list (a hostile variable can't exhaust memory).
-MAX_HOSTS = 65536
 _PORT_BASE = 61440
 _PORT_SPAN = 4096
 _BLANK = ("", "none", "null")
@@ -163,6 +164,8 @@ class _Vars:
 
     def done(self, rank: int, size: int, local: tuple[int, int],
              host: str | None, port: int | None) -> LaunchEnvironment:
+        if size > 1 and local[1] == size:
+            host = "127.0.0.1"  # every process on this host: loopback, whatever the name says
         if host is not None and ":" in host and not host.startswith("["):
             host = f"[{host}]"  # an IPv6 address
         rendezvous = None if host is None or port is None else f"{host}:{port}"
@@ -180,67 +183,6 @@ def derived_port(key: str) -> int:
     if text.isascii() and text.isdigit() and len(text) < 4000:  # int() takes up to 4300
         return int(text) % _PORT_SPAN + _PORT_BASE
     return zlib.crc32(text.encode("utf-8", "surrogatepass")) % _PORT_SPAN + _PORT_BASE
-
-
-def _split_entries(spec: str) -> list[str]:
-    """Top-level comma-separated entries; a comma inside brackets belongs to the bracket."""
-    entries, depth, start = [], 0, 0
-    for at, char in enumerate(spec):
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        if not 0 <= depth <= 1:
-            what = "a nested '['" if depth > 1 else "a ']' without '['"
-            raise ConfigError(f"host list {_show(spec)}: {what} at position {at}")
-        if char == "," and depth == 0:
-            entries.append(spec[start:at])
-            start = at + 1
-    if depth:
-        raise ConfigError(f"host list {_show(spec)}: a '[' is never closed")
-    entries.append(spec[start:])
-    return [entry.strip() for entry in entries if entry.strip()]
-
-
-def _ranges(group: str, spec: str) -> list[tuple[int, int, int]]:
-    """``"01-04,07"`` -> ``[(1, 4, 2), (7, 7, 2)]``: (first, last, zero-padded width)."""
-    out = []
-    for item in group.split(","):
-        low, dash, high = item.strip().partition("-")
-        high = high if dash else low
-        if not (low.isascii() and low.isdigit() and high.isascii() and high.isdigit()):
-            raise ConfigError(f"host list {_show(spec)}: {_show(item.strip())} in brackets is "
-                              "not a number or a range like 01-04")
-        try:
-            first, last = int(low), int(high)
-        except ValueError:
-            raise ConfigError(f"host list {_show(spec)}: a number is too long") from None
-        if first > last:
-            raise ConfigError(f"host list {_show(spec)}: the range {low}-{high} runs backwards")
-        out.append((first, last, len(low)))
-    return out
-
-
-def expand_hostlist(spec: str) -> list[str]:
-    """SLURM's compressed host list -> host names, in order.
-
-    ``"gpu[01-04,07],login"`` -> gpu01..gpu04, gpu07, login; several bracket groups in one
-    entry expand as a cartesian product (``"rack[1-2]-n[1-2]"`` -> rack1-n1, rack1-n2,
-    rack2-n1, rack2-n2). Raises :class:`~burncoll.ConfigError` for a malformed list or one of
-    more than :data:`MAX_HOSTS` hosts.
-    """
-    hosts: list[str] = []
-    for entry in _split_entries(spec):
-        pieces = re.split(r"\[([^\]]*)\]", entry)  # literal, group, literal, group, ..., literal
-        groups = [_ranges(group, spec) for group in pieces[1::2]]
-        count = 1
-        for group_ranges in groups:
-            count *= sum(last - first + 1 for first, last, _ in group_ranges)
-        if len(hosts) + count > MAX_HOSTS:  # checked before anything is expanded
-            raise ConfigError(f"host list {_show(spec)} names more than {MAX_HOSTS} hosts")
-        choices = [[f"{n:0{width}d}" for first, last, width in group_ranges
-                    for n in range(first, last + 1)] for group_ranges in groups]
-        for picked in itertools.product(*choices):
-            hosts.append(pieces[0] + "".join(p + s for p, s in zip(picked, pieces[2::2],
-                                                                    strict=True)))
-    return hosts
 
 
 def _tasks_on_node(v: _Vars, name: str, text: str, node: int) -> int:
@@ -284,15 +226,17 @@ def _torchrun(v: _Vars) -> LaunchEnvironment:
 
 
 def _slurm(v: _Vars) -> LaunchEnvironment:
-    tasks_name = "SLURM_STEP_NUM_TASKS" if v.text("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
+    tasks_name = "SLURM_STEP_NUM_TASKS"  # srun sets it for the tasks of a step
     nodes_name = "SLURM_STEP_NUM_NODES" if v.text("SLURM_STEP_NUM_NODES") else "SLURM_NNODES"
     node, nodes = v.number("SLURM_NODEID") or 0, v.number(nodes_name, 1)
     v.check(nodes is None or node < nodes, f"SLURM_NODEID={node} but {nodes_name}={nodes} "
                                            "(SLURM_NODEID must be below the node count)")
-    if v.text(tasks_name) is None:  # the batch step of a job without --ntasks: one process
+    if v.text(tasks_name) is None:
+        # the batch script itself (no srun): one process, whatever --ntasks reserved for the
+        # steps it may start; burncoll then runs on this one node
         rank = v.need("SLURM_PROCID")
-        v.check(rank == 0, f"SLURM_PROCID={rank} but neither SLURM_STEP_NUM_TASKS nor "
-                           "SLURM_NTASKS is set (set SLURM_NTASKS to the number of tasks)")
+        v.check(rank == 0, f"SLURM_PROCID={rank} but SLURM_STEP_NUM_TASKS is not set (srun "
+                           "sets both: start the tasks with srun)")
         size, local = 1, (0, 1)
     else:
         rank, size = v.world("SLURM_PROCID", tasks_name)
@@ -384,12 +328,16 @@ def _is_set(environ: Mapping[str, str], name: str) -> bool:
 
 
 def _mpi_inside_slurm(env: Mapping[str, str], slurm: LaunchEnvironment) -> str | None:
-    """An MPI launcher that ran inside a SLURM step (mpirun in a batch script): SLURM's
-    variables are inherited, so the MPI launcher's rank or size differs from SLURM's."""
-    for launcher, (names, _) in _MPI.items():
-        texts = [env.get(name, "").strip() for name in names[:2]]
-        if any(texts) and texts != [str(slurm.node_rank), str(slurm.num_nodes)]:
-            return launcher
+    """An MPI launcher that ran inside a SLURM allocation, whose variables every rank
+    inherits. Decided on what is the same on every rank, so all ranks agree: Open MPI's
+    ``OMPI_COMM_WORLD_*`` come from mpirun only, so mpirun started the ranks; ``PMI_SIZE``
+    equal to the srun step's task count means srun started them itself (``--mpi=pmi2``), so
+    SLURM's variables describe them; any other ``PMI_SIZE`` means mpiexec started them."""
+    if any(_is_set(env, name) for name in _MPI["openmpi"][0][:2]):
+        return "openmpi"
+    size = env.get("PMI_SIZE", "").strip()
+    if size and size != str(slurm.num_nodes):
+        return "mpich"
     return None
 
 

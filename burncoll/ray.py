@@ -120,6 +120,7 @@ def run(
     timeout: float = 120.0,
     num_cpus_per_node: float = 1,
     env: Mapping[str, str] | None = None,
+    num_gpus_per_node: float = 0,
     **kwargs: Any,
 ) -> list[R]:
     """Call ``fn(*args, **kwargs)`` on ``num_nodes`` Ray actors, one per burncoll node.
@@ -146,12 +147,15 @@ def run(
     starting the orchestrator) -- :class:`~burncoll.CollectiveTimeout` naming the step -- and,
     once a node has failed, the time the others get to stop. ``fn`` itself runs as long as it
     needs (each collective is bounded by its config's ``timeout``).
-    ``num_cpus_per_node``: the Ray CPUs each node's bundle and actor reserve. Raises
+    ``num_cpus_per_node``, ``num_gpus_per_node``: the Ray CPUs and GPUs each node's bundle and
+    actor reserve (Ray shows an actor only the GPUs it reserved: give ``devices_per_node``
+    GPUs for the cupy or jax GPU backends). Raises
     :class:`~burncoll.UsageError` for a bad argument and :class:`~burncoll.BackendUnavailable`
     when Ray is not installed.
     """
     extra = _check(fn, num_nodes, devices_per_node, transport, timeout, num_cpus_per_node, env)
-    job = _Job(_import_ray(), num_nodes, num_cpus_per_node, timeout)
+    _check_gpus(num_gpus_per_node)
+    job = _Job(_import_ray(), num_nodes, num_cpus_per_node, timeout, num_gpus_per_node)
     try:
         hosts = job.start()
         token = new_token()
@@ -165,6 +169,11 @@ def run(
         return job.call(settings, fn, args, kwargs)
     finally:
         job.tear_down()
+
+
+def _check_gpus(gpus: Any) -> None:
+    if isinstance(gpus, bool) or not isinstance(gpus, int | float) or gpus < 0:
+        raise UsageError(f"burncoll.ray.run: num_gpus_per_node={gpus!r}: expected a number >= 0")
 
 
 def _check(fn: Any, num_nodes: Any, devices_per_node: Any, transport: Any, timeout: Any,
@@ -228,17 +237,20 @@ def _settings(rank: int, nodes: int, devices: int, address: str, host: str, tran
 class _Job:
     """One call of :func:`run`: its placement group, actors and pending calls."""
 
-    def __init__(self, ray: Any, nodes: int, cpus: float, timeout: float) -> None:
+    def __init__(self, ray: Any, nodes: int, cpus: float, timeout: float,
+                 gpus: float = 0) -> None:
         from ray.util.placement_group import placement_group
 
         self.ray = ray
         self.nodes = nodes
         self.cpus = cpus
+        self.gpus = gpus
         self.timeout = timeout
         self.actors: list[Any] = []
         self.calls: list[Any] = []
         self.hosting = False
-        self.group = placement_group([{"CPU": float(cpus)}] * nodes, strategy="SPREAD")
+        self.bundle = {"CPU": float(cpus), **({"GPU": float(gpus)} if gpus else {})}
+        self.group = placement_group([self.bundle] * nodes, strategy="SPREAD")
 
     def start(self) -> list[str]:
         """Place and start the actors; each node's address (loopback on one machine)."""
@@ -247,7 +259,7 @@ class _Job:
         if not self.group.wait(self.timeout):
             raise CollectiveTimeout(
                 f"burncoll.ray.run: Ray could not place {self.nodes} node(s) of "
-                f"{{'CPU': {self.cpus:g}}} within {self.timeout:g} s (available: "
+                f"{self.bundle} within {self.timeout:g} s (available: "
                 f"{self.ray.available_resources()}); lower num_nodes or num_cpus_per_node, "
                 "add machines to the cluster, or raise timeout")
         actor_class = self.ray.remote(_Node)
@@ -255,7 +267,8 @@ class _Job:
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=self.group, placement_group_bundle_index=rank)
             self.actors.append(actor_class.options(
-                num_cpus=self.cpus, max_restarts=0, scheduling_strategy=strategy).remote())
+                num_cpus=self.cpus, num_gpus=self.gpus, max_restarts=0,
+                scheduling_strategy=strategy).remote())
         ips = self._get([a.node_ip.remote() for a in self.actors], "starting the actors")
         return [LOOPBACK] * self.nodes if len(set(ips)) == 1 else [str(ip) for ip in ips]
 

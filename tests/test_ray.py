@@ -212,6 +212,8 @@ def test_a_node_that_fails_before_its_collective_is_reported_at_once(local_ray: 
 def test_a_cluster_too_small_is_a_timeout_naming_the_placement(local_ray: None) -> None:
     with pytest.raises(burncoll.CollectiveTimeout, match="could not place 5 node"):
         burncoll_ray.run(print, num_nodes=5, timeout=2)
+    with pytest.raises(burncoll.CollectiveTimeout, match=r"'GPU': 1\.0"):  # no GPU here
+        burncoll_ray.run(print, num_nodes=1, num_gpus_per_node=1, timeout=2)
     wait_until("resources released", all_released)
 
 

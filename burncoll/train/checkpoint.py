@@ -6,39 +6,24 @@ ends with the same parameters as a run that was never interrupted (bitwise, sinc
 batches are a function of the step and the update is deterministic).
 
 Writing. After every ``checkpoint_every``-th step and after the last one, the peer of global
-rank 0 writes ``DIR/fit-checkpoint.npz``: a temporary file in ``DIR``, flushed and fsynced,
-then renamed over the previous checkpoint (``os.replace``), so the file is always either the
-old or the new checkpoint, whole; only the latest is kept.
+rank 0 writes ``DIR/fit-checkpoint.npz`` atomically, with the :class:`RunInfo` of the run
+(seed, global batch, data shapes and dtypes). The file and its format (one ``.npz``, JSON
+metadata, nothing pickled) are :mod:`burncoll.train.checkpoint_file`'s; its names are
+re-exported here.
 
-Format (version 1): one uncompressed ``.npz`` archive, readable with
-``numpy.load(path, allow_pickle=False)`` (nothing is pickled):
-
-- ``meta``: a ``uint8`` array holding UTF-8 JSON: ``{"format": "burncoll.train.fit checkpoint",
-  "version": 1, "step": <steps done>, "params": [leaf, ...], "state": [leaf, ...] | null}``,
-  each leaf ``{"dtype": "float64", "shape": [3, 4], "raw": false}`` in flattening order
-  (:func:`~burncoll.buckets.flatten_tree`); ``state`` is ``null`` for a plain update function
-  and lists the leaves of the optax optimizer state otherwise.
-- ``losses``: ``float64``, one per step done.
-- ``params_00000``, ... and ``state_00000``, ...: the leaves, as arrays of their dtype, or for
-  dtypes NumPy cannot store by itself (``bfloat16``) their raw bytes as ``uint8`` with
-  ``"raw": true``.
-
-The tree *structure* is never read from disk: it comes from the run's own initial params and
-``update.init(params)``, and the stored leaves are put into it.
-
-Resuming. The peer of global rank 0 reads the file and checks it against its own tree; every
+Resuming. The peer of global rank 0 reads the file and checks it against its own run; every
 peer then receives its verdict, the step, the losses and the leaves through collectives, so
-only rank 0's filesystem matters on several hosts. A checkpoint that is unreadable or does not
-match the model raises the same :class:`~burncoll.UsageError` on every peer.
+only rank 0's filesystem matters on several hosts. The same :class:`~burncoll.UsageError` is
+raised on every peer for a checkpoint that is unreadable or of another format version, that
+another run wrote (another seed, global batch or data: resuming would silently continue a
+different experiment), that does not match the model (leaf count, dtypes, shapes), or whose
+step is beyond this run's ``steps``. The world size is not compared (an elastic restart may
+resume on fewer nodes with the same global batch), nor are ``steps``, which may grow.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import math
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,38 +35,33 @@ from burncoll.api import Communicator
 from burncoll.backends import get_backend
 from burncoll.backends.base import Array, Backend, Device
 from burncoll.buckets import broadcast_tree, flatten_tree
-from burncoll.dtypes import dtype_from_name, dtype_name
+from burncoll.dtypes import dtype_name
 from burncoll.errors import UsageError
+from burncoll.train.checkpoint_file import (
+    CHECKPOINT_FILE,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    STALE_TEMP_SECONDS,
+    RunInfo,
+    Spec,
+    Stored,
+    mismatch,
+    read_checkpoint,
+    write_checkpoint,
+)
 
 __all__ = [
-    "CHECKPOINT_FILE",
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
-    "Checkpointer",
-    "Restored",
-    "Stored",
-    "checkpointer",
-    "from_numpy",
-    "mismatch",
-    "read_checkpoint",
-    "write_checkpoint",
+    "CHECKPOINT_FILE", "FORMAT_NAME", "FORMAT_VERSION", "STALE_TEMP_SECONDS", "Checkpointer",
+    "Restored", "RunInfo", "Spec", "Stored", "checkpointer", "from_numpy", "mismatch",
+    "read_checkpoint", "write_checkpoint",
 ]
 
-#: The checkpoint's file name inside ``checkpoint_dir``.
-CHECKPOINT_FILE = "fit-checkpoint.npz"
-#: The ``format`` field of the metadata, and the current ``version``.
-FORMAT_NAME = "burncoll.train.fit checkpoint"
-FORMAT_VERSION = 1
 #: Checkpoints per run when only ``checkpoint_dir`` is given (see :func:`checkpointer`).
 DEFAULT_CHECKPOINTS_PER_RUN = 10
 
-_TEMP_PREFIX = ".fit-checkpoint."
-_TEMP_SUFFIX = ".tmp"
 _NONE, _OK, _FAILED = 0, 1, 2  # rank 0's verdict on the checkpoint in the directory
 
 NDArray = np.ndarray[Any, Any]
-#: A leaf's dtype name and shape.
-Spec = tuple[str, tuple[int, ...]]
 
 
 def from_numpy(backend: Backend, host: NDArray, device: Device) -> Array:
@@ -90,19 +70,6 @@ def from_numpy(backend: Backend, host: NDArray, device: Device) -> Array:
         return host
     shape = tuple(host.shape)  # np.ascontiguousarray makes a 0-d array 1-d
     return backend.from_host(np.ascontiguousarray(host), dtype_name(host.dtype), shape, device)
-
-
-@dataclass(frozen=True)
-class Stored:
-    """A checkpoint as read from disk: host arrays in flattening order."""
-
-    #: Steps done when it was written.
-    step: int
-    #: The loss of each of those steps.
-    losses: list[float]
-    params: list[NDArray]
-    #: The optimizer state's leaves; ``None`` when the run used a plain update function.
-    state: list[NDArray] | None
 
 
 class Restored(NamedTuple):
@@ -114,163 +81,11 @@ class Restored(NamedTuple):
     losses: list[float]
 
 
-# -- the file -----------------------------------------------------------------------------------
-
-
-def write_checkpoint(
-    directory: Path,
-    step: int,
-    params: Sequence[NDArray],
-    state: Sequence[NDArray] | None,
-    losses: Sequence[float],
-) -> Path:
-    """Atomically replace ``directory/CHECKPOINT_FILE`` by this checkpoint; its path.
-
-    Creates ``directory`` when missing, and removes temporary files left by a writer that
-    was killed.
-    """
-    directory.mkdir(parents=True, exist_ok=True)
-    entries: dict[str, NDArray] = {"losses": np.asarray(losses, dtype=np.float64)}
-    meta: dict[str, Any] = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "step": step}
-    for kind, leaves in (("params", params), ("state", state)):
-        if leaves is None:
-            meta[kind] = None
-            continue
-        meta[kind] = []
-        for i, leaf in enumerate(leaves):
-            host = np.asarray(leaf)
-            raw = host.dtype.kind not in "biufc"  # bfloat16 & co: np.save would lose the dtype
-            meta[kind].append({"dtype": dtype_name(host.dtype), "shape": list(host.shape),
-                               "raw": raw})
-            entries[f"{kind}_{i:05d}"] = np.ascontiguousarray(host.reshape(-1)).view(
-                np.uint8) if raw else host
-    entries["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-    path = directory / CHECKPOINT_FILE
-    fd, temp = tempfile.mkstemp(dir=directory, prefix=_TEMP_PREFIX, suffix=_TEMP_SUFFIX)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, allow_pickle=False, **entries)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
-    _fsync_directory(directory)
-    for stale in directory.glob(f"{_TEMP_PREFIX}*{_TEMP_SUFFIX}"):
-        with contextlib.suppress(OSError):
-            stale.unlink()
-    return path
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename durable (POSIX; a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_checkpoint(directory: Path) -> Stored | None:
-    """The checkpoint in ``directory``; ``None`` when there is none.
-
-    Raises :class:`~burncoll.UsageError` when ``directory`` is not a directory, or when the
-    file cannot be read or is not a checkpoint of this format (truncated, corrupt, foreign).
-    """
-    if directory.exists() and not directory.is_dir():
-        raise UsageError(f"checkpoint_dir {str(directory)!r} exists and is not a directory")
-    path = directory / CHECKPOINT_FILE
-    if not path.exists():
-        return None
-    try:
-        archive = np.load(path, allow_pickle=False)
-        if not isinstance(archive, np.lib.npyio.NpzFile):
-            raise ValueError("not an .npz archive")
-        with archive:
-            return _parse(archive)
-    except Exception as exc:  # whatever the damage, one clear message
-        raise UsageError(
-            f"the checkpoint {str(path)!r} cannot be read ({type(exc).__name__}: {exc}); it is "
-            "truncated, corrupt or not a burncoll fit checkpoint: delete it (training then "
-            "starts from step 0) or pass another checkpoint_dir"
-        ) from exc
-
-
-def _parse(archive: Any) -> Stored:
-    meta = json.loads(bytes(np.asarray(archive["meta"], dtype=np.uint8)).decode())
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise ValueError(f"the metadata does not say format {FORMAT_NAME!r}")
-    if meta.get("version") != FORMAT_VERSION:
-        raise ValueError(f"format version {meta.get('version')!r}, this burncoll reads "
-                         f"version {FORMAT_VERSION}")
-    step = meta.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"bad step {step!r} in the metadata")
-    losses = archive["losses"]
-    if losses.dtype != np.float64 or losses.shape != (step,):
-        raise ValueError(f"losses are {losses.dtype} {losses.shape}, expected {step} float64")
-    leaves: dict[str, list[NDArray] | None] = {}
-    for kind in ("params", "state"):
-        specs = meta.get(kind)
-        if specs is None and kind == "state":
-            leaves[kind] = None
-            continue
-        if not isinstance(specs, list):
-            raise ValueError(f"{kind!r} in the metadata is not a list")
-        leaves[kind] = [_leaf(archive, f"{kind}_{i:05d}", s) for i, s in enumerate(specs)]
-    params = leaves["params"]
-    assert params is not None
-    return Stored(step, [float(x) for x in losses], params, leaves["state"])
-
-
-def _leaf(archive: Any, key: str, spec: Any) -> NDArray:
-    """Entry ``key``, checked against (and for raw bytes, viewed as) its metadata ``spec``."""
-    if not isinstance(spec, dict) or not isinstance(spec.get("shape"), list):
-        raise ValueError(f"bad metadata for {key}: {spec!r}")
-    dtype = dtype_from_name(str(spec.get("dtype")))
-    shape = tuple(int(n) for n in spec["shape"])
-    array: NDArray = archive[key]
-    if spec.get("raw"):
-        if array.dtype != np.uint8 or array.size != math.prod(shape) * dtype.itemsize:
-            raise ValueError(f"{key} holds {array.size} {array.dtype}, not the raw bytes of "
-                             f"{dtype_name(dtype)} {shape}")
-        return array.view(dtype).reshape(shape)
-    if array.dtype != dtype or array.shape != shape:
-        raise ValueError(f"{key} is {dtype_name(array.dtype)} {array.shape}, the metadata says "
-                         f"{dtype_name(dtype)} {shape}")
-    return array
-
-
-def mismatch(stored: Stored, params: list[Spec], state: list[Spec] | None) -> str | None:
-    """What differs between ``stored`` and this run's leaves (``None``: they match)."""
-    if (stored.state is None) != (state is None):
-        has = "has no" if stored.state is None else "has an"
-        here = "a GradientTransformation" if state is not None else "a plain update function"
-        return f"it {has} optimizer state, but this run's update is {here}"
-    problems: list[str] = []
-    for kind, theirs, ours in (("params", stored.params, params),
-                               ("optimizer state", stored.state or [], state or [])):
-        if len(theirs) != len(ours):
-            problems.append(f"{kind}: {len(theirs)} leaves in the checkpoint, {len(ours)} here")
-            continue
-        for i, (array, (dtype, shape)) in enumerate(zip(theirs, ours, strict=True)):
-            if dtype_name(array.dtype) != dtype or array.shape != shape:
-                problems.append(f"{kind} leaf {i}: {dtype_name(array.dtype)} {array.shape} in "
-                                f"the checkpoint, {dtype} {shape} here")
-    return "; ".join(problems[:4]) or None
-
-
-# -- the collective part ------------------------------------------------------------------------
-
-
 def checkpointer(
-    checkpoint_dir: str | os.PathLike[str] | None, checkpoint_every: int | None, steps: int
+    checkpoint_dir: str | os.PathLike[str] | None,
+    checkpoint_every: int | None,
+    steps: int,
+    run: RunInfo | None = None,
 ) -> Checkpointer | None:
     """The checkpoint policy of one :func:`~burncoll.train.fit.fit` call, checked.
 
@@ -279,7 +94,7 @@ def checkpointer(
     (``None``), but ``checkpoint_every`` is still checked, so that
     ``checkpoint_dir=os.environ.get(...)`` may switch checkpointing off. Raises
     :class:`~burncoll.UsageError` for a directory that is not a path, or ``checkpoint_every``
-    not a positive int.
+    not a positive int. ``run`` identifies the run (see :class:`Checkpointer`).
     """
     every = max(1, steps // DEFAULT_CHECKPOINTS_PER_RUN) if checkpoint_every is None else (
         checkpoint_every)
@@ -292,7 +107,7 @@ def checkpointer(
     if not isinstance(path, str) or not path:
         raise UsageError(f"checkpoint_dir must be a directory path (str or os.PathLike), got "
                          f"{checkpoint_dir!r}")
-    return Checkpointer(Path(path), every)
+    return Checkpointer(Path(path), every, run)
 
 
 @dataclass(frozen=True)
@@ -301,6 +116,9 @@ class Checkpointer:
 
     directory: Path
     every: int
+    #: The run: written into every checkpoint, and a checkpoint of another run is refused.
+    #: ``None`` writes none and checks none (the model and ``steps`` are checked still).
+    run: RunInfo | None = None
 
     def due(self, done: int, steps: int) -> bool:
         """Whether to checkpoint after ``done`` of ``steps`` steps."""
@@ -314,22 +132,24 @@ class Checkpointer:
         backend = get_backend(comm.config.backend)
         state_leaves = [_host(backend, x) for x in flatten_tree(state)[0]] if stateful else None
         write_checkpoint(self.directory, done, [_host(backend, x) for x in flatten_tree(params)[0]],
-                         state_leaves, losses)
+                         state_leaves, losses, self.run)
 
     def restore(self, comm: Communicator, params: Any, state: Any, stateful: bool,
-                bucket_bytes: int) -> Restored | None:
+                bucket_bytes: int, *, steps: int | None = None) -> Restored | None:
         """The checkpoint on every peer, put into this run's ``params`` and ``state`` trees;
         ``None`` when there is none. A collective: every peer must call it.
 
         Raises :class:`~burncoll.UsageError` on every peer when rank 0 finds the checkpoint
-        unreadable or not matching the trees.
+        unreadable, written by another run (:attr:`run`), not matching the trees, or at a step
+        beyond ``steps`` (this run's total; ``None``: any step).
         """
         backend = get_backend(comm.config.backend)
         p_leaves, p_unflatten = flatten_tree(params)
         s_leaves, s_unflatten = flatten_tree(state)
         stored, message = None, ""
         if comm.rank == 0:
-            stored, message = self._judge(backend, p_leaves, s_leaves if stateful else None)
+            stored, message = self._judge(backend, p_leaves, s_leaves if stateful else None,
+                                          steps)
         code = _NONE if stored is None and not message else _OK if stored is not None else _FAILED
         header = np.array([code, stored.step if stored else 0, len(message.encode())], "<i8")
         code, step, size = (int(x) for x in _broadcast_bytes(comm, backend, header, 24).view(
@@ -353,8 +173,8 @@ class Checkpointer:
         return Restored(step, p_unflatten(got[: len(p_leaves)]), s_unflatten(new_state),
                         [float(x) for x in losses.view("<f8")])
 
-    def _judge(self, backend: Backend, params: list[Any], state: list[Any] | None
-               ) -> tuple[Stored | None, str]:
+    def _judge(self, backend: Backend, params: list[Any], state: list[Any] | None,
+               steps: int | None) -> tuple[Stored | None, str]:
         """Rank 0's reading of the directory: the checkpoint, or why it cannot be used."""
         try:
             stored = read_checkpoint(self.directory)
@@ -362,14 +182,25 @@ class Checkpointer:
             return None, str(exc)
         if stored is None:
             return None, ""
+        where = f"the checkpoint in {str(self.directory)!r}"
+        fix = (f"delete {str(self.directory / CHECKPOINT_FILE)!r} (training then starts from "
+               "step 0) or pass another checkpoint_dir")
+        if self.run is not None:
+            other = ["it records no run"] if stored.run is None else self.run.differences(
+                stored.run)
+            if other:
+                return None, (f"{where} was written by another run ({'; '.join(other)}), and "
+                              f"resuming it would continue a different experiment; {fix}, or "
+                              "run with the checkpoint's settings")
         specs = [_spec(backend, x) for x in params]
         differs = mismatch(stored, specs, None if state is None else [
             _spec(backend, x) for x in state])
-        if differs is None:
-            return stored, ""
-        return None, (f"the checkpoint in {str(self.directory)!r} does not match this model "
-                      f"({differs}); delete {str(self.directory / CHECKPOINT_FILE)!r} (training "
-                      "then starts from step 0) or pass another checkpoint_dir")
+        if differs is not None:
+            return None, f"{where} does not match this model ({differs}); {fix}"
+        if steps is not None and stored.step > steps:
+            return None, (f"{where} is at step {stored.step}, beyond steps={steps}; pass "
+                          f"steps={stored.step} or more to use it, or {fix}")
+        return stored, ""
 
 
 def _broadcast_bytes(comm: Communicator, backend: Backend, data: NDArray, size: int) -> NDArray:
@@ -407,3 +238,4 @@ def _like(backend: Backend, template: Any, leaf: Array) -> Any:
     if isinstance(template, bool | int | float | complex):
         return type(template)(host.item())
     return host
+

@@ -21,6 +21,7 @@ ends with the same parameters, bitwise, as a run that never stopped.
 from __future__ import annotations
 
 import hashlib
+import numbers
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -41,7 +42,7 @@ from burncoll.buckets import (
 from burncoll.config import CollectiveConfig
 from burncoll.dtypes import dtype_from_name, dtype_name, is_inexact
 from burncoll.errors import UsageError
-from burncoll.train.checkpoint import Checkpointer, checkpointer, from_numpy
+from burncoll.train.checkpoint import Checkpointer, RunInfo, Spec, checkpointer, from_numpy
 
 R = TypeVar("R")
 
@@ -127,10 +128,9 @@ def fit(
     - ``callback(comm, step, params)``: called on every peer after every step and checkpoint.
     - ``checkpoint_dir``: rank 0 saves ``fit-checkpoint.npz`` there (created when missing;
       :mod:`burncoll.train.checkpoint`) after every ``checkpoint_every``-th and the last step.
-      A run finding one resumes after its step (rank 0 reads it, every peer receives it), with
-      final params bitwise those of an uninterrupted run; one of ``steps`` or more steps returns
-      its stored result at once. An unreadable one, or one whose leaves (count, dtypes, shapes)
-      differ from this run's, raises :class:`~burncoll.UsageError` on every peer.
+      A run finding one resumes after its step, ending bitwise like an uninterrupted run (with
+      more ``steps`` it trains on). One unreadable, of another run (``seed``, global batch, data
+      shapes) or model, or beyond ``steps`` raises :class:`~burncoll.UsageError` on every peer.
     - ``checkpoint_every``: an int >= 1; by default ``max(1, steps // 10)``. Checked but
       unused without ``checkpoint_dir`` (``None`` switches checkpointing off).
 
@@ -141,10 +141,11 @@ def fit(
     arrays, as_tuple = _split_data(data)
     world = dp.config.num_devices * (dp.config.num_nodes or 1)
     batch = _global_batch(steps, batch_size, arrays[0].shape[0], world)
+    run = None if checkpoint_dir is None else _run_info(seed, batch, batch_size, arrays, dp.config)
     job = _Job(
         params, arrays, as_tuple, grad_fn, update, steps, batch, batch_size is None, seed,
         DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes, progress, desc,
-        callback, checkpointer(checkpoint_dir, checkpoint_every, steps),
+        callback, checkpointer(checkpoint_dir, checkpoint_every, steps, run),
     )
     results = dp.run(job.train)
     final, losses, _ = results[0]
@@ -201,7 +202,7 @@ class _Job:
         state = update.init(p) if isinstance(update, GradientTransformation) else None
         start, losses = 0, list[float]()
         if ckpt is not None:
-            restored = ckpt.restore(comm, p, state, stateful, self.bucket)
+            restored = ckpt.restore(comm, p, state, stateful, self.bucket, steps=self.steps)
             if restored is not None:
                 start, p, state, losses = restored
         bar = _Progress(self.steps, self.desc, self.progress and comm.rank == 0, start)
@@ -261,6 +262,26 @@ def _split_data(data: Any) -> tuple[list[Any], bool]:
     if len(set(rows)) != 1:
         raise UsageError(f"the data arrays must share their first dimension, got {rows}")
     return arrays, isinstance(data, list | tuple)
+
+
+def _run_info(seed: Any, batch: int, batch_size: int | None, arrays: list[Any],
+              config: CollectiveConfig) -> RunInfo:
+    """What a checkpoint records of this run: seed, global batch, and the data's fingerprint
+    (each array's dtype and shape, read without copying the data)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise UsageError(f"seed must be an int, got {seed!r}")
+    backend = get_backend(config.backend)
+    specs: list[Spec] = []
+    for a in arrays:
+        if backend.is_array(a):
+            specs.append((backend.dtype_name(a), tuple(int(n) for n in backend.shape(a))))
+            continue
+        try:
+            dtype = dtype_name(np.dtype(a.dtype))
+        except (AttributeError, TypeError):  # an array type NumPy does not know the dtype of
+            dtype = str(getattr(a, "dtype", type(a).__name__))
+        specs.append((dtype, tuple(int(n) for n in a.shape)))
+    return RunInfo(int(seed), batch, batch_size is None, int(arrays[0].shape[0]), tuple(specs))
 
 
 class _Sampler:

@@ -47,7 +47,8 @@ def torchrun_env(**extra: str) -> dict[str, str]:
 
 
 def slurm_env(**extra: str) -> dict[str, str]:
-    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "6", "SLURM_NODEID": "1", "SLURM_NNODES": "3",
+    env = {"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "6", "SLURM_NODEID": "1",
+           "SLURM_NNODES": "3",
            "SLURM_LOCALID": "1", "SLURM_TASKS_PER_NODE": "2(x3)", "SLURM_JOB_ID": "12345",
            "SLURM_JOB_NODELIST": "gpu[07-09]"}
     env.update(extra)
@@ -119,9 +120,13 @@ def test_torchrun_takes_the_port_after_master_port() -> None:
 
 
 def test_torchrun_on_one_host_and_ipv6() -> None:
+    # every process on one host: loopback, whatever MASTER_ADDR (torch's getfqdn()) says
     found = detect(torchrun_env(RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
                                 MASTER_ADDR="fd00::2"))
-    assert found.all_on_one_host and found.rendezvous == "[fd00::2]:29501"
+    assert found.all_on_one_host and found.rendezvous == "127.0.0.1:29501"
+    found = detect(torchrun_env(RANK="1", WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
+                                MASTER_ADDR="fd00::2"))
+    assert not found.all_on_one_host and found.rendezvous == "[fd00::2]:29501"
 
 
 def test_torchrun_without_local_variables_is_not_one_host() -> None:
@@ -157,14 +162,14 @@ def test_slurm_master_addr_and_port_win() -> None:
 
 def test_slurm_tasks_per_node_lists() -> None:
     for node, tasks in enumerate([2, 2, 2, 1]):
-        found = detect(slurm_env(SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NTASKS="7",
+        found = detect(slurm_env(SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_STEP_NUM_TASKS="7",
                                  SLURM_NNODES="4", SLURM_NODEID=str(node),
                                  SLURM_TASKS_PER_NODE="2(x3),1"))
         assert found.local_world_size == tasks
 
 
 def test_slurm_on_one_node() -> None:
-    found = detect(slurm_env(SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_NODEID="0",
+    found = detect(slurm_env(SLURM_PROCID="1", SLURM_STEP_NUM_TASKS="2", SLURM_NODEID="0",
                              SLURM_NNODES="1", SLURM_TASKS_PER_NODE="2"))
     assert found.all_on_one_host
 
@@ -270,7 +275,8 @@ BAD: list[tuple[str, dict[str, str], tuple[str, ...]]] = [
     ("no master port", without(torchrun_env(), "MASTER_PORT"), ("MASTER_PORT",)),
     ("last port", torchrun_env(MASTER_PORT="65535"), ("MASTER_PORT=65535",)),
     ("bad port", torchrun_env(MASTER_PORT="http"), ("MASTER_PORT='http'",)),
-    ("slurm rank past tasks", slurm_env(SLURM_PROCID="6"), ("SLURM_PROCID=6", "SLURM_NTASKS=6")),
+    ("slurm rank past tasks", slurm_env(SLURM_PROCID="6"),
+     ("SLURM_PROCID=6", "SLURM_STEP_NUM_TASKS=6")),
     ("slurm node past nodes", slurm_env(SLURM_NODEID="3"), ("SLURM_NODEID=3", "SLURM_NNODES=3")),
     ("slurm local id past node", slurm_env(SLURM_LOCALID="2"),
      ("SLURM_LOCALID=2", "SLURM_TASKS_PER_NODE")),
@@ -279,14 +285,14 @@ BAD: list[tuple[str, dict[str, str], tuple[str, ...]]] = [
     ("slurm short tasks per node", slurm_env(SLURM_TASKS_PER_NODE="2"),
      ("SLURM_TASKS_PER_NODE='2'", "SLURM_NODEID=1")),
     ("slurm node over tasks", slurm_env(SLURM_TASKS_PER_NODE="8(x3)"),
-     ("SLURM_TASKS_PER_NODE='8(x3)'", "SLURM_NTASKS=6")),
+     ("SLURM_TASKS_PER_NODE='8(x3)'", "SLURM_STEP_NUM_TASKS=6")),
     ("slurm bad host list", slurm_env(SLURM_JOB_NODELIST="gpu[07-"),
      ("SLURM_JOB_NODELIST='gpu[07-'",)),
     ("slurm no host", without(slurm_env(), "SLURM_JOB_NODELIST"),
      ("MASTER_ADDR", "SLURM_JOB_NODELIST")),
     ("slurm no job id", without(slurm_env(), "SLURM_JOB_ID"), ("SLURM_JOB_ID", "MASTER_PORT")),
-    ("slurm batch step rank", without(slurm_env(), "SLURM_NTASKS"),
-     ("SLURM_PROCID=3", "SLURM_NTASKS")),
+    ("slurm batch step rank", without(slurm_env(), "SLURM_STEP_NUM_TASKS"),
+     ("SLURM_PROCID=3", "SLURM_STEP_NUM_TASKS")),
     ("slurm local id, no tasks per node", without(slurm_env(), "SLURM_TASKS_PER_NODE"),
      ("SLURM_LOCALID=1", "SLURM_TASKS_PER_NODE")),
     ("ompi rank past size", ompi_env(OMPI_COMM_WORLD_RANK="2"),
@@ -442,3 +448,34 @@ def test_real_torchrun() -> None:
     check_two(reports, "torchrun")
     host, _, port = reports[0]["found"]["rendezvous"].rpartition(":")
     assert host and int(port) == int(reports[0]["master_port"]) + 1
+
+
+def test_every_rank_of_an_mpi_job_inside_slurm_agrees() -> None:
+    """mpirun / mpiexec in a batch script (SLURM's variables inherited by every rank) and
+    srun --mpi=pmi2 (srun started the ranks): each rank picks the same launcher, so they
+    all find the same rendezvous."""
+    batch = {"SLURM_JOB_ID": "77", "SLURM_PROCID": "0", "SLURM_NODEID": "0",
+             "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[01-02]"}
+    found = [detect({**batch, "OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_SIZE": "4",
+                     "OMPI_COMM_WORLD_LOCAL_RANK": str(r % 2),
+                     "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "n01",
+                     "MASTER_PORT": "29500"}) for r in range(4)]
+    assert {f.launcher for f in found} == {"openmpi"}
+    assert {f.rendezvous for f in found} == {"n01:29501"}
+    assert [f.node_rank for f in found] == [0, 1, 2, 3]
+    hydra = [detect({**batch, "PMI_RANK": str(r), "PMI_SIZE": "4", "MASTER_ADDR": "n01",
+                     "MASTER_PORT": "29500"}) for r in range(4)]
+    assert {f.launcher for f in hydra} == {"mpich"} and [f.node_rank for f in hydra] == [0, 1, 2, 3]
+    step = {**batch, "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NODELIST": "n[01-02]",
+            "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+    srun = [detect({**step, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r % 2),
+                    "SLURM_NODEID": str(r // 2), "PMI_RANK": str(r), "PMI_SIZE": "4"})
+            for r in range(4)]
+    assert {f.launcher for f in srun} == {"slurm"}
+    assert len({f.rendezvous for f in srun}) == 1
+
+
+def test_a_batch_script_without_srun_is_one_process() -> None:
+    found = detect({"SLURM_JOB_ID": "77", "SLURM_PROCID": "0", "SLURM_NTASKS": "8",
+                    "SLURM_JOB_NODELIST": "n[01-02]"})
+    assert (found.launcher, found.num_nodes, found.node_rank) == ("slurm", 1, 0)

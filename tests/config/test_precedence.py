@@ -64,9 +64,15 @@ def test_settings_given_elsewhere_win_over_the_launcher(
     path.write_text("num_nodes: 1\n")
     assert CollectiveConfig.from_yaml(path).num_nodes == 1
     torchrun_env.setenv("BURNCOLL_GLOBAL_ADDRESS", "127.0.0.1:4001")
-    from_env = CollectiveConfig()
-    assert from_env.global_address == "127.0.0.1:4001" and from_env.host_orchestrator is None
+    from_env = CollectiveConfig()  # the variable moves the rendezvous node 0 hosts
+    assert from_env.global_address == "127.0.0.1:4001" and from_env.host_orchestrator
     assert from_env.num_nodes == 2  # the other fields still come from torchrun
+    torchrun_env.setenv("BURNCOLL_HOST_ORCHESTRATOR", "0")  # an orchestrator of one's own
+    assert CollectiveConfig().host_orchestrator is False
+    torchrun_env.delenv("BURNCOLL_HOST_ORCHESTRATOR")
+    torchrun_env.setenv("RANK", "1")
+    torchrun_env.setenv("LOCAL_RANK", "1")
+    assert CollectiveConfig(num_nodes=1).node_rank is None  # another job size: no launcher
 
 
 def test_launcher_variables_that_do_not_add_up(torchrun_env: pytest.MonkeyPatch) -> None:
@@ -125,3 +131,24 @@ def test_node_zero_says_which_port_it_cannot_host_on(torchrun_env: pytest.Monkey
             dp.run(lambda comm: None)
     message = str(info.value)
     assert f"127.0.0.1:{port}" in message and "BURNCOLL_GLOBAL_ADDRESS" in message
+
+
+def test_replace_finds_derived_values_again(torchrun_env: pytest.MonkeyPatch) -> None:
+    node0 = CollectiveConfig(num_devices=2)
+    assert node0.host_orchestrator and node0.node_address == "127.0.0.1"
+    assert node0.replace(num_devices=1).host_orchestrator  # as ddp() does: still hosts
+    moved = node0.replace(global_address="127.0.0.1:4100")  # the code moved the rendezvous
+    assert moved.host_orchestrator is None and moved.num_nodes == 2
+    assert moved.num_devices == 2  # what the code gave stays
+
+
+def test_a_bare_ipv6_node_address_is_a_host() -> None:
+    cfg = CollectiveConfig(num_nodes=2, global_address="[::1]:4000")
+    assert cfg.node_address == "::1"
+
+
+def test_a_job_over_hosts_cannot_meet_on_loopback(torchrun_env: pytest.MonkeyPatch) -> None:
+    torchrun_env.setenv("WORLD_SIZE", "4")  # 2 per host, 2 hosts
+    torchrun_env.setenv("MASTER_ADDR", "127.0.1.1")  # as /etc/hosts maps the host name
+    with pytest.raises(ConfigError, match="spans several hosts"):
+        CollectiveConfig()

@@ -35,7 +35,7 @@ def test_slurm_variables(tmp_path: Path) -> None:
     procs = []
     for rank in range(2):
         env = clean_env(SLURM_JOB_ID=job, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
-                        SLURM_NTASKS="2", SLURM_NODEID="0", SLURM_NNODES="1",
+                        SLURM_STEP_NUM_TASKS="2", SLURM_NODEID="0", SLURM_NNODES="1",
                         SLURM_JOB_NODELIST="localhost", SLURM_TASKS_PER_NODE="2")
         procs.append(subprocess.Popen([sys.executable, *_script(result)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

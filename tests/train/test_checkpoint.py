@@ -1,10 +1,13 @@
 """fit's checkpoint/resume: a run killed and started again ends bitwise where an undisturbed
-run ends; bad, corrupt and foreign checkpoints raise a clear UsageError on every peer."""
+run ends; bad, corrupt and foreign checkpoints, another run's (seed, batch, data) and one
+beyond ``steps`` raise a clear UsageError on every peer; temp files of other writers stay."""
 
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,9 @@ import burncoll
 from burncoll.train import ddp
 from burncoll.train.checkpoint import (
     CHECKPOINT_FILE,
+    STALE_TEMP_SECONDS,
     Checkpointer,
+    RunInfo,
     checkpointer,
     read_checkpoint,
     write_checkpoint,
@@ -71,17 +76,19 @@ def run(
     crash_at: int | None = None,
     params: Any = None,
     every: Any = 3,
+    seed: int = 5,
+    batch_size: int | None = BATCH,
+    data: Any = None,
+    devices: int = DEVICES,
 ) -> burncoll.train.FitResult:
-    x, y = make_data(n=64)
-
     def callback(comm: burncoll.Communicator, step: int, p: Any) -> None:
         if step == crash_at:
             raise Crash(f"killed at step {step}")
 
-    return ddp(range(DEVICES), config(num_devices=DEVICES, timeout=10.0)).fit(
-        init_mlp() if params is None else params, (x, y), grad_fn,
-        sgd() if update is None else update, steps=steps, batch_size=BATCH, seed=5,
-        progress=False, callback=callback, checkpoint_dir=checkpoint_dir,
+    return ddp(range(devices), config(num_devices=devices, timeout=10.0)).fit(
+        init_mlp() if params is None else params, make_data(n=64) if data is None else data,
+        grad_fn, sgd() if update is None else update, steps=steps, batch_size=batch_size,
+        seed=seed, progress=False, callback=callback, checkpoint_dir=checkpoint_dir,
         checkpoint_every=every,
     )
 
@@ -121,8 +128,12 @@ def test_a_checkpointed_run_equals_a_plain_run(tmp_path: Path) -> None:
     # plain NumPy reads it, without pickle; the metadata is JSON
     with np.load(tmp_path / CHECKPOINT_FILE, allow_pickle=False) as archive:
         meta = json.loads(archive["meta"].tobytes())
-        assert meta["step"] == STEPS and meta["version"] == 1 and meta["state"] is None
+        assert meta["step"] == STEPS and meta["version"] == 2 and meta["state"] is None
         assert len(meta["params"]) == 4
+        assert meta["run"] == {"seed": 5, "batch": BATCH, "full_batch": False, "examples": 64,
+                               "data": [{"dtype": "float64", "shape": [64, 8]},
+                                        {"dtype": "float64", "shape": [64, 1]}]}
+    assert stored.run == RunInfo(5, BATCH, False, 64, (("float64", (64, 8)), ("float64", (64, 1))))
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum"])
@@ -155,8 +166,6 @@ def test_a_finished_checkpoint_returns_its_result_at_once(tmp_path: Path) -> Non
     again = run(tmp_path, grad_fn=counter)
     assert counter.calls == 0
     assert bitwise_equal(again.params, done.params) and again.losses == done.losses
-    fewer = run(tmp_path, steps=4, grad_fn=counter)  # the stored result, as documented
-    assert counter.calls == 0 and fewer.losses == done.losses
     more = run(tmp_path, steps=STEPS + 2, grad_fn=counter)  # training can be extended
     assert counter.calls == 2 * DEVICES and more.losses[:STEPS] == done.losses
     assert bitwise_equal(more.params, run(None, steps=STEPS + 2).params)
@@ -178,12 +187,110 @@ def test_a_mismatching_checkpoint_raises_on_every_peer(tmp_path: Path) -> None:
     assert ddp_threads() == []
 
 
-def restore_on_every_peer(directory: Path, params: Any) -> list[str]:
+def test_a_checkpoint_beyond_steps_is_refused_on_every_peer(tmp_path: Path) -> None:
+    run(tmp_path)
+    want = (f"the checkpoint in {str(tmp_path)!r} is at step {STEPS}, beyond steps=4; pass "
+            f"steps={STEPS} or more")
+    with pytest.raises(burncoll.UsageError, match=want) as info:
+        run(tmp_path, steps=4)
+    assert "delete" in str(info.value) and "another checkpoint_dir" in str(info.value)
+    messages = restore_on_every_peer(tmp_path, init_mlp(), steps=STEPS - 1)
+    assert len(set(messages)) == 1 and f"beyond steps={STEPS - 1}" in messages[0]
+    stored = read_checkpoint(tmp_path)
+    assert stored is not None and run(tmp_path, steps=STEPS).losses == stored.losses
+    assert ddp_threads() == []
+
+
+def test_another_run_s_checkpoint_is_refused_on_every_peer(tmp_path: Path) -> None:
+    run(tmp_path, steps=3)
+    x, y = make_data(n=64)
+    cases = {  # fit's keywords: what the message must say
+        "seed": ({"seed": 6}, "seed 6 here, 5 in the checkpoint"),
+        "batch": ({"batch_size": 16}, "batch 16 here, 32 in the checkpoint"),
+        "full batch": ({"batch_size": None}, "batch 64 here, 32 in the checkpoint; full_batch "
+                       "True here, False in the checkpoint"),
+        "examples": ({"data": make_data(n=32)}, "examples 32 here, 64 in the checkpoint; data "
+                     "[float64 (32, 8), float64 (32, 1)] here, [float64 (64, 8), float64 (64, 1)]"),
+        "dtype": ({"data": (x.astype(np.float32), y)}, "data [float32 (64, 8), float64 (64, 1)]"
+                  " here, [float64 (64, 8), float64 (64, 1)] in the checkpoint"),
+        "arrays": ({"data": (x, y, y)}, "data [float64 (64, 8), float64 (64, 1), float64 (64, 1)]"
+                   " here, [float64 (64, 8), float64 (64, 1)] in the checkpoint"),
+    }
+    counter = Counter()
+    for keywords, want in cases.values():
+        with pytest.raises(burncoll.UsageError) as info:
+            run(tmp_path, grad_fn=counter, **keywords)
+        message = str(info.value)
+        assert message.startswith(f"the checkpoint in {str(tmp_path)!r} was written by another "
+                                  "run ("), message
+        assert want in message and message.count(" here, ") == want.count(" here, "), message
+        assert f"delete {str(tmp_path / CHECKPOINT_FILE)!r}" in message
+        assert "another checkpoint_dir" in message
+    assert counter.calls == 0  # refused before any step
+    other = RunInfo(6, BATCH, False, 64, (("float64", (64, 8)), ("float64", (64, 1))))
+    messages = restore_on_every_peer(tmp_path, init_mlp(), run=other)
+    assert len(messages) == DEVICES and len(set(messages)) == 1
+    assert "seed 6 here, 5 in the checkpoint" in messages[0]
+    stored = read_checkpoint(tmp_path)
+    assert stored is not None and stored.step == 3  # left as it was
+    assert ddp_threads() == []
+
+
+def test_the_world_size_may_shrink_on_resume(tmp_path: Path) -> None:
+    """An elastic restart on fewer nodes keeps the global batch: the checkpoint is resumed."""
+    with pytest.raises(Crash):
+        run(tmp_path, crash_at=6)
+    counter = Counter()
+    resumed = run(tmp_path, grad_fn=counter, devices=1)
+    assert counter.calls == STEPS - 6 and len(resumed.losses) == STEPS
+    want, want_losses = reference(STEPS, sgd())
+    assert max_abs_diff(resumed.params, want) < 1e-12
+    np.testing.assert_allclose(resumed.losses, want_losses, rtol=0, atol=1e-12)
+
+
+def test_checkpoints_without_a_run_or_of_version_1_are_refused(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 1, list(init_mlp().values()), None, [0.5])  # no RunInfo
+    with pytest.raises(burncoll.UsageError, match=r"written by another run \(it records no run\)"):
+        run(tmp_path)
+    with np.load(tmp_path / CHECKPOINT_FILE, allow_pickle=False) as archive:
+        entries = dict(archive)
+    meta = json.loads(entries["meta"].tobytes())
+    del meta["run"]
+    meta["version"] = 1
+    entries["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    np.savez(tmp_path / CHECKPOINT_FILE, **entries)
+    want = r"has format version 1, this burncoll reads version 2 only \(version 1 does not record"
+    with pytest.raises(burncoll.UsageError, match=want + r".*delete it"):
+        run(tmp_path)
+
+
+def test_only_stale_temp_files_of_the_checkpoint_s_own_pattern_are_removed(
+    tmp_path: Path,
+) -> None:
+    """A writer removes temps left by killed writers (old, of its own name pattern), never a
+    temp another writer is still writing, nor any other file."""
+    old = time.time() - STALE_TEMP_SECONDS - 60
+    busy = tmp_path / ".fit-checkpoint.4242.k3j_x9a1.tmp"  # another writer's, in progress
+    stale = tmp_path / ".fit-checkpoint.4243.zz81abcd.tmp"  # a killed writer's
+    foreign = [tmp_path / ".fit-checkpoint.notes.tmp", tmp_path / "data.tmp",
+               tmp_path / ".fit-checkpoint.12.abc.tmp.bak"]
+    for path in [busy, stale, *foreign]:
+        path.write_bytes(b"x")
+    for path in [stale, *foreign]:
+        os.utime(path, (old, old))
+    write_checkpoint(tmp_path, 0, [np.zeros(2)], None, [])
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([CHECKPOINT_FILE, busy.name, *(p.name for p in foreign)])
+    assert busy.read_bytes() == b"x"
+
+
+def restore_on_every_peer(directory: Path, params: Any, *, run: RunInfo | None = None,
+                          steps: int | None = None) -> list[str]:
     """What ``Checkpointer.restore`` raises on each peer (it must raise on all)."""
 
     def restore(comm: burncoll.Communicator) -> str:
         try:
-            Checkpointer(directory, 1).restore(comm, params, None, False, 2**20)
+            Checkpointer(directory, 1, run).restore(comm, params, None, False, 2**20, steps=steps)
         except burncoll.UsageError as exc:
             return str(exc)
         return "no error"
@@ -199,6 +306,8 @@ def test_bad_checkpoint_arguments_are_refused(tmp_path: Path) -> None:
             run(None, every=every)  # checked even when checkpointing is off
     with pytest.raises(burncoll.UsageError, match="checkpoint_dir must be a directory path"):
         run(123)  # type: ignore[arg-type]
+    with pytest.raises(burncoll.UsageError, match=r"seed must be an int, got 1\.5"):
+        run(tmp_path, seed=1.5)  # type: ignore[arg-type]  # the checkpoint records it
     (tmp_path / "file").write_text("")
     with pytest.raises(burncoll.UsageError, match="exists and is not a directory"):
         run(tmp_path / "file")
