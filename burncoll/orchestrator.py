@@ -64,7 +64,7 @@ from burncoll.node.control import (
     tell,
 )
 from burncoll.node.json_fields import MalformedMessage
-from burncoll.orchestrator_waiting import MAX_WAITING, Member, Session, WaitingRoom
+from burncoll.orchestrator_waiting import MAX_WAITING, Group, Member, Session, WaitingRoom
 from burncoll.secure_defaults import check_bind_address, check_tls_mode, check_token
 from burncoll.transport import TRANSPORT_NAMES, TlsSettings, get_transport
 from burncoll.transport.admission import BoundedLog
@@ -104,7 +104,9 @@ class Orchestrator:
         self._room = WaitingRoom(auth_token is not None, expected_nodes)
         self._min_nodes = min_nodes
         self._min_nodes_wait = min_nodes_wait
-        self._last_calls: set[str] = set()  # groups with a partial session scheduled
+        #: the group whose partial session is scheduled, by config key, and its timer
+        self._last_calls: dict[str, tuple[Group, asyncio.TimerHandle]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
         self._telling_finished = 0  # sessions whose ``finished`` messages are being sent
         self._listener: Listener | None = None
         self.transport = transport
@@ -195,6 +197,7 @@ class Orchestrator:
             await conn.send([encode(Refused(str(exc)))])
             return None
         if full is not None:
+            self._cancel_last_call(member.key)
             await self._start_session(full)
         else:
             self._maybe_last_call(member.key)
@@ -204,22 +207,39 @@ class Orchestrator:
 
     def _maybe_last_call(self, key: str) -> None:
         """Elastic (``min_nodes``): once a group holds ``min_nodes`` members, the others get
-        ``min_nodes_wait`` seconds more to join; then the session forms without them."""
+        ``min_nodes_wait`` seconds more to join; then the session forms without them. The
+        timer belongs to that group: one that fills or empties first leaves it without effect
+        on the next group of the same config (the next round after a restart)."""
         group = self._room.groups.get(key)
-        if (self._min_nodes is None or group is None or key in self._last_calls
-                or len(group.members) < self._min_nodes):
+        if self._min_nodes is None or group is None or len(group.members) < self._min_nodes:
             return
-        self._last_calls.add(key)
+        pending = self._last_calls.get(key)
+        if pending is not None and pending[0] is group:
+            return
+        if pending is not None:
+            pending[1].cancel()
         loop = asyncio.get_running_loop()
-        loop.call_later(self._min_nodes_wait,
-                        lambda: loop.create_task(self._last_call(key)))
+        handle = loop.call_later(self._min_nodes_wait, self._spawn_last_call, key, group)
+        self._last_calls[key] = (group, handle)
 
-    async def _last_call(self, key: str) -> None:
-        self._last_calls.discard(key)
+    def _spawn_last_call(self, key: str, group: Group) -> None:
+        task = asyncio.get_running_loop().create_task(self._last_call(key, group))
+        self._tasks.add(task)  # a reference, so the task is not collected while it runs
+        task.add_done_callback(self._tasks.discard)
+
+    def _cancel_last_call(self, key: str) -> None:
+        pending = self._last_calls.pop(key, None)
+        if pending is not None:
+            pending[1].cancel()
+
+    async def _last_call(self, key: str, group: Group) -> None:
+        if self._last_calls.get(key, (None,))[0] is group:
+            del self._last_calls[key]
+        if self._room.groups.get(key) is not group:
+            return  # it filled (a full session formed) or emptied meanwhile
         members = self._room.take_partial(key, self._min_nodes or 1)
         if members is None:
-            self._maybe_last_call(key)  # members left meanwhile: wait for min_nodes again
-            return
+            return  # members left meanwhile: the next join arms the timer again
         log.warning("orchestrator: %d of %d nodes joined within %g s; the session goes on "
                     "without the others (min_nodes=%d)", len(members), members[0].num_nodes,
                     self._min_nodes_wait, self._min_nodes or 1)
