@@ -70,9 +70,9 @@ class CollectiveConfig:
     """How a collective is laid out, which algorithms it uses, and how nodes talk.
 
     Build it with keywords, ``with_<field>(value)`` builders, :meth:`from_yaml`, or
-    ``BURNCOLL_<FIELD>`` environment variables and launcher variables for the fields not given
-(the order is in this module's docstring). Invalid values
-    raise :class:`~burncoll.ConfigError` naming the field and what it accepts.
+    ``BURNCOLL_<FIELD>`` environment variables and launcher variables for the fields not
+    given (the order is in this module's docstring). Invalid values raise
+    :class:`~burncoll.ConfigError` naming the field and what it accepts.
     """
 
     #: Array library: ``"numpy"`` (CPU), ``"jax"`` or ``"cupy"``.
@@ -387,4 +387,3 @@ def _validate(cfg: CollectiveConfig) -> None:
                 " (found: this machine's address toward the rendezvous host)" if found else "")
             check_bind_address(host, cfg.auth_token, cfg.insecure, what,
                                "insecure: true (BURNCOLL_INSECURE=1)")
-
