@@ -186,12 +186,15 @@ class Walk:
         data = chunks[c]
         if data is None:
             raise RuntimeError(f"chunk {c} sent before it was received")
-        raw = memoryview(np.ascontiguousarray(data).view(np.uint8))  # type: ignore[arg-type]
+        flat = np.ascontiguousarray(data).reshape(-1)
+        raw = memoryview(flat.view(np.uint8))  # type: ignore[arg-type]
         total = raw.nbytes
         shape = tuple(self.shape)
-        if op.kind is OpKind.ALL_GATHER:
+        if op.kind is OpKind.ALL_GATHER:  # the rows the array has (it may hold no elements)
             row = math.prod(shape)
-            shape = (data.size // row if row else 0, *shape)
+            rows = data.shape[0] if data.ndim == len(shape) + 1 else (
+                data.size // row if row else 0)
+            shape = (rows, *shape)
         start = 0
         while True:
             end = min(start + self.part_bytes, total)
@@ -262,6 +265,9 @@ class Walk:
                 pipe.advance(c, slot, got)
             if total == 0:
                 break
+        if (self.op.kind is OpKind.ALL_GATHER and target is not None and target.ndim == 1
+                and h is not None and math.prod(h.shape) == target.size):
+            write[c] = target.reshape(h.shape)  # the rows its header gave (a view, no copy)
         if pipe is not None:
             pipe.finish(c, slot)
 

@@ -434,8 +434,10 @@ def test_an_all_gather_of_different_lengths_carries_each_chunks_rows(
         return list(await asyncio.gather(*(node(i) for i in range(world))))
 
     want = np.concatenate([a.reshape(-1) for a in arrays])
-    for chunks in asyncio.run(every_node()):
-        np.testing.assert_array_equal(np.concatenate(chunks), want)
+    for i, chunks in enumerate(asyncio.run(every_node())):
+        np.testing.assert_array_equal(np.concatenate([c.reshape(-1) for c in chunks]), want)
+        for r, chunk in enumerate(chunks):  # a received chunk has the rows its header gave
+            assert r == i or chunk.shape == arrays[r].shape, (i, r, chunk.shape)
 
 
 # -- real sockets: the session's secret, hello, backpressure ----------------------------------

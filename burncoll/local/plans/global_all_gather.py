@@ -62,12 +62,15 @@ class GlobalAllGatherRun:
         rv, backend = self.rv, self.rv.backend
         calls = self.state.complete_calls()
         trailing = (peer_call(self.state, index).shape or ())[1:]
-        mine = {rv.rank_of[c.peer_id]: np.ascontiguousarray(backend.to_host(c.array)).reshape(-1)
+        # each array keeps its rows: the nodes send them in the headers, which is how an
+        # array whose rows hold no elements (a zero in its trailing shape) counts them
+        mine = {rv.rank_of[c.peer_id]: np.ascontiguousarray(backend.to_host(c.array))
                 for c in calls}
         parts = link_of(rv).all_gather(global_op(self.state, deadline), mine,
                                        strategy=self.plan.global_strategy)
         full = np.concatenate([p.reshape(-1) for p in parts]) if parts else np.empty(0)
         row = count(trailing)
-        rows = full.size // row if row else sum((c.shape or (0,))[0] for c in calls)
+        rows = sum(p.shape[0] if p.ndim == len(trailing) + 1 else p.size // max(row, 1)
+                   for p in parts)
         self.shape = (rows, *trailing)
         self.flat = backend.from_host(full, dtype, (full.size,), rv.devices[index])
