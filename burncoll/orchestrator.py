@@ -57,6 +57,7 @@ from burncoll.node.control import (
     Join,
     Leave,
     NodeLost,
+    Notice,
     Refused,
     decode_from_node,
     encode,
@@ -64,7 +65,14 @@ from burncoll.node.control import (
     tell,
 )
 from burncoll.node.json_fields import MalformedMessage
-from burncoll.orchestrator_waiting import MAX_WAITING, Group, Member, Session, WaitingRoom
+from burncoll.orchestrator_waiting import (
+    MAX_WAITING,
+    DuplicatePeers,
+    Group,
+    Member,
+    Session,
+    WaitingRoom,
+)
 from burncoll.secure_defaults import check_bind_address, check_tls_mode, check_token
 from burncoll.transport import TRANSPORT_NAMES, TlsSettings, get_transport
 from burncoll.transport.admission import BoundedLog
@@ -195,6 +203,8 @@ class Orchestrator:
         except (MalformedMessage, ConfigError) as exc:
             log.warning("orchestrator: refused node %s: %s", conn.remote, exc)
             await conn.send([encode(Refused(str(exc)))])
+            if isinstance(exc, DuplicatePeers):
+                await self._tell_holder(exc)
             return None
         if full is not None:
             self._cancel_last_call(member.key)
@@ -204,6 +214,19 @@ class Orchestrator:
             for m, notice in self._room.notices(member):
                 await tell(m.conn, notice, _TELL_SECONDS)
         return member
+
+    async def _tell_holder(self, duplicate: DuplicatePeers) -> None:
+        """The waiting node whose peer ids a newcomer also claimed learns it at once: with a
+        token every registration comes from the job, so both are misconfigured and the holder
+        is refused too; without one the newcomer may be a stranger, so the holder only gets a
+        notice (which its registration timeout error then shows)."""
+        holder = duplicate.holder
+        if not self._room.refuse_differences:
+            await tell(holder.conn, Notice(duplicate.holder_reason), _TELL_SECONDS)
+            return
+        self._room.unwait(holder)
+        holder.left = True  # refused, not lost: its connection's end is no news
+        await tell(holder.conn, Refused(duplicate.holder_reason), _TELL_SECONDS)
 
     def _maybe_last_call(self, key: str) -> None:
         """Elastic (``min_nodes``): once a group holds ``min_nodes`` members, the others get

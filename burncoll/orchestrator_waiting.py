@@ -44,6 +44,16 @@ MAX_WAITING_PEERS = 65536
 MAX_NOTICES = 4
 
 
+class DuplicatePeers(ConfigError):
+    """A registration whose peer ids a waiting node already holds: the newcomer is refused
+    with this message; ``holder`` (the waiting node) is told ``holder_reason``."""
+
+    def __init__(self, reason: str, holder: Member, holder_reason: str) -> None:
+        super().__init__(reason)
+        self.holder = holder
+        self.holder_reason = holder_reason
+
+
 @dataclass
 class Member:
     """One registered node: what its join said, and where it is now."""
@@ -159,10 +169,13 @@ class WaitingRoom:
         overlap = sorted(group.peer_ids.intersection(member.peer_ids))
         if overlap:
             holder = next(m for m in group.members if set(m.peer_ids) & set(overlap))
-            raise ConfigError(
+            raise DuplicatePeers(
                 f"peer id(s) {overlap[:16]} are already used by the node at "
-                f"{holder.host}:{holder.port}; peer ids must be unique across nodes"
-            )
+                f"{holder.host}:{holder.port}; peer ids must be unique across nodes (number "
+                "them node_rank * num_devices + i: burncoll.peer_ids())", holder,
+                f"peer id(s) {overlap[:16]} of this node are also claimed by the node at "
+                f"{member.host}:{member.port}, which was refused; peer ids must be unique "
+                "across nodes (number them node_rank * num_devices + i: burncoll.peer_ids())")
         self.groups[key] = group
         group.members.append(member)
         group.peer_ids.update(member.peer_ids)

@@ -245,12 +245,37 @@ def test_waiting_registrations_are_capped_and_freed_when_they_leave(
 def test_duplicate_peer_ids_within_a_group_are_refused(
     open_orchestrator: burncoll.Orchestrator,
 ) -> None:
-    async def scenario() -> str:
-        first = asyncio.ensure_future(register(open_orchestrator.port, join(0, num_nodes=3)))
+    """Without a token the newcomer may be a stranger: it is refused, and the node already
+    waiting is told at once and says so when its registration times out."""
+    async def scenario() -> tuple[str, str]:
+        first = asyncio.ensure_future(
+            register(open_orchestrator.port, join(0, num_nodes=3), seconds=2.0))
         await asyncio.sleep(0.3)
         with pytest.raises(burncoll.ConfigError) as info:
             await register(open_orchestrator.port, join(0, num_nodes=3))
-        first.cancel()
-        return str(info.value)
+        with pytest.raises(burncoll.CollectiveTimeout) as waited:
+            await first
+        return str(info.value), str(waited.value)
 
-    assert "peer ids must be unique" in asyncio.run(scenario())
+    refused, timed_out = asyncio.run(scenario())
+    assert "peer ids must be unique" in refused
+    assert "also claimed by the node at" in timed_out and "[0]" in timed_out, timed_out
+
+
+def test_with_a_token_both_nodes_claiming_a_peer_id_are_refused_at_once() -> None:
+    """With a token every registration is the job's own: both nodes are misconfigured, and
+    both learn why at once (neither waits out its timeout)."""
+    with burncoll.start_orchestrator(auth_token=TOKEN) as orch:
+        async def scenario() -> tuple[str, str]:
+            first = asyncio.ensure_future(
+                register(orch.port, join(0, num_nodes=3), seconds=30.0, token=TOKEN))
+            await asyncio.sleep(0.3)
+            with pytest.raises(burncoll.ConfigError) as info:
+                await register(orch.port, join(0, num_nodes=3), token=TOKEN)
+            with pytest.raises(burncoll.ConfigError) as holder:
+                await asyncio.wait_for(first, 10.0)  # long before its own 30 s
+            return str(info.value), str(holder.value)
+
+        refused, holder = asyncio.run(scenario())
+    assert "already used by the node at" in refused
+    assert "also claimed by the node at" in holder and "burncoll.peer_ids()" in holder
