@@ -117,9 +117,11 @@ def _describe(returncode: int) -> str:
 
 
 def _pump(rank: int, stream: IO[str], sink: IO[str], lock: threading.Lock) -> None:
+    """Copy a node's output line by line, prefixed. A node killed mid-line leaves a last line
+    without its newline: it gets one, so the next node's line is not glued to it."""
     for line in stream:
         with lock:
-            sink.write(f"[node {rank}] {line}")
+            sink.write(f"[node {rank}] {line if line.endswith(chr(10)) else line + chr(10)}")
             sink.flush()
 
 
