@@ -21,7 +21,7 @@ from burncoll.hosting import hosted_orchestrator
 from burncoll.local.calls import Call
 from burncoll.local.plans import choose
 from burncoll.local.rendezvous import Rendezvous
-from burncoll.ops import OpKind, ReduceOp, parse_reduce_op
+from burncoll.ops import OpKind, ReduceOp, check_reduce_dtype, parse_reduce_op
 
 __all__ = ["Communicator", "register"]
 
@@ -193,6 +193,8 @@ class Communicator:
         if x is not None or not allow_none:
             x = self._accept(kind, x)
             dtype = self._backend.dtype_name(x)
+            if op is not None:  # refused here, before this peer joins the operation
+                check_reduce_dtype(op, dtype, kind.label)
             shape = tuple(self._backend.shape(x))
         call = Call(self.peer_id, kind, op, root, x, dtype, shape, out)
         return self._server.run(self._index, call, choose.prepare)

@@ -29,7 +29,7 @@ from burncoll.backends.base import Array, Backend, Device
 from burncoll.config import CollectiveConfig
 from burncoll.dtypes import dtype_from_name, is_inexact
 from burncoll.errors import UsageError
-from burncoll.ops import ReduceOp, parse_reduce_op
+from burncoll.ops import ReduceOp, check_reduce_dtype, parse_reduce_op
 
 
 class TreeCommunicator(Protocol):
@@ -245,7 +245,13 @@ def all_reduce_tree(
             return comm.all_reduce(flat, reduce_op, out=flat)
         return comm.all_reduce(flat, reduce_op)
 
-    return _bucketed(comm, tree, bucket_bytes, reduce)
+    def check(index: int, spec: LeafSpec) -> None:  # every leaf, before anything is sent
+        try:
+            check_reduce_dtype(reduce_op, spec.dtype, "all_reduce_tree")
+        except UsageError as exc:
+            raise UsageError(f"leaf {index} of the tree: {exc}") from None
+
+    return _bucketed(comm, tree, bucket_bytes, reduce, check)
 
 
 def broadcast_tree(
@@ -261,13 +267,18 @@ def broadcast_tree(
 
 
 def _bucketed(
-    comm: TreeCommunicator, tree: T, bucket_bytes: int, collective: Callable[[Array, bool], Array]
+    comm: TreeCommunicator, tree: T, bucket_bytes: int, collective: Callable[[Array, bool], Array],
+    check: Callable[[int, LeafSpec], None] | None = None,
 ) -> T:
     """Run ``collective(flat, packed)`` per bucket; ``packed``: ``flat`` is a new array packed
-    from several leaves (the collective may overwrite it), not a view of the caller's leaf."""
+    from several leaves (the collective may overwrite it), not a view of the caller's leaf.
+    ``check(index, spec)`` sees every leaf before the first bucket is sent."""
     backend = get_backend(comm.config.backend)
     leaves, unflatten = flatten_tree(tree)
     specs = [_leaf_spec(backend, leaf, i) for i, leaf in enumerate(leaves)]
+    if check is not None:
+        for i, spec in enumerate(specs):
+            check(i, spec)
     out: list[Any] = [None] * len(leaves)
     for bucket in plan_buckets(specs, bucket_bytes):
         if bucket.size == 0:  # nothing to exchange; every peer skips it alike

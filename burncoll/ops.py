@@ -9,22 +9,38 @@ import enum
 
 from burncoll.errors import UsageError
 
-__all__ = ["OpKind", "ReduceOp", "parse_reduce_op"]
+__all__ = ["BITWISE_DTYPES", "OpKind", "ReduceOp", "check_reduce_dtype", "parse_reduce_op"]
+
+#: The dtypes (by the name users write) the bitwise reduce ops accept: integers and bool.
+BITWISE_DTYPES: tuple[str, ...] = (
+    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
+)
 
 
 class ReduceOp(enum.IntEnum):
-    """How the arrays of all peers are combined element-wise."""
+    """How the arrays of all peers are combined element-wise.
+
+    ``BAND``, ``BOR`` and ``BXOR`` (bitwise AND, OR, XOR) take integer and bool arrays only.
+    """
 
     SUM = 1
     MEAN = 2
     MAX = 3
     MIN = 4
     PROD = 5
+    BAND = 6
+    BOR = 7
+    BXOR = 8
 
     @property
     def label(self) -> str:
-        """The name users write: ``"sum"``, ``"mean"``, ..."""
+        """The name users write: ``"sum"``, ``"mean"``, ..., ``"band"``."""
         return self.name.lower()
+
+    @property
+    def bitwise(self) -> bool:
+        """True for the bitwise ops, which take integer and bool arrays only."""
+        return self in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 
 class OpKind(enum.IntEnum):
@@ -43,11 +59,16 @@ class OpKind(enum.IntEnum):
         return self.name.lower()
 
 
-_REDUCE_OPS_BY_NAME = {op.label: op for op in ReduceOp}
+#: Every name ``parse_reduce_op`` accepts: each member's label, and ``"avg"`` (the name
+#: ``torch.distributed.ReduceOp.AVG`` uses) for the mean.
+_REDUCE_OPS_BY_NAME = {**{op.label: op for op in ReduceOp}, "avg": ReduceOp.MEAN}
 
 
 def parse_reduce_op(op: ReduceOp | str) -> ReduceOp:
     """Return the :class:`ReduceOp` for ``op``, a member or one of its lower-case names.
+
+    The names are the members' labels (``"sum"``, ``"mean"``, ``"max"``, ``"min"``,
+    ``"prod"``, ``"band"``, ``"bor"``, ``"bxor"``) and ``"avg"``, an alias of ``"mean"``.
 
     Raises :class:`~burncoll.UsageError` naming the accepted values otherwise.
     """
@@ -57,3 +78,16 @@ def parse_reduce_op(op: ReduceOp | str) -> ReduceOp:
         return _REDUCE_OPS_BY_NAME[op.lower()]
     accepted = ", ".join(repr(name) for name in _REDUCE_OPS_BY_NAME)
     raise UsageError(f"unknown reduce op {op!r}; use one of {accepted} or burncoll.ReduceOp")
+
+
+def check_reduce_dtype(op: ReduceOp, dtype: str, what: str) -> None:
+    """Raise :class:`~burncoll.UsageError` when ``op`` cannot combine arrays of ``dtype``.
+
+    The bitwise ops take integer and bool arrays only; every other op takes every dtype.
+    ``what`` names the operation in the message (``"all_reduce"``).
+    """
+    if op.bitwise and dtype not in BITWISE_DTYPES:
+        raise UsageError(
+            f"{what}: {op.label} needs integer or bool arrays, got {dtype}; use "
+            f"{', '.join(BITWISE_DTYPES)}, or another op for {dtype} arrays"
+        )

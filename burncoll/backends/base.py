@@ -125,6 +125,18 @@ class Backend(Protocol):
         """``a * b``."""
         ...
 
+    def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a & b`` (integer and bool arrays)."""
+        ...
+
+    def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a | b`` (integer and bool arrays)."""
+        ...
+
+    def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a ^ b`` (integer and bool arrays)."""
+        ...
+
     def scale(self, x: Array, divisor: int) -> Array:
         """``x / divisor`` for the mean, as a new array.
 
@@ -154,12 +166,20 @@ class Backend(Protocol):
         ...
 
 
+#: The backend method that combines two arrays for each op (MEAN sums; the division by the
+#: peer count comes at the end).
+_COMBINERS: dict[ReduceOp, str] = {
+    ReduceOp.SUM: "add",
+    ReduceOp.MEAN: "add",
+    ReduceOp.MAX: "maximum",
+    ReduceOp.MIN: "minimum",
+    ReduceOp.PROD: "multiply",
+    ReduceOp.BAND: "bitwise_and",
+    ReduceOp.BOR: "bitwise_or",
+    ReduceOp.BXOR: "bitwise_xor",
+}
+
+
 def combine(backend: Backend, op: ReduceOp, a: Array, b: Array, out: Array | None = None) -> Array:
     """Apply the element-wise part of ``op`` (MEAN sums; the division comes at the end)."""
-    if op is ReduceOp.SUM or op is ReduceOp.MEAN:
-        return backend.add(a, b, out)
-    if op is ReduceOp.MAX:
-        return backend.maximum(a, b, out)
-    if op is ReduceOp.MIN:
-        return backend.minimum(a, b, out)
-    return backend.multiply(a, b, out)
+    return getattr(backend, _COMBINERS[op])(a, b, out)

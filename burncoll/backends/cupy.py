@@ -169,6 +169,21 @@ class CupyBackend:
         with self.device_of(a):
             return self._cp.multiply(a, b, out=out)
 
+    def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a & b`` (integer and bool arrays), into ``out`` when given."""
+        with self.device_of(a):
+            return self._cp.bitwise_and(a, b, out=out)
+
+    def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a | b`` (integer and bool arrays), into ``out`` when given."""
+        with self.device_of(a):
+            return self._cp.bitwise_or(a, b, out=out)
+
+    def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a ^ b`` (integer and bool arrays), into ``out`` when given."""
+        with self.device_of(a):
+            return self._cp.bitwise_xor(a, b, out=out)
+
     def scale(self, x: Array, divisor: int) -> Array:
         """``x / divisor`` as a new array: float dtypes kept, integers and bool to float64."""
         _checks.check_divisor(divisor)

@@ -154,6 +154,18 @@ class JaxBackend:
         """``a * b`` (``out`` is ignored)."""
         return self._jnp.multiply(a, b)
 
+    def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a & b``, integer and bool arrays (``out`` is ignored)."""
+        return self._jnp.bitwise_and(a, b)
+
+    def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a | b``, integer and bool arrays (``out`` is ignored)."""
+        return self._jnp.bitwise_or(a, b)
+
+    def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a ^ b``, integer and bool arrays (``out`` is ignored)."""
+        return self._jnp.bitwise_xor(a, b)
+
     def scale(self, x: Array, divisor: int) -> Array:
         """``x / divisor``: float dtypes kept; integers and bool become JAX's default float.
 

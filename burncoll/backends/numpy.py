@@ -141,6 +141,18 @@ class NumpyBackend:
         """``a * b``, into ``out`` when given."""
         return np.asarray(np.multiply(a, b, out=out))
 
+    def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
+        """``a & b`` (integer and bool arrays), into ``out`` when given."""
+        return np.asarray(np.bitwise_and(a, b, out=out))
+
+    def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
+        """``a | b`` (integer and bool arrays), into ``out`` when given."""
+        return np.asarray(np.bitwise_or(a, b, out=out))
+
+    def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
+        """``a ^ b`` (integer and bool arrays), into ``out`` when given."""
+        return np.asarray(np.bitwise_xor(a, b, out=out))
+
     def scale(self, x: Array, divisor: int) -> NDArray:
         """``x / divisor`` as a new array: float dtypes kept, integers and bool to float64."""
         _checks.check_divisor(divisor)
@@ -195,6 +207,9 @@ _HOST_UFUNCS: dict[ReduceOp, Any] = {
     ReduceOp.MAX: np.maximum,
     ReduceOp.MIN: np.minimum,
     ReduceOp.PROD: np.multiply,
+    ReduceOp.BAND: np.bitwise_and,
+    ReduceOp.BOR: np.bitwise_or,
+    ReduceOp.BXOR: np.bitwise_xor,
 }
 
 
