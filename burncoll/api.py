@@ -11,6 +11,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from burncoll import objects
 from burncoll.backends import get_backend
 from burncoll.backends.base import Array, Backend, Device
 from burncoll.buckets import all_reduce_tree
@@ -115,6 +116,19 @@ class Communicator:
         if self._is_array(x) and len(self._backend.shape(x)) == 0:
             raise UsageError("all_gather needs an array with at least one dimension")
         return _not_none(self._run(OpKind.ALL_GATHER, x, None, None))
+
+    def broadcast_object(self, obj: object, root: int) -> object:
+        """Peer ``root``'s ``obj`` on every peer (others pass anything, e.g. ``None``): one
+        broadcast of msgpack bytes, never pickle; :mod:`burncoll.objects` says what may go."""
+        mine = objects.payload(obj, self._backend, self.device) if root == self.peer_id else None
+        got = self._backend.to_host(self.broadcast(mine, root))
+        return objects.unpack(got, [root], "broadcast_object")[0]
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        """Every peer's ``obj`` in rank order: one all_gather of msgpack bytes, never pickle;
+        :mod:`burncoll.objects` says what may be sent."""
+        got = self.all_gather(objects.payload(obj, self._backend, self.device))
+        return objects.unpack(self._backend.to_host(got), self.peer_ids, "all_gather_object")
 
     def all_reduce_tree(
         self, tree: T, op: ReduceOp | str = "mean", bucket_bytes: int = 25 * 2**20

@@ -1,0 +1,408 @@
+"""Python objects as bytes for :meth:`~burncoll.Communicator.broadcast_object` and
+:meth:`~burncoll.Communicator.all_gather_object`: msgpack plus a NumPy ext type, never pickle.
+
+The bytes come from other nodes, so nothing here runs code they choose: there is no pickle and
+no eval, only msgpack's data model and three ext types of our own.
+
+What may be sent (these exact types, not subclasses): ``None``, ``bool``, ``int`` (from
+``-2**63`` to ``2**64 - 1``), ``float``, ``str``, ``bytes``, ``list``, ``tuple`` (it stays a
+tuple), ``dict`` (keys: ``str``, ``int``, ``float``, ``bool``, ``None`` or tuples of those;
+the order of the keys is kept), NumPy arrays and NumPy scalars of a dtype in
+:data:`burncoll.dtypes.SUPPORTED_DTYPES` (sent as the dtype's name, the shape and the raw
+C-order bytes), nested at most :data:`MAX_DEPTH` containers deep. JAX and CuPy arrays are
+copied to the host and sent as NumPy arrays. Results are always NumPy arrays on the host,
+writable, never device arrays. Anything else (a set, a custom class, a function, a
+``defaultdict``) is refused with a :class:`~burncoll.UsageError` naming its type and where
+it sits (``obj['metrics'][2]``); so is an encoding over :data:`MAX_OBJECT_BYTES`.
+
+A payload is one record: a tag byte, the body's length (8 bytes, little endian) and the body.
+Tag 1: the body is the msgpack encoding of the object. Tag 2: the sending peer could not
+encode its object and the body says why (UTF-8, at most :data:`MAX_MESSAGE_BYTES`); it still
+takes part in the collective with this record so that every peer raises the same
+:class:`~burncoll.UsageError` at once instead of waiting for a timeout. An all-gather's result
+is the records of every peer one after the other, in rank order.
+
+Decoding is defensive: any bytes that this module would not have written raise
+:class:`~burncoll.ProtocolError` naming what was wrong (a truncated record, an unknown tag or
+ext type, a dtype outside the supported ones, a shape that does not match the bytes, nesting
+deeper than :data:`MAX_DEPTH`), never another exception.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import msgpack
+import numpy as np
+
+from burncoll.dtypes import SUPPORTED_DTYPES, dtype_from_name, dtype_name
+from burncoll.errors import ProtocolError, UsageError
+
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_MESSAGE_BYTES",
+    "MAX_NDIM",
+    "MAX_OBJECT_BYTES",
+    "Host",
+    "decode",
+    "encode",
+    "payload",
+    "refusal",
+    "unpack",
+]
+
+#: The largest encoded object, in bytes (1 GiB); larger ones are refused on the sender.
+MAX_OBJECT_BYTES = 2**30
+#: How many containers (lists, tuples, dicts) deep an object may nest.
+MAX_DEPTH = 100
+#: The most dimensions an array may have.
+MAX_NDIM = 32
+#: The longest reason a peer may give for not sending its object, in UTF-8 bytes.
+MAX_MESSAGE_BYTES = 2000
+
+_OBJECT, _REFUSED = 1, 2  # record tags
+_HEADER = struct.Struct("<BQ")
+_EXT_TUPLE, _EXT_ARRAY, _EXT_SCALAR = 1, 2, 3  # ext type codes
+#: Heads a msgpack array that is a tuple; users cannot send an ExtType, so it is unambiguous.
+_TUPLE_HEAD = msgpack.ExtType(_EXT_TUPLE, b"")
+_LEAVES = (type(None), bool, float, str, bytes)
+_KEYS = (type(None), bool, int, float, str)
+_SUPPORTED = ("None, bool, int, float, str, bytes, list, tuple, dict, NumPy arrays and scalars "
+             "(JAX and CuPy arrays are sent as NumPy arrays)")
+
+
+class _TupleMark:
+    """What the tuple ext type decodes to, until the array it heads becomes a tuple."""
+
+
+_TUPLE = _TupleMark()
+
+
+class _Refused(UsageError):
+    """An object that cannot be sent; ``path`` grows as the error leaves the containers."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+        self.path: list[object] = []
+
+    def __str__(self) -> str:
+        keys = [f"[{_short(key)}]" for key in self.path]
+        if len(keys) > 12:  # a deep path: its two ends say where
+            keys[6:-4] = [f"...({len(keys) - 10} more)..."]
+        where = "obj" + "".join(keys)
+        return f"cannot send {self.what} at {where}; supported: {_SUPPORTED}"
+
+
+# -- encoding -----------------------------------------------------------------------------------
+
+
+def encode(obj: object) -> bytes:
+    """``obj`` as one tagged record; :class:`~burncoll.UsageError` when it cannot be sent."""
+    try:
+        _check(obj, 0)
+    except _Refused as exc:  # a plain UsageError for the caller, its path rendered
+        raise UsageError(str(exc)) from None
+    except RecursionError:
+        raise UsageError(f"cannot send obj: it nests deeper than {MAX_DEPTH} containers") from None
+    try:
+        body: bytes = msgpack.packb(obj, default=_default, strict_types=True,
+                                    use_bin_type=True)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise UsageError(f"cannot send obj: {type(exc).__name__}: {exc}") from exc
+    if len(body) > MAX_OBJECT_BYTES:
+        raise UsageError(f"cannot send obj: it encodes to {len(body)} bytes, over the limit of "
+                         f"{MAX_OBJECT_BYTES} (burncoll.objects.MAX_OBJECT_BYTES)")
+    return _HEADER.pack(_OBJECT, len(body)) + body
+
+
+def refusal(message: str) -> bytes:
+    """The record a peer sends instead of its object when it cannot encode it."""
+    body = message.encode("utf-8", "replace")[:MAX_MESSAGE_BYTES]
+    body = body.decode("utf-8", "ignore").encode("utf-8")  # no character cut in half
+    return _HEADER.pack(_REFUSED, len(body)) + body
+
+
+class Host(Protocol):
+    """The part of a backend (:class:`burncoll.backends.base.Backend`) that moves bytes to its
+    arrays."""
+
+    def from_host(self, buffer: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...],
+                  device: Any) -> Any: ...
+
+
+def payload(obj: object, backend: Host | None = None, device: Any = None) -> Any:
+    """``obj``'s record (or a refusal saying why it cannot be sent) as a 1-D uint8 array:
+    NumPy, or the ``backend``'s on ``device`` when one is given.
+
+    Never raises for the object itself: a peer whose object is refused still takes part in
+    the collective, and :func:`unpack` raises on every peer.
+    """
+    try:
+        record = encode(obj)
+    except Exception as exc:  # whatever the object did: tell every peer, never leave them waiting
+        record = refusal(str(exc) if isinstance(exc, UsageError)
+                         else f"cannot send obj: {type(exc).__name__}: {exc}")
+    data = np.frombuffer(bytearray(record), np.uint8)
+    return data if backend is None else backend.from_host(data, "uint8", data.shape, device)
+
+
+def _check(obj: Any, depth: int) -> None:
+    """Refuse what cannot be sent, with its path, before msgpack sees it."""
+    kind = type(obj)
+    if kind in _LEAVES:
+        if kind is str and not obj.isascii():
+            try:
+                obj.encode("utf-8")
+            except UnicodeEncodeError:
+                raise _Refused("a str that is not valid Unicode (a lone surrogate)") from None
+        return
+    if kind is int:
+        if not -(2**63) <= obj < 2**64:
+            raise _Refused(f"an int outside -2**63..2**64-1 ({_short(obj)})")
+        return
+    if kind in (list, tuple, dict):
+        if depth >= MAX_DEPTH:
+            raise _Refused(f"a {kind.__name__} nested deeper than {MAX_DEPTH} containers "
+                           "(one that holds itself?)")
+        for key, value in obj.items() if kind is dict else enumerate(obj):
+            try:
+                if kind is dict:
+                    _check_key(key, depth + 1)
+                _check(value, depth + 1)
+            except _Refused as exc:
+                exc.path.insert(0, key)
+                raise
+        return
+    if kind is np.ndarray or isinstance(obj, np.generic) or _foreign(obj):
+        name = dtype_name(np.dtype(obj.dtype))
+        if name not in SUPPORTED_DTYPES:
+            raise _Refused(f"an array of dtype {name} (supported dtypes: "
+                           f"{', '.join(SUPPORTED_DTYPES)})")
+        return
+    raise _Refused(_describe(kind))
+
+
+def _check_key(key: Any, depth: int) -> None:
+    """A dict key ``depth`` containers deep: a scalar, or a tuple of keys."""
+    kind = type(key)
+    if kind is tuple:
+        if depth >= MAX_DEPTH:
+            raise _Refused(f"a dict key nested deeper than {MAX_DEPTH} containers")
+        for item in key:
+            _check_key(item, depth + 1)
+    elif kind not in _KEYS:
+        raise _Refused(f"a dict key that is {_describe(kind)} (keys may be str, int, float, "
+                       "bool, None or tuples of those)")
+    else:
+        _check(key, depth)
+
+
+def _describe(kind: type) -> str:
+    name = kind.__qualname__ if kind.__module__ == "builtins" else (
+        f"{kind.__module__}.{kind.__qualname__}")
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:18]}...{text[-18:]}"
+
+
+def _foreign(obj: object) -> bool:
+    """A JAX or CuPy array (sent as the NumPy array of its values)."""
+    return type(obj).__module__.split(".")[0] in ("jax", "jaxlib", "cupy") and hasattr(
+        obj, "dtype")
+
+
+def _default(obj: Any) -> object:
+    """msgpack's hook for what it does not pack itself: tuples and arrays (checked already)."""
+    if type(obj) is tuple:
+        return [_TUPLE_HEAD, *obj]
+    if isinstance(obj, np.generic):
+        return _array_ext(np.asarray(obj), _EXT_SCALAR)
+    if type(obj).__module__.split(".")[0] == "cupy":  # pragma: no cover - no GPU here
+        obj = obj.get()
+    return _array_ext(np.asarray(obj), _EXT_ARRAY)
+
+
+def _array_ext(array: np.ndarray[Any, Any], code: int) -> msgpack.ExtType:
+    """dtype name, dimensions and raw C-order native-endian bytes."""
+    if array.nbytes > MAX_OBJECT_BYTES:
+        raise ValueError(f"an array of {array.nbytes} bytes is over the limit of "
+                         f"{MAX_OBJECT_BYTES} (burncoll.objects.MAX_OBJECT_BYTES)")
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    name = dtype_name(array.dtype).encode("ascii")
+    head = struct.pack(f"<B{len(name)}sB{array.ndim}Q", len(name), name, array.ndim,
+                       *array.shape)
+    return msgpack.ExtType(code, head + array.tobytes())
+
+
+# -- decoding -----------------------------------------------------------------------------------
+
+
+def decode(data: bytes | bytearray | memoryview) -> object:
+    """The object of one record from :func:`encode`.
+
+    Raises :class:`~burncoll.ProtocolError` for bytes :func:`encode` would not have written,
+    and :class:`~burncoll.UsageError` for a refusal record (carrying the sender's reason).
+    """
+    view = memoryview(data).cast("B")
+    tag, body, end = _record(view, 0)
+    if end != len(view):
+        raise ProtocolError(f"{len(view) - end} bytes follow the record")
+    if tag == _REFUSED:
+        raise UsageError(f"the sender could not send its object: {_reason(body)}")
+    return _object(body)
+
+
+def unpack(data: Any, peers: Sequence[int], label: str) -> list[object]:
+    """The objects of ``len(peers)`` records laid end to end (host bytes or a uint8 array), in
+    the order of ``peers``.
+
+    Raises :class:`~burncoll.UsageError` naming every peer that sent a refusal, and
+    :class:`~burncoll.ProtocolError` naming the peer whose bytes are not a valid record.
+    """
+    if not isinstance(data, bytes | bytearray | memoryview):
+        data = np.ascontiguousarray(data, np.uint8).data
+    view = memoryview(data).cast("B")
+    records, at = [], 0
+    for peer in peers:
+        try:
+            tag, body, at = _record(view, at)
+        except ProtocolError as exc:
+            raise ProtocolError(f"{label}: the bytes from peer {peer}: {exc}") from None
+        records.append((peer, tag, body))
+    if at != len(view):
+        raise ProtocolError(f"{label}: {len(view) - at} bytes follow the records of "
+                            f"{len(peers)} peers")
+    refused = [f"peer {peer} could not send its object: {_reason(body)}"
+               for peer, tag, body in records if tag == _REFUSED]
+    if refused:
+        raise UsageError(f"{label}: " + "; ".join(refused))
+    objects = []
+    for peer, _, body in records:
+        try:
+            objects.append(_object(body))
+        except ProtocolError as exc:
+            raise ProtocolError(f"{label}: the object from peer {peer}: {exc}") from None
+    return objects
+
+
+def _record(view: memoryview, at: int) -> tuple[int, memoryview, int]:
+    """The tag and body of the record at offset ``at``, and the offset after it."""
+    if len(view) - at < _HEADER.size:
+        raise ProtocolError(f"truncated record: {len(view) - at} bytes, fewer than the "
+                            f"{_HEADER.size}-byte header")
+    tag, size = _HEADER.unpack_from(view, at)
+    if tag not in (_OBJECT, _REFUSED):
+        raise ProtocolError(f"unknown record tag {tag} (expected {_OBJECT} or {_REFUSED})")
+    limit = MAX_OBJECT_BYTES if tag == _OBJECT else MAX_MESSAGE_BYTES
+    if size > limit:
+        raise ProtocolError(f"the record declares {size} bytes, over the limit of {limit}")
+    start = at + _HEADER.size
+    if len(view) - start < size:
+        raise ProtocolError(f"truncated record: it declares {size} bytes, "
+                            f"{len(view) - start} came")
+    return tag, view[start:start + size], start + size
+
+
+def _reason(body: memoryview) -> str:
+    try:
+        return bytes(body).decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolError("a refusal record whose reason is not UTF-8") from None
+
+
+def _object(body: memoryview) -> object:
+    """Unpack a record's body (limits on lengths follow the body's size) and verify it."""
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True,
+                              ext_hook=_ext, list_hook=_list, object_pairs_hook=_pairs)
+    except (ProtocolError, UsageError):
+        raise
+    except Exception as exc:  # msgpack's errors, unhashable keys, bad UTF-8, ...
+        raise ProtocolError(f"not a valid object encoding: {type(exc).__name__}: {exc}"
+                            ) from None
+    _verify(obj)
+    return obj
+
+
+def _ext(code: int, data: bytes) -> object:
+    if code == _EXT_TUPLE:
+        if data:
+            raise ProtocolError(f"a tuple ext type carries {len(data)} bytes; it carries none")
+        return _TUPLE
+    if code in (_EXT_ARRAY, _EXT_SCALAR):
+        return _array(data, code == _EXT_SCALAR)
+    raise ProtocolError(f"unknown msgpack ext type {code}")
+
+
+def _list(items: list[object]) -> object:
+    if items and items[0] is _TUPLE:
+        return tuple(items[1:])
+    return items
+
+
+def _pairs(pairs: list[tuple[object, object]]) -> dict[object, object]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise ProtocolError("a map with a repeated key")
+    return result
+
+
+def _array(data: bytes, scalar: bool) -> object:
+    """A NumPy array (or scalar) from its ext bytes, checking every field against the data."""
+    try:
+        size = data[0]
+        name = data[1:1 + size].decode("ascii")
+        ndim = data[1 + size]
+    except (IndexError, UnicodeDecodeError):
+        raise ProtocolError("a truncated or garbled array header") from None
+    if name not in SUPPORTED_DTYPES:
+        raise ProtocolError(f"an array of dtype {name!r}, not one of {', '.join(SUPPORTED_DTYPES)}")
+    if ndim > MAX_NDIM or (scalar and ndim):
+        raise ProtocolError(f"an array {'scalar ' if scalar else ''}with {ndim} dimensions "
+                            f"(at most {0 if scalar else MAX_NDIM})")
+    start = 2 + size + 8 * ndim
+    if len(data) < start:
+        raise ProtocolError(f"an array header declares {ndim} dimensions but is truncated")
+    shape = struct.unpack_from(f"<{ndim}Q", data, 2 + size)
+    if max(shape, default=0) >= 2**63:
+        raise ProtocolError(f"an array with shape {shape}: dimensions must be below 2**63")
+    dtype = dtype_from_name(name)
+    want = math.prod(shape) * dtype.itemsize
+    if want != len(data) - start:
+        raise ProtocolError(f"an array of {name} with shape {shape} needs {want} bytes, "
+                            f"{len(data) - start} came")
+    try:
+        array = np.frombuffer(data, dtype, offset=start).reshape(shape).copy()
+    except ValueError as exc:  # a shape NumPy cannot hold ((0, 2**62) of float32)
+        raise ProtocolError(f"an array of {name} with shape {shape}: {exc}") from None
+    return array[()] if scalar else array
+
+
+def _verify(obj: object) -> None:
+    """Only what :func:`encode` writes, at most :data:`MAX_DEPTH` containers deep."""
+    stack: list[tuple[object, int, bool]] = [(obj, 0, False)]  # (item, its depth, a key?)
+    while stack:
+        item, depth, key = stack.pop()
+        items: Any = item
+        kind = type(item)
+        if kind is tuple or (kind in (list, dict) and not key):
+            if depth >= MAX_DEPTH:
+                raise ProtocolError(f"containers nested deeper than {MAX_DEPTH}")
+            if kind is dict:
+                stack.extend((k, depth + 1, True) for k in items)
+                stack.extend((v, depth + 1, False) for v in items.values())
+            else:
+                stack.extend((v, depth + 1, key) for v in items)
+        elif key and kind not in _KEYS:
+            raise ProtocolError(f"a dict key of type {kind.__name__}")
+        elif not (kind in _LEAVES or kind is int or kind is np.ndarray
+                  or isinstance(item, np.generic)):
+            raise ProtocolError(f"a value of type {kind.__name__} (an ext type out of place?)")

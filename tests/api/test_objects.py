@@ -1,0 +1,300 @@
+"""Python objects over the collectives: ``broadcast_object`` and ``all_gather_object``.
+
+Real peers (threads of one node through ``burncoll.train.ddp``, and 2-3 nodes as threads of
+this process over each transport) send nested, rank-dependent objects; every peer's result is
+compared with the objects built again independently (types, dtypes, shapes and values; tuples
+stay tuples, dict order is kept). A peer whose object cannot be sent makes every peer raise a
+:class:`~burncoll.UsageError` naming it and where the object went wrong, at once (the timeout
+is 10 s and the error is not a timeout), and the communicator keeps working. Hostile bytes fed
+to :func:`burncoll.objects.decode` raise :class:`~burncoll.ProtocolError`, never another error.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+import burncoll
+from burncoll import objects
+from burncoll.errors import ProtocolError, UsageError
+from burncoll.train import ddp
+
+SUPPORTED_NOTE = "supported: None, bool, int, float, str, bytes, list, tuple, dict"
+
+
+class Opaque:
+    """A custom class: not sendable."""
+
+
+def _obj(rank: int) -> dict[Any, Any]:
+    """Peer ``rank``'s object: every supported type, nested, its sizes and values by rank."""
+    return {
+        "rank": rank,
+        "arrays": [
+            (np.arange(rank + 2, dtype=np.int64) * -7, np.array([True, False, True][: rank + 1])),
+            (np.linspace(-1, 1, 6 * (rank + 1)).astype(np.float16).reshape(rank + 1, 2, 3),),
+            np.array(rank + 0.5j, np.complex64),  # 0-d
+            np.zeros((0, rank + 1), np.float32),  # empty
+            np.arange(12, dtype=">i4").reshape(3, 4)[:, ::2] + rank,  # big-endian, strided
+        ],
+        "scalars": (np.float32(rank / 3), np.int8(-rank), np.bool_(rank % 2),
+                    np.uint64(2**64 - 1 - rank), np.complex128(rank - 1j)),
+        "big": (2**64 - 1 - rank, -(2**63) + rank, 10**18 * rank),
+        "text": "ünïcödé ☃ " * rank + "🚀",
+        "raw": bytes(range(rank * 3)),
+        "none": None,
+        "floats": [rank / 7, -0.0, 1e300, float("inf")],
+        "order": {f"k{i}": i for i in reversed(range(rank + 2))},
+        "keys": {(rank, ("k", None)): [[(None, True)]], 1.5: {"deep": [rank] * rank},
+                 False: 0, None: "none", -rank - 1: b""},
+        "empty": ([], (), {}, ""),
+    }
+
+
+def _same(got: Any, want: Any, path: str = "obj") -> None:
+    """``got`` equals ``want`` down to every type, dtype, shape and key order."""
+    assert type(got) is type(want), (path, type(got), type(want))
+    if isinstance(want, np.ndarray | np.generic):
+        assert (got.dtype, got.shape) == (want.dtype.newbyteorder("="), want.shape), path
+        assert np.array_equal(got, want), (path, got, want)
+        if isinstance(got, np.ndarray):
+            assert got.flags.writeable and got.flags.c_contiguous, path
+    elif isinstance(want, dict):
+        assert list(got) == list(want), path
+        for (gk, gv), (wk, wv) in zip(got.items(), want.items(), strict=True):
+            _same(gk, wk, f"{path} key {wk!r}")
+            _same(gv, wv, f"{path}[{wk!r}]")
+    elif isinstance(want, list | tuple):
+        assert len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            _same(g, w, f"{path}[{i}]")
+    else:
+        assert got == want, (path, got, want)
+
+
+# -- the exchange every case runs -------------------------------------------------------------
+def _exchange(comm: burncoll.Communicator) -> dict[str, Any]:
+    """Gather, broadcast from every root, then the two refusals, then a gather again."""
+    out: dict[str, Any] = {"gathered": comm.all_gather_object(_obj(comm.rank))}
+    # non-roots pass anything, even what could not be sent: only the root's object goes
+    out["bcast"] = [comm.broadcast_object(_obj(root) if root == comm.peer_id else {1, 2}, root)
+                    for root in comm.peer_ids]
+    bad_rank, bad_root = 1 % comm.world_size, comm.peer_ids[-1]
+    refused = {"metrics": [1, 2, {3}]} if comm.rank == bad_rank else _obj(comm.rank)
+    with pytest.raises(UsageError) as gathered:
+        comm.all_gather_object(refused)
+    out["gather_error"] = str(gathered.value)
+    with pytest.raises(UsageError) as sent:
+        comm.broadcast_object(["ok", Opaque()] if comm.peer_id == bad_root else None, bad_root)
+    out["bcast_error"] = str(sent.value)
+    out["after"] = comm.all_gather_object((comm.peer_id, str(comm.rank)))
+    return out
+
+
+def _check(results: dict[int, Any], peer_ids: list[int]) -> None:
+    assert sorted(results) == list(range(len(peer_ids)))
+    for rank, got in results.items():
+        assert not isinstance(got, BaseException), (rank, got)
+        _same(got["gathered"], [_obj(r) for r in range(len(peer_ids))])
+        _same(got["bcast"], [_obj(p) for p in peer_ids])
+        bad = peer_ids[1 % len(peer_ids)]
+        assert got["gather_error"].startswith(
+            f"all_gather_object: peer {bad} could not send its object: cannot send a set at "
+            "obj['metrics'][2]; " + SUPPORTED_NOTE), got["gather_error"]
+        assert got["bcast_error"].startswith(
+            f"broadcast_object: peer {peer_ids[-1]} could not send its object: cannot send a "
+            f"{__name__}.Opaque at obj[1]; "), got["bcast_error"]
+        _same(got["after"], [(p, str(r)) for r, p in enumerate(peer_ids)])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_objects_between_the_threads_of_one_node(n: int) -> None:
+    results = ddp(range(n), burncoll.CollectiveConfig(timeout=10)).run(_exchange)
+    _check(dict(enumerate(results)), list(range(n)))
+
+
+def test_jax_peers_send_jax_arrays_and_get_numpy_arrays() -> None:
+    jax = pytest.importorskip("jax")
+
+    def work(comm: burncoll.Communicator) -> list[object]:
+        x = jax.device_put(np.arange(comm.rank + 1, dtype=np.float32), comm.device)
+        return comm.all_gather_object({"x": x, "t": (comm.rank,)})
+
+    cfg = burncoll.CollectiveConfig(backend="jax", timeout=10)
+    for got in ddp(range(2), cfg).run(work):
+        _same(got, [{"x": np.arange(r + 1, dtype=np.float32), "t": (r,)} for r in range(2)])
+
+
+def _run_nodes(address: str, nodes: int, devices: int, transport: str,
+               fn: Callable[[burncoll.Communicator], Any]) -> dict[int, Any]:
+    out: dict[int, Any] = {}
+
+    def peer(node: int, device: int, cfg: burncoll.CollectiveConfig) -> None:
+        rank = node * devices + device
+        try:
+            comm = burncoll.register(rank, device, cfg)
+            out[rank] = fn(comm)
+            comm.finish()
+        except BaseException as exc:
+            out[rank] = exc
+
+    threads = []
+    for node in range(nodes):
+        cfg = burncoll.CollectiveConfig(
+            num_nodes=nodes, node_rank=node, num_devices=devices, global_address=address,
+            transport=transport, timeout=10)
+        threads += [threading.Thread(target=peer, args=(node, d, cfg)) for d in range(devices)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+@pytest.mark.parametrize(("transport", "nodes", "devices"), [
+    ("websocket", 2, 1), ("tcp", 3, 1), ("quic", 2, 2),
+])
+def test_objects_across_nodes(transport: str, nodes: int, devices: int) -> None:
+    with burncoll.start_orchestrator(transport=transport, expected_nodes=nodes) as orch:
+        results = _run_nodes(orch.address, nodes, devices, transport, _exchange)
+    _check(results, list(range(nodes * devices)))
+
+
+# -- encode and decode on their own -----------------------------------------------------------
+def test_round_trip_keeps_types_order_and_values() -> None:
+    for rank in range(4):
+        _same(objects.decode(objects.encode(_obj(rank))), _obj(rank))
+    deep: Any = "leaf"
+    for _ in range(objects.MAX_DEPTH):
+        deep = [deep]
+    assert objects.decode(objects.encode(deep)) == deep
+
+
+@pytest.mark.parametrize(("obj", "where"), [
+    ({"a": [1, {2}]}, "a set at obj['a'][1]"),
+    ([2**64], "an int outside -2**63..2**64-1 (18446744073709551616) at obj[0]"),
+    ({"k": (-(2**63) - 1,)}, "at obj['k'][0]"),
+    ({frozenset(): 1}, "a dict key that is a frozenset"),
+    ({"x": np.array(["s"])}, "an array of dtype str32 (supported dtypes: float16"),
+    ({"x": np.array([None])}, "an array of dtype object"),
+    ([bytearray(b"x")], "a bytearray at obj[0]"),
+    ((print,), "a builtin_function_or_method at obj[0]"),
+    ({"m": np.ma.array([1])}, "a numpy.ma.MaskedArray at obj['m']"),
+    ("\ud800", "a str that is not valid Unicode"),
+])
+def test_unsendable_objects_are_named_with_their_path(obj: object, where: str) -> None:
+    with pytest.raises(UsageError, match="cannot send") as info:
+        objects.encode(obj)
+    assert where in str(info.value)
+
+
+def test_too_deep_and_self_holding_objects_are_refused() -> None:
+    loop: list[object] = []
+    loop.append(loop)
+    deep: Any = 0
+    for _ in range(objects.MAX_DEPTH + 1):
+        deep = (deep,)
+    for obj in (loop, deep):
+        with pytest.raises(UsageError, match=f"nested deeper than {objects.MAX_DEPTH}"):
+            objects.encode(obj)
+
+
+def _record(body: bytes, tag: int = 1) -> bytes:
+    return struct.pack("<BQ", tag, len(body)) + body
+
+
+def _pack(obj: object) -> bytes:
+    return _record(msgpack.packb(obj, use_bin_type=True))
+
+
+def _array(name: bytes, shape: tuple[int, ...], raw: bytes, code: int = 2) -> bytes:
+    head = struct.pack(f"<B{len(name)}sB{len(shape)}Q", len(name), name, len(shape), *shape)
+    return _pack(msgpack.ExtType(code, head + raw))
+
+
+def _nested(levels: int) -> bytes:
+    return _record(b"\x91" * levels + b"\xc0")
+
+
+GOOD = objects.encode(_obj(2))
+TUPLE = msgpack.ExtType(1, b"")
+HOSTILE = {
+    "empty": b"",
+    "truncated header": GOOD[:5],
+    "truncated body": GOOD[:-1],
+    "trailing bytes": GOOD + b"\x00",
+    "unknown tag": b"\x07" + GOOD[1:],
+    "tag zero": b"\x00" + GOOD[1:],
+    "size over the limit": struct.pack("<BQ", 1, objects.MAX_OBJECT_BYTES + 1) + b"\xc0",
+    "two msgpack objects": _record(msgpack.packb(1) + msgpack.packb(2)),
+    "truncated msgpack": _record(b"\x92\x01"),
+    "invalid utf-8 str": _record(b"\xa2\xff\xfe"),
+    "unknown dtype name": _array(b"float8", (1,), b"\x00"),
+    "object dtype": _array(b"object", (1,), b"\x00" * 8),
+    "non-ascii dtype name": _array(b"\xff\xfe", (1,), b"\x00"),
+    "shape and bytes disagree": _array(b"float32", (3,), b"\x00" * 8),
+    "huge declared shape": _array(b"float64", (2**40, 2**40), b"\x00" * 8),
+    "huge empty shape": _array(b"float32", (0, 2**62), b""),
+    "dimension of 2**63": _array(b"int8", (2**63, 0), b""),
+    "too many dimensions": _array(b"int8", (1,) * (objects.MAX_NDIM + 1), b"\x00"),
+    "empty array ext": _pack(msgpack.ExtType(2, b"")),
+    "cut array header": _pack(msgpack.ExtType(2, b"\x07float32\x03" + b"\x00" * 8)),
+    "scalar with dimensions": _array(b"int8", (1,), b"\x00", code=3),
+    "unknown ext type": _pack(msgpack.ExtType(9, b"")),
+    "timestamp ext": _pack(msgpack.Timestamp(1)),
+    "tuple ext with data": _pack(msgpack.ExtType(1, b"x")),
+    "tuple mark out of place": _pack([1, TUPLE]),
+    "tuple mark alone": _pack(TUPLE),
+    "tuple mark as a value": _pack({"a": TUPLE}),
+    "lists too deep": _nested(objects.MAX_DEPTH + 1),
+    "lists far too deep": _nested(100_000),
+    "tuples too deep": _pack(functools.reduce(lambda acc, _: [TUPLE, acc], range(101), None)),
+    "repeated map key": _record(b"\x82\xa1a\x01\xa1a\x02"),
+    "list as a key": _record(b"\x81\x91\x01\x02"),
+    "bytes as a key": _pack({b"k": 1}),
+    "array scalar as a key": _record(b"\x81" + msgpack.packb(msgpack.ExtType(
+        3, b"\x04int8\x00\x01")) + b"\x01"),
+    "refusal not utf-8": _record(b"\xff\xfe", tag=2),
+    "refusal too long": _record(b"x" * (objects.MAX_MESSAGE_BYTES + 1), tag=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_bytes_raise_protocol_error(name: str) -> None:
+    with pytest.raises(ProtocolError):
+        objects.decode(HOSTILE[name])
+
+
+def test_mutated_bytes_never_raise_anything_but_protocol_error() -> None:
+    rng = random.Random(7)
+    for _ in range(1500):
+        data = bytearray(GOOD)
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        if rng.random() < 0.2:
+            data = data[: rng.randrange(len(data))]
+        try:
+            objects.decode(bytes(data))
+        except ProtocolError:
+            pass
+        except UsageError:
+            assert data[0] == 2  # the tag became a refusal's: its reason is raised
+
+
+def test_unpack_names_the_peer_whose_bytes_are_bad() -> None:
+    ok = objects.encode("fine")
+    with pytest.raises(ProtocolError, match=r"^g: the bytes from peer 5: truncated record"):
+        objects.unpack(ok + ok[:-1], [4, 5], "g")
+    with pytest.raises(ProtocolError, match=r"^g: the object from peer 4: unknown msgpack ext"):
+        objects.unpack(HOSTILE["unknown ext type"] + ok, [4, 5], "g")
+    with pytest.raises(UsageError, match=r"^g: peer 4 could not send its object: no; peer 5 .*: x"):
+        objects.unpack(objects.refusal("no") + objects.refusal("x"), [4, 5], "g")
+    assert objects.unpack(np.frombuffer(ok + ok, np.uint8), [4, 5], "g") == ["fine", "fine"]
