@@ -1,0 +1,173 @@
+"""Registration: the peers of a node find each other here, and the last one builds the node.
+
+``register(peer_id, device, config)`` takes no handle, so the peers of a node meet in this
+process-wide registry, keyed by config. The last local peer to arrive joins the other nodes
+(hosting the orchestrator first when the config says so) and builds the node's
+:class:`~burncoll.local.rendezvous.Rendezvous`; a failed node is closed before its peers
+register again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+
+from burncoll.backends import get_backend
+from burncoll.backends.base import Device
+from burncoll.config import CollectiveConfig
+from burncoll.errors import CollectiveError, CollectiveTimeout, UsageError
+from burncoll.hosting import hosted_orchestrator
+from burncoll.local.rendezvous import Rendezvous
+
+__all__ = ["REGISTRY", "Registry", "close_node"]
+
+
+@dataclass
+class _Group:
+    """The peers of one node registering with one config, until the node is built."""
+
+    config: CollectiveConfig
+    devices: dict[int, Device] = field(default_factory=dict)
+    server: Rendezvous | None = None
+    error: BaseException | None = None
+    #: The aborted node this registration replaces: its connections and listener are closed
+    #: before the new node binds (it may reuse the same port).
+    previous: Rendezvous | None = None
+    #: Set once every local peer has registered: the node is being built (it joins the other
+    #: nodes within its own deadline), and the waiting peers wait for the outcome.
+    building: bool = False
+
+
+#: Seconds a registering peer waits for the node's builder beyond the builder's own deadline
+#: (closing an aborted predecessor, and the I/O loop's guard).
+_BUILD_GRACE = 10.0
+
+
+class Registry:
+    """The groups being registered in this process, keyed by config.
+
+    ``register(peer_id, device, config)`` takes no handle, so the peers of a node find each
+    other here; one registry per process, guarded by one lock.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._groups: dict[CollectiveConfig, _Group] = {}
+        self._closed: weakref.WeakSet[Rendezvous] = weakref.WeakSet()
+
+    def join(self, peer_id: int, device: Device, config: CollectiveConfig
+             ) -> tuple[Rendezvous, int]:
+        """Register ``peer_id``; once every local peer has (and the node has joined the other
+        nodes), the node's rendezvous and the peer's index in it."""
+        deadline = time.monotonic() + config.timeout
+        with self._cond:
+            group = self._groups.get(config)
+            if group is None or group.server is not None or group.error is not None:
+                # none yet, or a complete (possibly aborted) one: this registration starts anew
+                previous = None
+                if group is not None and group.server is not None and (
+                    group.server.failure is not None
+                ):
+                    previous = group.server
+                group = self._groups[config] = _Group(config, previous=previous)
+            if peer_id in group.devices:
+                raise UsageError(
+                    f"peer id {peer_id} is already registering on this node; peer ids must be "
+                    "unique across the collective"
+                )
+            if len(group.devices) >= config.num_devices:
+                raise UsageError(
+                    f"peer {peer_id} registered while all num_devices={config.num_devices} "
+                    f"local peers (ids {sorted(group.devices)}) are already registering with "
+                    "this config"
+                )
+            group.devices[peer_id] = device
+            builder = len(group.devices) == config.num_devices
+            if builder:
+                group.building = True
+        if builder:
+            self._build(group)
+        with self._cond:
+            while group.server is None and group.error is None:
+                remaining = deadline - time.monotonic()
+                if group.building:
+                    # every local peer is here: the builder reports the outcome (joining the
+                    # other nodes is bounded by its own deadline), never "peers missing"
+                    remaining += config.timeout + _BUILD_GRACE
+                if remaining <= 0:
+                    group.error = CollectiveTimeout(
+                        f"register timed out after {config.timeout:g} s: "
+                        f"{len(group.devices)} of num_devices={config.num_devices} local peers "
+                        f"registered (peer ids {sorted(group.devices)}); every local peer must "
+                        "call register() with the same config"
+                    )
+                    self._groups.pop(config, None)
+                    self._cond.notify_all()
+                    break
+                self._cond.wait(remaining)
+            if group.error is not None:
+                raise group.error
+            server = group.server
+        if server is None:  # pragma: no cover - the loop exits only when set
+            raise RuntimeError("registration ended without a server")
+        return server, server.index_of[peer_id]
+
+    def _build(self, group: _Group) -> None:
+        config = group.config
+        try:
+            if group.previous is not None:
+                # after a failure the peers register again without calling finish(): leave
+                # the aborted collective first, so nothing of it lingers (threads, sockets,
+                # the data service's port)
+                previous, group.previous = group.previous, None
+                with contextlib.suppress(CollectiveError):  # best effort: it failed already
+                    self.close(previous)
+            backend = get_backend(config.backend)
+            peer_ids = sorted(group.devices)
+            devices = [group.devices[p] for p in peer_ids]
+            link = None
+            if config.is_multi_node:
+                from burncoll.node import join_collective
+
+                hosted_orchestrator(config)
+                link = join_collective(config, peer_ids)
+            server = Rendezvous(backend, peer_ids, devices, config, link)
+            if link is not None:
+                link.attach(server)
+        except BaseException as exc:
+            with self._cond:
+                group.error = exc
+                self._groups.pop(config, None)
+                self._cond.notify_all()
+            return
+        with self._cond:
+            group.server = server
+            self._cond.notify_all()
+
+    def forget(self, server: Rendezvous) -> None:
+        with self._cond:
+            group = self._groups.get(server.config)
+            if group is not None and group.server is server:
+                del self._groups[server.config]
+
+    def close(self, server: Rendezvous) -> None:
+        """Close ``server``'s node link, once, whoever asks first (finish or a new register)."""
+        with self._cond:
+            if server in self._closed:
+                return
+            self._closed.add(server)
+        if server.link is not None:
+            server.link.close(time.monotonic() + server.config.timeout)
+
+
+#: The one registry of this process.
+REGISTRY = Registry()
+
+
+def close_node(server: Rendezvous) -> None:
+    """Leave the collective of ``server``'s node: forget its registration, close its link."""
+    REGISTRY.forget(server)
+    REGISTRY.close(server)
