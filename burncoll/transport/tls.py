@@ -26,6 +26,7 @@ import ipaddress
 import os
 import ssl
 import tempfile
+import threading
 from typing import Any
 
 from burncoll.errors import ConfigError
@@ -46,16 +47,33 @@ __all__ = [
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
-@functools.cache
+_SELF_SIGNED: dict[str, tuple[str, str]] = {}
+_SELF_SIGNED_LOCK = threading.Lock()
+
+
 def make_self_signed(host: str = "127.0.0.1") -> tuple[str, str]:
     """Write a fresh self-signed certificate for ``host`` and return ``(cert_path, key_path)``.
 
     The PEM files live in a private temporary directory that is removed when the process
-    exits. The result is cached per process and host, so every listener of a process shares
+    exits. The result is made once per process and host, so every listener of a process shares
     one certificate (generation takes milliseconds, but there is no reason to repeat it). The
     certificate is valid for ``host`` and the loopback names, for 30 days, and may serve as its
     own trust anchor (``TlsSettings(cert, key, ca=cert)``).
+
+    Thread-safe: listeners started at once in several threads get the same certificate. (An
+    unguarded cache once let two threads each make their own; a listener then presented one
+    certificate and bound the token to the other, and every node was refused as having the
+    wrong token.)
     """
+    with _SELF_SIGNED_LOCK:
+        made = _SELF_SIGNED.get(host)
+        if made is None:
+            made = _SELF_SIGNED[host] = _write_self_signed(host)
+        return made
+
+
+def _write_self_signed(host: str) -> tuple[str, str]:
+    """A new self-signed certificate and key for ``host``, written to a private directory."""
     # Imported here: ``cryptography`` is needed only where a certificate is generated.
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization

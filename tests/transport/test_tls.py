@@ -95,3 +95,25 @@ def test_unusable_tls_settings_raise_config_error(
             await listener.close()
 
     run(body())
+
+
+def test_listeners_started_at_once_in_several_threads_share_one_certificate() -> None:
+    """A listener presents make_self_signed's certificate and binds the token to it by a
+    second call: threads racing through a first call must all get the same one."""
+    import secrets
+    import threading
+
+    host = f"race-{secrets.token_hex(4)}.invalid"  # never made before in this process
+    start = threading.Barrier(8)
+    got: list[tuple[str, str]] = []
+
+    def make() -> None:
+        start.wait(10)
+        got.append(make_self_signed(host))
+
+    threads = [threading.Thread(target=make) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(got) == 8 and len(set(got)) == 1, got
