@@ -159,13 +159,17 @@ def _global_batch(steps: int, batch_size: int | None, rows: int, world: int) -> 
     batch = rows if batch_size is None else batch_size
     if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= rows:
         raise UsageError(f"batch_size must be an int in 1..{rows} (the examples), got {batch!r}")
+    _require_divisible(batch, world, batch_size is None)
+    return batch
+
+
+def _require_divisible(batch: int, world: int, full_batch: bool) -> None:
     if batch % world:
-        what = "the data set" if batch_size is None else "batch_size"
+        what = "the data set" if full_batch else "batch_size"
         raise UsageError(
             f"{what} has {batch} examples, which do not divide evenly among {world} replicas; "
             f"use a multiple of {world} (each replica then gets batch // {world} examples)"
         )
-    return batch
 
 
 @dataclass(frozen=True)
@@ -190,10 +194,8 @@ class _Job:
     def train(self, comm: Communicator) -> tuple[Any, list[float], bool]:
         """This replica's training loop: its final params, losses, and whether all agree."""
         backend = get_backend(comm.config.backend)
-        if self.batch % comm.world_size:  # an elastic session with fewer nodes than configured
-            _global_batch(self.steps, None if self.full_batch else self.batch,
-                          self.arrays[0].shape[0] if self.full_batch else self.batch,
-                          comm.world_size)
+        # an elastic session may hold fewer nodes than the config says
+        _require_divisible(self.batch, comm.world_size, self.full_batch)
         sampler = _Sampler(self.arrays, self.as_tuple, self.batch, self.full_batch, self.seed,
                            comm, backend)
         p = broadcast_tree(comm, self.params, comm.peer_ids[0], self.bucket)

@@ -11,7 +11,6 @@ from burncoll.backends.base import Array
 from burncoll.local.plans import steps as steps_of
 from burncoll.local.plans.phases import (
     LocalBroadcast,
-    count,
     global_op,
     link_of,
     peer_call,
@@ -69,8 +68,5 @@ class GlobalAllGatherRun:
         parts = link_of(rv).all_gather(global_op(self.state, deadline), mine,
                                        strategy=self.plan.global_strategy)
         full = np.concatenate([p.reshape(-1) for p in parts]) if parts else np.empty(0)
-        row = count(trailing)
-        rows = sum(p.shape[0] if p.ndim == len(trailing) + 1 else p.size // max(row, 1)
-                   for p in parts)
-        self.shape = (rows, *trailing)
+        self.shape = (sum(p.shape[0] for p in parts), *trailing)
         self.flat = backend.from_host(full, dtype, (full.size,), rv.devices[index])
