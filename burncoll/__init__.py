@@ -24,6 +24,7 @@ from burncoll.ops import ReduceOp
 from burncoll.orchestrator import Orchestrator, start_orchestrator
 from burncoll.ranks import node_rank, peer_ids
 from burncoll.strategies import Auto, Centralized, Ring, Strategy, Tree
+from burncoll.work import Work
 
 __version__ = "0.1.0"
 
@@ -48,6 +49,7 @@ __all__ = [
     "TransportError",
     "Tree",
     "UsageError",
+    "Work",
     "get_backend",
     "node_rank",
     "peer_ids",

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -18,6 +19,7 @@ from burncoll.local.plans import choose
 from burncoll.local.rendezvous import Rendezvous
 from burncoll.ops import OpKind, ReduceOp, check_reduce_dtype, parse_reduce_op
 from burncoll.registry import REGISTRY, close_node
+from burncoll.work import OpQueue
 
 __all__ = ["Communicator", "register"]
 
@@ -44,6 +46,9 @@ class Communicator:
         self.rank: int = server.rank_of[self.peer_id]
         #: Number of peers in the whole collective (all nodes).
         self.world_size: int = server.world_size
+        #: This peer's operations in the order issued (``async_op=True`` runs them on its
+        #: worker thread; see :mod:`burncoll.work`).
+        self._ops = OpQueue(f"burncoll-peer-{self.peer_id}")
 
     def __repr__(self) -> str:
         return (
@@ -62,8 +67,8 @@ class Communicator:
         return self._server.config
 
     # -- operations -------------------------------------------------------------------------
-    def all_reduce(self, x: Array, op: ReduceOp | str = "sum", *, out: Array | None = None
-                   ) -> Array:
+    def all_reduce(self, x: Array, op: ReduceOp | str = "sum", *, out: Array | None = None,
+                   async_op: bool = False) -> Any:
         """``x`` reduced element-wise over every peer; bitwise identical on every peer.
 
         ``out``: an array like ``x`` (same shape, dtype and device, writable, contiguous) to
@@ -71,29 +76,40 @@ class Communicator:
         in place, like ``torch.distributed.all_reduce``. Reusing ``out`` across calls saves
         allocating (and the kernel zeroing) a new result every time. Mutable backends only
         (NumPy, CuPy); JAX arrays are immutable.
+
+        ``async_op=True``: return a :class:`~burncoll.Work` at once (every collective takes
+        it, as in torch.distributed); its ``wait()`` returns the result.
         """
         reduce_op = parse_reduce_op(op)
         if out is not None:
             x = self._accept(OpKind.ALL_REDUCE, x)
             self._check_out(x, out, reduce_op)
-        result = _not_none(self._run(OpKind.ALL_REDUCE, x, reduce_op, None, out=out))
-        if out is not None and result is not out:
-            self._backend.copy(result, out=out)
-            return out
-        return result
 
-    def reduce(self, x: Array, root: int, op: ReduceOp | str = "sum") -> Array | None:
+        def run() -> Array:
+            result = _not_none(self._run(OpKind.ALL_REDUCE, x, reduce_op, None, out=out))
+            if out is not None and result is not out:
+                self._backend.copy(result, out=out)
+                return out
+            return result
+        return self._issue("all_reduce", run, async_op)
+
+    def reduce(self, x: Array, root: int, op: ReduceOp | str = "sum", *,
+               async_op: bool = False) -> Any:
         """``x`` reduced over every peer, returned on peer ``root``; ``None`` elsewhere."""
-        return self._run(OpKind.REDUCE, x, parse_reduce_op(op), self._check_root(root))
+        reduce_op, root = parse_reduce_op(op), self._check_root(root)
+        return self._issue("reduce", lambda: self._run(OpKind.REDUCE, x, reduce_op, root),
+                           async_op)
 
-    def broadcast(self, x: Array | None, root: int) -> Array:
+    def broadcast(self, x: Array | None, root: int, *, async_op: bool = False) -> Any:
         """Peer ``root``'s ``x`` on every peer (others may pass ``None``)."""
         root = self._check_root(root)
         if root == self.peer_id and x is None:
             raise UsageError(f"broadcast: the root (peer {root}) must pass an array, not None")
-        return _not_none(self._run(OpKind.BROADCAST, x, None, root, allow_none=True))
+        return self._issue("broadcast", lambda: _not_none(
+            self._run(OpKind.BROADCAST, x, None, root, allow_none=True)), async_op)
 
-    def reduce_scatter(self, x: Array, op: ReduceOp | str = "sum") -> Array:
+    def reduce_scatter(self, x: Array, op: ReduceOp | str = "sum", *,
+                       async_op: bool = False) -> Any:
         """This rank's block of ``x`` reduced over every peer.
 
         The reduced array is split along axis 0 as ``numpy.array_split(x, world_size)`` splits
@@ -101,16 +117,19 @@ class Communicator:
         """
         if self._is_array(x) and len(self._backend.shape(x)) == 0:
             raise UsageError("reduce_scatter needs an array with at least one dimension")
-        return _not_none(self._run(OpKind.REDUCE_SCATTER, x, parse_reduce_op(op), None))
+        reduce_op = parse_reduce_op(op)
+        return self._issue("reduce_scatter", lambda: _not_none(
+            self._run(OpKind.REDUCE_SCATTER, x, reduce_op, None)), async_op)
 
-    def all_gather(self, x: Array) -> Array:
+    def all_gather(self, x: Array, *, async_op: bool = False) -> Any:
         """Every peer's ``x`` concatenated along axis 0 in rank order.
 
         Peers may pass different lengths along axis 0; dtype and trailing shape must agree.
         """
         if self._is_array(x) and len(self._backend.shape(x)) == 0:
             raise UsageError("all_gather needs an array with at least one dimension")
-        return _not_none(self._run(OpKind.ALL_GATHER, x, None, None))
+        return self._issue("all_gather", lambda: _not_none(
+            self._run(OpKind.ALL_GATHER, x, None, None)), async_op)
 
     def broadcast_object(self, obj: object, root: int) -> object:
         """Peer ``root``'s ``obj`` on every peer (others pass anything, e.g. ``None``): one
@@ -136,15 +155,25 @@ class Communicator:
         """
         return all_reduce_tree(self, tree, op, bucket_bytes)
 
-    def barrier(self) -> None:
+    def barrier(self, *, async_op: bool = False) -> Any:
         """Return once every peer of the collective has called ``barrier``."""
-        self._run(OpKind.BARRIER, None, None, None, allow_none=True)
+        return self._issue("barrier", lambda: self._run(OpKind.BARRIER, None, None, None,
+                                                        allow_none=True), async_op)
 
     def finish(self) -> None:
         """Leave the collective. The node closes its connections once every local peer has
-        called it; later calls on this communicator raise :class:`~burncoll.UsageError`."""
+        called it; later calls on this communicator raise :class:`~burncoll.UsageError`.
+        Operations still in flight (``async_op=True``) are waited for first."""
+        self._ops.run(lambda: None, "finish")
         if self._server.finish(self._index):
             close_node(self._server)
+
+    def _issue(self, label: str, fn: Callable[[], Any], async_op: bool) -> Any:
+        """Run ``fn`` (one operation) in program order: now, or queued behind this peer's
+        operations in flight; with ``async_op``, return its :class:`~burncoll.Work` at once."""
+        if async_op:
+            return self._ops.submit(fn, label)
+        return self._ops.run(fn, label)
 
     # -- validation ---------------------------------------------------------------------------
     def _is_array(self, x: object) -> bool:

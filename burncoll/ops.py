@@ -9,7 +9,7 @@ import enum
 
 from burncoll.errors import UsageError
 
-__all__ = ["BITWISE_DTYPES", "OpKind", "ReduceOp", "check_reduce_dtype", "parse_reduce_op"]
+__all__ = ["BITWISE_DTYPES", "ROW_KINDS", "OpKind", "ReduceOp", "check_reduce_dtype", "parse_reduce_op"]
 
 #: The dtypes (by the name users write) the bitwise reduce ops accept: integers and bool.
 BITWISE_DTYPES: tuple[str, ...] = (
@@ -52,12 +52,26 @@ class OpKind(enum.IntEnum):
     REDUCE_SCATTER = 4
     ALL_GATHER = 5
     BARRIER = 6
+    GATHER = 7
+    SCATTER = 8
+    ALL_TO_ALL = 9
+    SCAN = 10
+    EXSCAN = 11
+    #: A point-to-point message (``send``/``recv``), not a collective: its frames never
+    #: enter the collectives' mailbox.
+    P2P = 12
 
     @property
     def label(self) -> str:
         """The method name: ``"all_reduce"``, ``"reduce"``, ..."""
         return self.name.lower()
 
+
+#: The operations whose arrays travel between nodes with their own rows (a chunk's header
+#: carries its shape: its rows, then the call's trailing shape), so a receiver learns each
+#: block's length from the sender.
+ROW_KINDS = frozenset({OpKind.ALL_GATHER, OpKind.GATHER, OpKind.SCATTER, OpKind.ALL_TO_ALL,
+                       OpKind.SCAN, OpKind.EXSCAN})
 
 #: Every name ``parse_reduce_op`` accepts: each member's label, and ``"avg"`` (the name
 #: ``torch.distributed.ReduceOp.AVG`` uses) for the mean.
