@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -11,14 +11,18 @@ from burncoll import objects
 from burncoll.backends import get_backend
 from burncoll.backends.base import Array, Backend, Device
 from burncoll.buckets import all_reduce_tree
+from burncoll.compression import COMPRESSIONS
 from burncoll.config import CollectiveConfig
 from burncoll.dtypes import SUPPORTED_DTYPES, dtype_from_name, is_inexact
 from burncoll.errors import UsageError
+from burncoll.groups import Groups
 from burncoll.local.calls import Call
 from burncoll.local.plans import choose
 from burncoll.local.rendezvous import Rendezvous
 from burncoll.ops import OpKind, ReduceOp, check_reduce_dtype, parse_reduce_op
+from burncoll.p2p import PointToPoint
 from burncoll.registry import REGISTRY, close_node
+from burncoll.rooted import RootedOps, check_out, parse_counts, write_out
 from burncoll.work import OpQueue
 
 __all__ = ["Communicator", "register"]
@@ -26,12 +30,15 @@ __all__ = ["Communicator", "register"]
 T = TypeVar("T")
 
 
-class Communicator:
+class Communicator(RootedOps, Groups, PointToPoint):
     """One peer's handle on the collective; use it from the thread that registered it.
 
     Every method blocks until the operation is done for this peer, or raises a
     :class:`~burncoll.CollectiveError` within ``config.timeout`` seconds. Inputs are never
-    modified; results are new arrays of the same backend on this peer's device.
+    modified; results are new arrays of the same backend on this peer's device. With
+    ``async_op=True`` a method returns a :class:`~burncoll.Work` at once and the operation
+    reads its input (and writes its ``out=``) on this peer's worker thread: leave them
+    unchanged until the Work completes.
     """
 
     def __init__(self, server: Rendezvous, index: int, device: Device) -> None:
@@ -68,7 +75,7 @@ class Communicator:
 
     # -- operations -------------------------------------------------------------------------
     def all_reduce(self, x: Array, op: ReduceOp | str = "sum", *, out: Array | None = None,
-                   async_op: bool = False) -> Any:
+                   compression: str | None = None, async_op: bool = False) -> Any:
         """``x`` reduced element-wise over every peer; bitwise identical on every peer.
 
         ``out``: an array like ``x`` (same shape, dtype and device, writable, contiguous) to
@@ -79,14 +86,20 @@ class Communicator:
 
         ``async_op=True``: return a :class:`~burncoll.Work` at once (every collective takes
         it, as in torch.distributed); its ``wait()`` returns the result.
+
+        ``compression``: ``"bf16"`` or ``"fp16"`` sends float32/float64 values between nodes
+        as 16 bits (:mod:`burncoll.compression`: the error bound); ``"none"`` sends them whole;
+        ``None`` takes ``config.compression``.
         """
         reduce_op = parse_reduce_op(op)
+        wire = self._compression(x, compression)
         if out is not None:
             x = self._accept(OpKind.ALL_REDUCE, x)
             self._check_out(x, out, reduce_op)
 
         def run() -> Array:
-            result = _not_none(self._run(OpKind.ALL_REDUCE, x, reduce_op, None, out=out))
+            result = _not_none(self._run(OpKind.ALL_REDUCE, x, reduce_op, None, out=out,
+                                         compression=wire))
             if out is not None and result is not out:
                 self._backend.copy(result, out=out)
                 return out
@@ -94,42 +107,61 @@ class Communicator:
         return self._issue("all_reduce", run, async_op)
 
     def reduce(self, x: Array, root: int, op: ReduceOp | str = "sum", *,
-               async_op: bool = False) -> Any:
-        """``x`` reduced over every peer, returned on peer ``root``; ``None`` elsewhere."""
+               out: Array | None = None, async_op: bool = False) -> Any:
+        """``x`` reduced over every peer, returned on peer ``root``; ``None`` elsewhere.
+        ``out=`` (read on the root only; ``out=x`` reduces in place there): where the result
+        is written (see :mod:`burncoll.rooted`)."""
         reduce_op, root = parse_reduce_op(op), self._check_root(root)
-        return self._issue("reduce", lambda: self._run(OpKind.REDUCE, x, reduce_op, root),
-                           async_op)
+        mine = out if root == self.peer_id else None
+        if mine is not None:
+            check_out(self._backend, self.device, mine, "reduce")
+        return self._issue("reduce", lambda: write_out(
+            self._backend, mine, self._run(OpKind.REDUCE, x, reduce_op, root), "reduce"),
+            async_op)
 
-    def broadcast(self, x: Array | None, root: int, *, async_op: bool = False) -> Any:
-        """Peer ``root``'s ``x`` on every peer (others may pass ``None``)."""
+    def broadcast(self, x: Array | None, root: int, *, out: Array | None = None,
+                  async_op: bool = False) -> Any:
+        """Peer ``root``'s ``x`` on every peer (others may pass ``None``). ``out=``: each peer
+        receives into its own array (the root's gets a copy of ``x``)."""
         root = self._check_root(root)
         if root == self.peer_id and x is None:
             raise UsageError(f"broadcast: the root (peer {root}) must pass an array, not None")
-        return self._issue("broadcast", lambda: _not_none(
-            self._run(OpKind.BROADCAST, x, None, root, allow_none=True)), async_op)
+        if out is not None:
+            check_out(self._backend, self.device, out, "broadcast")
+        return self._issue("broadcast", lambda: write_out(self._backend, out, _not_none(
+            self._run(OpKind.BROADCAST, x, None, root, allow_none=True)), "broadcast"),
+            async_op)
 
-    def reduce_scatter(self, x: Array, op: ReduceOp | str = "sum", *,
+    def reduce_scatter(self, x: Array, op: ReduceOp | str = "sum",
+                       counts: Sequence[int] | None = None, *, out: Array | None = None,
                        async_op: bool = False) -> Any:
         """This rank's block of ``x`` reduced over every peer.
 
         The reduced array is split along axis 0 as ``numpy.array_split(x, world_size)`` splits
-        it; rank ``r`` gets block ``r``.
+        it, or into ``counts[r]`` rows for rank ``r`` (every peer passes the same counts,
+        one per rank, summing to the rows); rank ``r`` gets block ``r``.
         """
         if self._is_array(x) and len(self._backend.shape(x)) == 0:
             raise UsageError("reduce_scatter needs an array with at least one dimension")
-        reduce_op = parse_reduce_op(op)
-        return self._issue("reduce_scatter", lambda: _not_none(
-            self._run(OpKind.REDUCE_SCATTER, x, reduce_op, None)), async_op)
+        reduce_op, parsed = parse_reduce_op(op), parse_counts(counts, "reduce_scatter")
+        if out is not None:
+            check_out(self._backend, self.device, out, "reduce_scatter")
+        return self._issue("reduce_scatter", lambda: write_out(self._backend, out, _not_none(
+            self._run(OpKind.REDUCE_SCATTER, x, reduce_op, None, counts=parsed)),
+            "reduce_scatter"), async_op)
 
-    def all_gather(self, x: Array, *, async_op: bool = False) -> Any:
+    def all_gather(self, x: Array, *, out: Array | None = None, async_op: bool = False
+                   ) -> Any:
         """Every peer's ``x`` concatenated along axis 0 in rank order.
 
         Peers may pass different lengths along axis 0; dtype and trailing shape must agree.
         """
         if self._is_array(x) and len(self._backend.shape(x)) == 0:
             raise UsageError("all_gather needs an array with at least one dimension")
-        return self._issue("all_gather", lambda: _not_none(
-            self._run(OpKind.ALL_GATHER, x, None, None)), async_op)
+        if out is not None:
+            check_out(self._backend, self.device, out, "all_gather")
+        return self._issue("all_gather", lambda: write_out(self._backend, out, _not_none(
+            self._run(OpKind.ALL_GATHER, x, None, None)), "all_gather"), async_op)
 
     def broadcast_object(self, obj: object, root: int) -> object:
         """Peer ``root``'s ``obj`` on every peer (others pass anything, e.g. ``None``): one
@@ -145,15 +177,20 @@ class Communicator:
         return objects.unpack(self._backend.to_host(got), self.peer_ids, "all_gather_object")
 
     def all_reduce_tree(
-        self, tree: T, op: ReduceOp | str = "mean", bucket_bytes: int = 25 * 2**20
-    ) -> T:
+        self, tree: T, op: ReduceOp | str = "mean", bucket_bytes: int = 25 * 2**20, *,
+        async_op: bool = False, compression: str | None = None,
+    ) -> Any:
         """All-reduce every array leaf of a nested structure (dicts, lists, tuples, JAX
         pytrees) in a few bucketed collectives, one per ``bucket_bytes`` of each dtype.
 
         Returns the same structure; bitwise identical on every peer. ``op`` defaults to the
-        mean, for gradients.
+        mean, for gradients. ``async_op=True`` returns a :class:`~burncoll.Work` of the tree;
+        ``compression`` goes to every bucket's all-reduce (see :meth:`all_reduce`).
         """
-        return all_reduce_tree(self, tree, op, bucket_bytes)
+        if async_op:
+            return all_reduce_tree(self, tree, op, bucket_bytes, async_op=True,
+                                   compression=compression)
+        return all_reduce_tree(self, tree, op, bucket_bytes, compression=compression)
 
     def barrier(self, *, async_op: bool = False) -> Any:
         """Return once every peer of the collective has called ``barrier``."""
@@ -174,6 +211,23 @@ class Communicator:
         if async_op:
             return self._ops.submit(fn, label)
         return self._ops.run(fn, label)
+
+    def _compression(self, x: Array, given: str | None) -> str | None:
+        """The wire format of an all-reduce of ``x``: ``given`` (checked), else the config's
+        for float32/float64 arrays; ``None`` on a single node (nothing goes on a wire)."""
+        floats = self._is_array(x) and self._backend.dtype_name(x) in ("float32", "float64")
+        if given is not None and given != "none":
+            if given not in COMPRESSIONS:
+                raise UsageError(f"all_reduce: compression={given!r}: expected one of "
+                                 f"{', '.join(COMPRESSIONS)}, 'none' or None (the config's)")
+            if not floats:
+                raise UsageError(f"all_reduce: compression={given!r} applies to float32 and "
+                                 f"float64 arrays; this one is not (pass compression='none')")
+        elif given is None:
+            given = self.config.compression if floats else None
+        if given is None or given == "none" or not self._server.world.multi_node:
+            return None
+        return given
 
     # -- validation ---------------------------------------------------------------------------
     def _is_array(self, x: object) -> bool:
@@ -224,6 +278,7 @@ class Communicator:
     def _run(
         self, kind: OpKind, x: Array | None, op: ReduceOp | None, root: int | None,
         allow_none: bool = False, out: Array | None = None,
+        counts: tuple[int, ...] | None = None, compression: str | None = None,
     ) -> Array | None:
         self._server.check_usable(self._index)
         dtype: str | None = None
@@ -234,7 +289,7 @@ class Communicator:
             if op is not None:  # refused here, before this peer joins the operation
                 check_reduce_dtype(op, dtype, kind.label)
             shape = tuple(self._backend.shape(x))
-        call = Call(self.peer_id, kind, op, root, x, dtype, shape, out)
+        call = Call(self.peer_id, kind, op, root, x, dtype, shape, out, counts, compression)
         return self._server.run(self._index, call, choose.prepare)
 
     def _accept(self, kind: OpKind, x: Array | None) -> Array:

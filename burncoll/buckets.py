@@ -22,7 +22,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar, overload
 
 from burncoll.backends import get_backend
 from burncoll.backends.base import Array, Backend, Device
@@ -30,6 +30,7 @@ from burncoll.config import CollectiveConfig
 from burncoll.dtypes import dtype_from_name, is_inexact
 from burncoll.errors import UsageError
 from burncoll.ops import ReduceOp, check_reduce_dtype, parse_reduce_op
+from burncoll.work import Work, when_all
 
 
 class TreeCommunicator(Protocol):
@@ -41,10 +42,11 @@ class TreeCommunicator(Protocol):
     @property
     def device(self) -> Device: ...
 
-    def all_reduce(self, x: Array, op: ReduceOp | str = ..., *, out: Array | None = ...) -> Array:
+    def all_reduce(self, x: Array, op: ReduceOp | str = ..., *, out: Array | None = ...,
+                   async_op: bool = ...) -> Any:
         ...
 
-    def broadcast(self, x: Array | None, root: int) -> Array: ...
+    def broadcast(self, x: Array | None, root: int, *, async_op: bool = ...) -> Any: ...
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -53,7 +55,10 @@ __all__ = [
     "all_reduce_tree",
     "broadcast_tree",
     "flatten_tree",
+    "in_place_ok",
+    "leaf_spec",
     "plan_buckets",
+    "unpack_bucket",
 ]
 
 T = TypeVar("T")
@@ -218,12 +223,27 @@ def _bucket(dtype: str, indices: list[int], specs: Sequence[LeafSpec]) -> Bucket
 # -- the collectives ----------------------------------------------------------------------------
 
 
+@overload
+def all_reduce_tree(comm: TreeCommunicator, tree: T, op: ReduceOp | str = ...,
+                    bucket_bytes: int = ..., *, async_op: Literal[False] = ...,
+                    compression: str | None = ...) -> T: ...
+
+
+@overload
+def all_reduce_tree(comm: TreeCommunicator, tree: T, op: ReduceOp | str = ...,
+                    bucket_bytes: int = ..., *, async_op: Literal[True],
+                    compression: str | None = ...) -> Work[T]: ...
+
+
 def all_reduce_tree(
     comm: TreeCommunicator,
     tree: T,
     op: ReduceOp | str = "mean",
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> T:
+    *,
+    async_op: bool = False,
+    compression: str | None = None,
+) -> T | Work[T]:
     """``tree`` with every leaf all-reduced over every peer with ``op``; one collective per bucket.
 
     Every peer must pass a tree of the same structure, leaf dtypes and shapes (as for
@@ -233,17 +253,28 @@ def all_reduce_tree(
     nodes); integer leaves then come back as floats, as with ``all_reduce``. The input is
     not modified. Errors are those of ``Communicator.all_reduce``; a tree whose leaves are not
     arrays raises :class:`~burncoll.UsageError` before anything is sent.
+
+    ``async_op=True``: every bucket's all-reduce is issued with ``async_op=True`` and a
+    :class:`~burncoll.Work` is returned at once; its ``wait()`` returns the tree (or raises
+    the first failing bucket's error). To reduce buckets while the rest of the gradients is
+    still being computed, see :class:`burncoll.train.GradientBuckets`.
+
+    ``compression``: each bucket's ``all_reduce(..., compression=)`` (``None``: the config's,
+    which applies to float32/float64 buckets only).
     """
     reduce_op = parse_reduce_op(op)
     backend = get_backend(comm.config.backend)
 
-    def reduce(flat: Array, packed: bool) -> Array:
+    # blocking calls leave async_op out, for communicators that predate it
+    kw: dict[str, Any] = {"async_op": True} if async_op else {}
+    if compression is not None:
+        kw["compression"] = compression
+
+    def reduce(flat: Array, packed: bool) -> Any:
         # a bucket packed from several leaves is ours: reduce it in place (no new result)
-        if packed and backend.mutable and (
-                reduce_op is not ReduceOp.MEAN or is_inexact(dtype_from_name(
-                    backend.dtype_name(flat)))):
-            return comm.all_reduce(flat, reduce_op, out=flat)
-        return comm.all_reduce(flat, reduce_op)
+        if packed and in_place_ok(backend, reduce_op, backend.dtype_name(flat)):
+            return comm.all_reduce(flat, reduce_op, out=flat, **kw)
+        return comm.all_reduce(flat, reduce_op, **kw)
 
     def check(index: int, spec: LeafSpec) -> None:  # every leaf, before anything is sent
         try:
@@ -251,35 +282,58 @@ def all_reduce_tree(
         except UsageError as exc:
             raise UsageError(f"leaf {index} of the tree: {exc}") from None
 
-    return _bucketed(comm, tree, bucket_bytes, reduce, check)
+    return _bucketed(comm, tree, bucket_bytes, reduce, check, async_op, "all_reduce_tree")
+
+
+def in_place_ok(backend: Backend, op: ReduceOp, dtype: str) -> bool:
+    """Whether an all-reduce with ``op`` may write its result into its ``dtype`` input: the
+    backend's arrays are mutable and the result has the input's dtype (not an integer mean)."""
+    return backend.mutable and (op is not ReduceOp.MEAN or is_inexact(dtype_from_name(dtype)))
+
+
+@overload
+def broadcast_tree(comm: TreeCommunicator, tree: T, root: int, bucket_bytes: int = ..., *,
+                   async_op: Literal[False] = ...) -> T: ...
+
+
+@overload
+def broadcast_tree(comm: TreeCommunicator, tree: T, root: int, bucket_bytes: int = ..., *,
+                   async_op: Literal[True]) -> Work[T]: ...
 
 
 def broadcast_tree(
-    comm: TreeCommunicator, tree: T, root: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
-) -> T:
+    comm: TreeCommunicator, tree: T, root: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
+    async_op: bool = False,
+) -> T | Work[T]:
     """Peer ``root``'s ``tree`` on every peer; one broadcast per bucket.
 
     Unlike ``broadcast``, every peer passes a tree: the values of non-root peers are ignored,
     but their structure, dtypes and shapes must match the root's (they fix the bucket plan).
-    The result's leaves are new arrays on this peer's device.
+    The result's leaves are new arrays on this peer's device. ``async_op=True``: a
+    :class:`~burncoll.Work` whose ``wait()`` returns the tree, as for :func:`all_reduce_tree`.
     """
-    return _bucketed(comm, tree, bucket_bytes, lambda flat, _packed: comm.broadcast(flat, root))
+    kw: dict[str, Any] = {"async_op": True} if async_op else {}
+    return _bucketed(comm, tree, bucket_bytes,
+                     lambda flat, _packed: comm.broadcast(flat, root, **kw),
+                     None, async_op, "broadcast_tree")
 
 
 def _bucketed(
-    comm: TreeCommunicator, tree: T, bucket_bytes: int, collective: Callable[[Array, bool], Array],
-    check: Callable[[int, LeafSpec], None] | None = None,
-) -> T:
+    comm: TreeCommunicator, tree: T, bucket_bytes: int, collective: Callable[[Array, bool], Any],
+    check: Callable[[int, LeafSpec], None] | None, async_op: bool, label: str,
+) -> T | Work[T]:
     """Run ``collective(flat, packed)`` per bucket; ``packed``: ``flat`` is a new array packed
     from several leaves (the collective may overwrite it), not a view of the caller's leaf.
-    ``check(index, spec)`` sees every leaf before the first bucket is sent."""
+    ``check(index, spec)`` sees every leaf before the first bucket is sent. With
+    ``async_op``, ``collective`` returns Works and so does this."""
     backend = get_backend(comm.config.backend)
     leaves, unflatten = flatten_tree(tree)
-    specs = [_leaf_spec(backend, leaf, i) for i, leaf in enumerate(leaves)]
+    specs = [leaf_spec(backend, leaf, i) for i, leaf in enumerate(leaves)]
     if check is not None:
         for i, spec in enumerate(specs):
             check(i, spec)
     out: list[Any] = [None] * len(leaves)
+    sent: list[tuple[Bucket, Any]] = []
     for bucket in plan_buckets(specs, bucket_bytes):
         if bucket.size == 0:  # nothing to exchange; every peer skips it alike
             for i in bucket.leaves:
@@ -287,18 +341,34 @@ def _bucketed(
             continue
         flats = [backend.flatten(leaves[i]) for i in bucket.leaves]
         packed = flats[0] if len(flats) == 1 else backend.concat(flats)
-        result = collective(packed, len(flats) > 1)
-        if len(flats) == 1:
-            out[bucket.leaves[0]] = backend.reshape(result, specs[bucket.leaves[0]].shape)
-            continue
-        for k, i in enumerate(bucket.leaves):
-            piece = backend.slice(result, bucket.offsets[k], bucket.offsets[k + 1])
-            out[i] = backend.reshape(piece, specs[i].shape)
-    rebuilt: T = unflatten(out)
-    return rebuilt
+        sent.append((bucket, collective(packed, len(flats) > 1)))
+
+    def assemble(results: list[Array]) -> T:
+        for (bucket, _), result in zip(sent, results, strict=True):
+            unpack_bucket(backend, bucket, specs, result, out)
+        rebuilt: T = unflatten(out)
+        return rebuilt
+
+    if async_op:
+        return when_all([work for _, work in sent], assemble, label)
+    return assemble([result for _, result in sent])
 
 
-def _leaf_spec(backend: Backend, leaf: Any, index: int) -> LeafSpec:
+def unpack_bucket(backend: Backend, bucket: Bucket, specs: Sequence[LeafSpec], result: Array,
+                  out: list[Any]) -> None:
+    """Cut a bucket's flat ``result`` into its leaves' shapes: ``out[i]`` for its leaves
+    (views of ``result`` where the backend has views)."""
+    if len(bucket.leaves) == 1:
+        out[bucket.leaves[0]] = backend.reshape(result, specs[bucket.leaves[0]].shape)
+        return
+    for k, i in enumerate(bucket.leaves):
+        piece = backend.slice(result, bucket.offsets[k], bucket.offsets[k + 1])
+        out[i] = backend.reshape(piece, specs[i].shape)
+
+
+def leaf_spec(backend: Backend, leaf: Any, index: int) -> LeafSpec:
+    """``leaf``'s dtype and shape; a :class:`~burncoll.UsageError` naming leaf ``index`` when
+    it is not an array of ``backend``."""
     if not backend.is_array(leaf):
         raise UsageError(
             f"leaf {index} of the tree is a {type(leaf).__name__}, not an array of backend "

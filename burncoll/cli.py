@@ -10,6 +10,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
+import burncoll
 from burncoll.transport import TRANSPORT_NAMES
 
 __all__ = ["main"]
@@ -196,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="burncoll", description="Collective operations over arrays of any backend.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("-V", "--version", action="version",
+                        version=f"%(prog)s {burncoll.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     orch = sub.add_parser("orchestrator", help="run the rendezvous server for multi-node runs")

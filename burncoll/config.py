@@ -38,6 +38,7 @@ from typing import Any
 import yaml
 
 from burncoll.backends import BACKEND_NAMES
+from burncoll.compression import COMPRESSIONS
 from burncoll.config_nodes import check_node_fields, launcher_values
 from burncoll.config_values import ENV_PREFIX, parse_env, parse_host_port, parse_strategy_field
 from burncoll.errors import ConfigError
@@ -137,6 +138,19 @@ class CollectiveConfig:
     #: a job started by torchrun, SLURM or mpirun unless the code set ``global_address``;
     #: ``burncoll launch`` runs its own.
     host_orchestrator: bool | None = None
+    #: Set by :meth:`~burncoll.Communicator.split` and :meth:`~burncoll.Communicator.group`;
+    #: leave it ``None``. It names a communicator group's collective, so that a group's peers
+    #: register apart from the parent's and from other groups' on the same node.
+    group: str | None = None
+    #: Send float32/float64 all-reduces between nodes as 16-bit values: ``"bf16"`` or
+    #: ``"fp16"`` (sums still accumulate in the input's precision; error bound in
+    #: :mod:`burncoll.compression`). ``None``: full precision. Other dtypes, and a single node,
+    #: are never compressed; ``all_reduce(..., compression=)`` overrides it per call.
+    compression: str | None = None
+    #: Node processes of one host exchange large messages through shared memory
+    #: (:mod:`burncoll.transport.shm`; chosen automatically, never between hosts). ``False``:
+    #: always through the transport.
+    shared_memory: bool = True
 
     def __new__(cls, *args: Any, **kwargs: Any) -> CollectiveConfig:
         """Remember which fields the caller gave: those win over every environment variable."""
@@ -354,14 +368,19 @@ def _validate(cfg: CollectiveConfig) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
         raise ConfigError(f"timeout={timeout!r}: expected a number of seconds > 0")
     for name in ("auth_token", "auth_token_file", "tls_cert", "tls_key", "tls_ca",
-                 "global_address", "node_address"):
+                 "global_address", "node_address", "group"):
         value = getattr(cfg, name)
         if value is not None and not isinstance(value, str):
             shown = REDACTED if name == "auth_token" else repr(value)
             raise ConfigError(f"{name}={shown}: expected a string or None")
-    for name in ("insecure", "integrity"):
+    for name in ("insecure", "integrity", "shared_memory"):
         if not isinstance(getattr(cfg, name), bool):
             raise ConfigError(f"{name}={getattr(cfg, name)!r}: expected true or false")
+    if isinstance(cfg.compression, str) and cfg.compression.strip().lower() in ("none", ""):
+        object.__setattr__(cfg, "compression", None)  # YAML ``compression: none``
+    if cfg.compression is not None and cfg.compression not in COMPRESSIONS:
+        raise ConfigError(f"compression={cfg.compression!r}: expected one of "
+                          f"{', '.join(COMPRESSIONS)} or none")
     if isinstance(cfg.tls, str) and cfg.tls.strip().lower() == "auto":
         object.__setattr__(cfg, "tls", None)  # YAML ``tls: auto``, as BURNCOLL_TLS=auto
     if cfg.tls is not None and not isinstance(cfg.tls, bool):

@@ -101,6 +101,8 @@ _ENV_PARSERS: dict[str, Callable[[str], Any]] = {
     "auth_token_file": _parse_optional_str,
     "insecure": _parse_bool,
     "integrity": _parse_bool,
+    "shared_memory": _parse_bool,
+    "compression": _parse_optional_str,
     "tls": _parse_optional_bool,
     "tls_cert": _parse_optional_str,
     "tls_key": _parse_optional_str,

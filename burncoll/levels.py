@@ -16,17 +16,24 @@ link runs what it is told rather than deciding again.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
+from burncoll.compression import of_root
 from burncoll.ops import OpKind, ReduceOp
-from burncoll.strategies import Strategy
+from burncoll.strategies import Schedule, Strategy
 
-__all__ = ["Exchange", "GlobalLink", "GlobalOp", "GlobalPath", "HostArray", "LocalPeers"]
+__all__ = [
+    "MAX_TAG", "Exchange", "GlobalLink", "GlobalOp", "GlobalPath", "HostArray", "LocalPeers",
+]
 
 HostArray = np.ndarray[Any, Any]
+
+#: The largest point-to-point tag: it travels in a DATA header's u16 ``channel``.
+MAX_TAG = 2**16 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +68,12 @@ class GlobalOp:
     @property
     def label(self) -> str:
         return f"{self.kind.label} #{self.seq}"
+
+    @property
+    def compression(self) -> str | None:
+        """The 16-bit wire format of a compressed all-reduce (:mod:`burncoll.compression`),
+        which its ``root`` carries; ``None`` for every other operation."""
+        return of_root(self.root) if self.kind is OpKind.ALL_REDUCE else None
 
 
 class GlobalLink(Protocol):
@@ -114,9 +127,32 @@ class GlobalLink(Protocol):
         """Every peer's array, by rank: ``mine`` maps this node's ranks to their arrays."""
         ...
 
+    def route(self, op: GlobalOp, schedule: Schedule,
+              chunks: list[HostArray | None]) -> list[HostArray | None]:
+        """Walk a direct ``schedule`` (:mod:`burncoll.strategies.direct`) over ``chunks``:
+        this node's chunks are sent where the schedule says, and the chunks it receives are
+        filled in (allocated from their headers when ``None``); returns ``chunks``."""
+        ...
+
     def barrier(self, op: GlobalOp, *, path: GlobalPath) -> None:
         """Return once every node has reached this barrier (``path``: a one-round
         :class:`Exchange` of empty messages, or the strategy's all-reduce schedule)."""
+        ...
+
+    def p2p_send(self, src: int, dst: int, tag: int, buf: HostArray, deadline: float
+                 ) -> Future[None]:
+        """Send ``buf`` from local peer ``src`` to peer ``dst`` of another node under ``tag``
+        (peer ids); at once. The future completes once ``dst``'s recv took the message
+        (:class:`~burncoll.MismatchError` if that recv refused it), or fails by ``deadline``
+        (which fails the collective). ``buf`` is read until then: keep it unchanged."""
+        ...
+
+    def p2p_recv(self, src: int, dst: int, tag: int, deadline: float,
+                 want: tuple[str, tuple[int, ...]] | None = None) -> Future[HostArray]:
+        """Receive the next message from peer ``src`` of another node to local peer ``dst``
+        under ``tag``; at once. The future completes with a new host array (the sender's
+        dtype and shape), or fails by ``deadline``. ``want``: the dtype and shape the
+        receiver takes (its ``out=``); another one refuses the message on both sides."""
         ...
 
     def abort(self, error: BaseException) -> None:

@@ -49,6 +49,7 @@ __all__ = [
     "Host",
     "decode",
     "encode",
+    "is_refusal",
     "payload",
     "refusal",
     "unpack",
@@ -124,6 +125,11 @@ def refusal(message: str) -> bytes:
     body = message.encode("utf-8", "replace")[:MAX_MESSAGE_BYTES]
     body = body.decode("utf-8", "ignore").encode("utf-8")  # no character cut in half
     return _HEADER.pack(_REFUSED, len(body)) + body
+
+
+def is_refusal(record: Any) -> bool:
+    """Whether ``record`` (a :func:`payload`) is a refusal rather than an object."""
+    return bool(len(record) > 0 and int(record[0]) == _REFUSED)
 
 
 class Host(Protocol):

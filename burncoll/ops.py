@@ -9,7 +9,9 @@ import enum
 
 from burncoll.errors import UsageError
 
-__all__ = ["BITWISE_DTYPES", "ROW_KINDS", "OpKind", "ReduceOp", "check_reduce_dtype", "parse_reduce_op"]
+__all__ = [
+    "BITWISE_DTYPES", "ROW_KINDS", "OpKind", "ReduceOp", "check_reduce_dtype", "parse_reduce_op",
+]
 
 #: The dtypes (by the name users write) the bitwise reduce ops accept: integers and bool.
 BITWISE_DTYPES: tuple[str, ...] = (

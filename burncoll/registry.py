@@ -13,6 +13,7 @@ import contextlib
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from burncoll.backends import get_backend
@@ -57,6 +58,8 @@ class Registry:
         self._cond = threading.Condition()
         self._groups: dict[CollectiveConfig, _Group] = {}
         self._closed: weakref.WeakSet[Rendezvous] = weakref.WeakSet()
+        self._on_close: weakref.WeakKeyDictionary[Rendezvous, list[Callable[[], None]]] = (
+            weakref.WeakKeyDictionary())
 
     def join(self, peer_id: int, device: Device, config: CollectiveConfig
              ) -> tuple[Rendezvous, int]:
@@ -153,14 +156,29 @@ class Registry:
             if group is not None and group.server is server:
                 del self._groups[server.config]
 
+    def on_close(self, server: Rendezvous, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once ``server``'s node is closed (at once if it is already): what a
+        communicator group started for its collective (its orchestrator) ends with it."""
+        with self._cond:
+            if server not in self._closed:
+                self._on_close.setdefault(server, []).append(fn)
+                return
+        fn()
+
     def close(self, server: Rendezvous) -> None:
-        """Close ``server``'s node link, once, whoever asks first (finish or a new register)."""
+        """Close ``server``'s node link, once, whoever asks first (finish or a new register),
+        then run what :meth:`on_close` asked for."""
         with self._cond:
             if server in self._closed:
                 return
             self._closed.add(server)
-        if server.link is not None:
-            server.link.close(time.monotonic() + server.config.timeout)
+            after = self._on_close.pop(server, [])
+        try:
+            if server.link is not None:
+                server.link.close(time.monotonic() + server.config.timeout)
+        finally:
+            for fn in after:
+                fn()
 
 
 #: The one registry of this process.

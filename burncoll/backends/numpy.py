@@ -18,6 +18,7 @@ import numpy as np
 
 from burncoll.backends import _checks
 from burncoll.backends.base import Array, Backend
+from burncoll.backends.pool import fresh
 from burncoll.dtypes import dtype_from_name, dtype_name, host_view, is_inexact
 from burncoll.errors import UsageError
 from burncoll.ops import ReduceOp
@@ -80,10 +81,11 @@ class NumpyBackend:
 
     # -- creation and layout -------------------------------------------------------------
     def empty(self, count: int, dtype: str, device: Any) -> NDArray:
-        """A new uninitialised flat array of ``count`` elements."""
+        """A new uninitialised flat array of ``count`` elements (large ones reuse memory its
+        earlier holders released: :mod:`burncoll.backends.pool`)."""
         _checks.check_count(count)
         _check_device(device)
-        return np.empty(count, dtype=dtype_from_name(dtype))
+        return fresh(count, dtype_from_name(dtype))
 
     def flatten(self, x: Array) -> NDArray:
         """A flat view of ``x`` when it is C-contiguous, else a flat C-ordered copy."""

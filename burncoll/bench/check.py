@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from burncoll.compression import error_bound
 from burncoll.dtypes import dtype_from_name
 
 __all__ = ["Expected", "ReferenceCache", "count_wrong", "element_counts", "peer_input"]
@@ -97,8 +98,12 @@ class ReferenceCache:
     the others reuse it. Only the latest few entries are kept.
     """
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, compression: str | None = None, nodes: int = 1) -> None:
         self.world = world
+        #: A compressed all-reduce's wire format and the node count: its error bound
+        #: (:func:`burncoll.compression.error_bound`) widens the float tolerances.
+        self.compression = compression if nodes > 1 else None
+        self.nodes = nodes
         self._lock = threading.Lock()
         self._entries: dict[tuple[Any, ...], Expected] = {}
 
@@ -162,6 +167,10 @@ class ReferenceCache:
             tolerance = np.abs(ref) * (eps * (n + 1))
         else:
             tolerance = np.zeros_like(ref)
+        if self.compression is not None and dtype in ("float32", "float64"):
+            magnitude = abs_sum / n if redop == "mean" else (
+                abs_sum if redop == "sum" else np.abs(ref) * n)
+            tolerance = tolerance + error_bound(self.compression, self.nodes, magnitude, dtype)
         return Expected(ref, tolerance, dtype_from_name(dtype))
 
     def _int_reduction(self, count: int, dtype: str, redop: str) -> Expected:

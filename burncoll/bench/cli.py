@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from burncoll.bench.load import cpu_load
 from burncoll.bench.options import (
     ALL_OPS,
     BENCH_DTYPES,
@@ -164,6 +165,13 @@ def _add_measurement(parser: argparse.ArgumentParser) -> None:
         help="all_reduce returns a new array per call; by default it writes into an out= array "
         "allocated once, as nccl-tests and mpi4py's Allreduce measure",
     )
+    parser.add_argument(
+        "--load", type=int_at_least(0), default=0,
+        help="run N CPU-bound processes beside the benchmark and the peer baselines (a busy "
+        "host); default 0")
+    parser.add_argument(
+        "--compression", choices=("bf16", "fp16"), default=None,
+        help="all_reduce sends 16-bit values between nodes (burncoll.compression)")
     parser.add_argument("--json", default=None, help="write rows and environment to this file")
     parser.add_argument("--plot", default=None, help="write busbw vs size to this PNG")
     parser.add_argument("--bench-node", default=None, help=argparse.SUPPRESS)
@@ -179,6 +187,8 @@ def build_config(args: argparse.Namespace, multi_node: bool) -> CollectiveConfig
         changes["num_devices"] = 2
     if args.transport is not None:
         changes["transport"] = args.transport
+    if getattr(args, "compression", None) is not None:
+        changes["compression"] = args.compression
     for value, names in (
         (args.strategy, _LOCAL + _GLOBAL),
         (args.local_strategy, _LOCAL),
@@ -222,6 +232,7 @@ def _node_argv(args: argparse.Namespace, result_path: str) -> list[str]:
     if args.fresh_results:
         argv.append("--fresh-results")
     for flag, value in (
+        ("--compression", args.compression),
         ("--devices", args.devices),
         ("--strategy", args.strategy),
         ("--local-strategy", args.local_strategy),
@@ -255,7 +266,11 @@ def _settings(
         "all_reduce results": "a new array per call" if args.fresh_results else
         "written into an out= array allocated once (nccl-tests' out-of-place)",
         "cpus": os.cpu_count(),
+        "load": f"{args.load} CPU-bound processes beside the benchmark and the peers"
+        if args.load else "none",
     }
+    if args.compression:
+        settings["compression"] = f"{args.compression} between nodes"
     if args.nodes > 1:
         settings["global strategies (all_reduce/reduce/broadcast)"] = "/".join(
             config.strategy(n).spec for n in _GLOBAL
@@ -346,6 +361,29 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
     settings = _settings(args, config, sizes)
     _print(banner(settings))
+    with cpu_load(args.load):
+        measured = _measure(args, spec, config, sizes, world)
+    if isinstance(measured, int):
+        return measured
+    rows, peers = measured
+    if args.json:
+        recorded = {
+            **settings,
+            "nodes": args.nodes,
+            "devices": config.num_devices,
+            "world_size": world,
+            "config": _redacted(config),
+            "argv": sys.argv,
+        }
+        write_json(args.json, rows, peers, recorded)
+    if args.plot:
+        plot_busbw(args.plot, rows, peers, f"burncoll bench: {settings['world']}")
+    return 0 if all(row.wrong == 0 for row in rows) else 1
+
+
+def _measure(args: argparse.Namespace, spec: BenchSpec, config: CollectiveConfig,
+             sizes: list[int], world: int) -> tuple[list[Row], list[PeerResult]] | int:
+    """The peer baselines, then burncoll; its rows and theirs (an exit code on failure)."""
     peers: list[PeerResult] = []
     if args.vs:
         _print([f"# running peer baselines first: {', '.join(args.vs)}"])
@@ -361,19 +399,7 @@ def run_bench(args: argparse.Namespace) -> int:
         stream = _Stream(peers)
         rows = run_node(spec, config, 0, on_row=stream)
         _print(closing(rows, peers, skipped=False))
-    if args.json:
-        recorded = {
-            **settings,
-            "nodes": args.nodes,
-            "devices": config.num_devices,
-            "world_size": world,
-            "config": _redacted(config),
-            "argv": sys.argv,
-        }
-        write_json(args.json, rows, peers, recorded)
-    if args.plot:
-        plot_busbw(args.plot, rows, peers, f"burncoll bench: {settings['world']}")
-    return 0 if all(row.wrong == 0 for row in rows) else 1
+    return rows, peers
 
 
 def _redacted(config: CollectiveConfig) -> dict[str, Any]:

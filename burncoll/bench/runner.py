@@ -90,7 +90,8 @@ def run_node(
 
     if config.backend == "jax":
         _give_jax_cpu_devices(devices)
-    context = _Context(spec, config, get_backend(config.backend), ReferenceCache(world), emit)
+    cache = ReferenceCache(world, config.compression, config.num_nodes or 1)
+    context = _Context(spec, config, get_backend(config.backend), cache, emit)
     errors: list[BaseException] = []
     threads = [
         threading.Thread(

@@ -28,14 +28,26 @@ class Call:
     shape: tuple[int, ...] | None
     #: Where the caller wants the result written (``all_reduce(..., out=)``), else ``None``.
     out: Array | None = None
+    #: Rows per rank: a scatter root's blocks, an all-to-all peer's send counts, a
+    #: reduce-scatter's blocks (the same on every peer); ``None``: ``numpy.array_split``'s.
+    counts: tuple[int, ...] | None = None
+    #: An all-reduce's 16-bit wire format across nodes (``"bf16"``, ``"fp16"``), else
+    #: ``None`` (:mod:`burncoll.compression`).
+    compression: str | None = None
 
     def signature(self) -> tuple[object, ...]:
-        """What must agree between peers (for all_gather, only the trailing shape)."""
+        """What must agree between peers (for the operations whose peers' arrays differ in
+        length -- all_gather, gather, all_to_all -- only the trailing shape; a scatter's and
+        a broadcast's only the root, the receivers having no array)."""
         shape: tuple[int, ...] | None = self.shape
-        if self.kind is OpKind.ALL_GATHER and shape is not None:
+        if self.kind in (OpKind.ALL_GATHER, OpKind.GATHER, OpKind.ALL_TO_ALL) and shape:
             shape = shape[1:]
-        if self.kind is OpKind.BROADCAST:
+        if self.kind in (OpKind.BROADCAST, OpKind.SCATTER):
             return (self.kind, self.root)
+        if self.kind is OpKind.REDUCE_SCATTER:
+            return (self.kind, self.reduce_op, self.root, self.dtype, shape, self.counts)
+        if self.kind is OpKind.ALL_REDUCE:
+            return (self.kind, self.reduce_op, self.root, self.dtype, shape, self.compression)
         return (self.kind, self.reduce_op, self.root, self.dtype, shape)
 
     def describe(self) -> str:
@@ -43,8 +55,12 @@ class Call:
         args: list[str] = []
         if self.array is not None:
             args.append(f"{self.dtype}{list(self.shape or ())}")
-        elif self.kind is OpKind.BROADCAST:
+        elif self.kind in (OpKind.BROADCAST, OpKind.SCATTER):
             args.append("None")
+        if self.counts is not None:
+            args.append(f"counts={list(self.counts)}")
+        if self.compression is not None:
+            args.append(f"compression={self.compression}")
         if self.reduce_op is not None:
             args.append(f"op={self.reduce_op.label}")
         if self.root is not None:
@@ -96,7 +112,20 @@ def _what_differs(calls: Sequence[Call]) -> str:
         fields.append("root")
     if any(c.dtype != first.dtype for c in calls):
         fields.append("dtype")
-    if any(c.signature()[-1] != first.signature()[-1] for c in calls) and "operation" not in fields:
+    if any(c.counts != first.counts for c in calls) and first.kind is OpKind.REDUCE_SCATTER:
+        fields.append("counts")
+    if any(c.compression != first.compression for c in calls):
+        fields.append("compression")
+    if any(_agreed_shape(c) != _agreed_shape(first) for c in calls) and (
+            "operation" not in fields):
         fields.append("shape")
     what = ", ".join(fields) or "arguments"
     return f"peers called with different {what}: {describe_calls(calls)}"
+
+
+def _agreed_shape(call: Call) -> tuple[int, ...] | None:
+    """The part of ``call``'s shape that peers must agree on (as :meth:`Call.signature`)."""
+    shape = call.shape
+    if call.kind in (OpKind.ALL_GATHER, OpKind.GATHER, OpKind.ALL_TO_ALL) and shape:
+        return shape[1:]
+    return shape

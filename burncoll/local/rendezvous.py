@@ -34,6 +34,7 @@ from burncoll.errors import (
 )
 from burncoll.levels import GlobalLink
 from burncoll.local.calls import Call, describe_calls, find_mismatch
+from burncoll.local.post import PostOffice
 from burncoll.local.world import World
 
 __all__ = ["SYNC_GRACE", "OpState", "Prepared", "Rendezvous"]
@@ -113,6 +114,8 @@ class Rendezvous:
         self._closed = False
         #: Peers inside run() right now (an aborted node is closed only once they are out).
         self._active = 0
+        #: Point-to-point messages between this node's peers (a timeout there fails all).
+        self.post = PostOffice(self.fail)
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -206,6 +209,10 @@ class Rendezvous:
                     state.prepared = prepare(self, state)
                 except CollectiveError as exc:
                     state.error = exc
+                except Exception as exc:  # never leave the other peers waiting for it
+                    state.error = CollectiveError(
+                        f"{call.kind.label} #{seq} could not be prepared on peer "
+                        f"{call.peer_id}: {type(exc).__name__}: {exc}")
             with self._cond:
                 state.ready = True
                 self._cond.notify_all()
@@ -296,6 +303,7 @@ class Rendezvous:
             self._failure = error
             self._cond.notify_all()
         self._barrier.abort()
+        self.post.fail(error)
         if self.link is not None and not remote:
             self.link.abort(error)
 

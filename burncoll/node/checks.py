@@ -15,10 +15,11 @@ import math
 import os
 from collections.abc import Callable
 
+from burncoll.compression import of_root
 from burncoll.dtypes import dtype_from_name
 from burncoll.errors import CollectiveError, CollectiveTimeout, MismatchError, ProtocolError
 from burncoll.levels import GlobalOp
-from burncoll.ops import OpKind, ReduceOp
+from burncoll.ops import ROW_KINDS, OpKind, ReduceOp
 from burncoll.strategies.layout import even_layout
 from burncoll.transport.wire import DataHeader
 
@@ -60,7 +61,11 @@ def describe_fingerprint(kind: OpKind, reduce_op: ReduceOp | None, dtype: str | 
         args.append(f"{dtype}{list(shape)}")
     if reduce_op is not None:
         args.append(f"op={reduce_op.label}")
-    if root >= 0:
+    if kind is OpKind.ALL_REDUCE and of_root(root) is not None:
+        args.append(f"compressed {of_root(root)}")
+    elif root >= 0 and kind is OpKind.REDUCE_SCATTER:
+        args.append(f"counts digest {root:#x}")
+    elif root >= 0:
         args.append(f"root={root}")
     return f"{kind.label}({', '.join(args)})"
 
@@ -91,21 +96,25 @@ def header_check(op: GlobalOp, me: int, describe: Callable[[int], str]) -> Check
     the first array a frame carried.
     """
     first: dict[int, tuple[str | None, tuple[int, ...]]] = {}
-    gather = op.kind is OpKind.ALL_GATHER
+    rows = op.kind in ROW_KINDS
 
     def check(h: DataHeader) -> CollectiveError | None:
         array: int | None = None
         if op.kind is OpKind.BROADCAST and h.op_kind is OpKind.BROADCAST:
             same, array = h.root == op.root, -1
-        elif gather and h.op_kind is OpKind.ALL_GATHER:
-            # the header carries the chunk's own shape: its rows, then op.shape
-            same = (h.reduce_op, h.dtype, h.shape[1:], len(h.shape), h.root) == (
-                op.reduce_op, op.dtype, op.shape, len(op.shape) + 1, op.root)
-            array = h.chunk
+        elif rows and h.op_kind is op.kind:
+            same, array = _same_rows(op, h), h.chunk
         else:
             same = h.fingerprint() == op.fingerprint()
         if not same:
             return _mismatch(op, me, describe, h)
+        if op.dtype is None and rows:  # a scatter's receiver learns the array from the root
+            seen = first.setdefault(-1, (h.dtype, h.shape[1:]))
+            if seen != (h.dtype, h.shape[1:]):
+                return ProtocolError(
+                    f"{op.label}: {describe(h.src)} sent {part_of(h)} of blocks "
+                    f"{h.dtype}{list(h.shape[1:])} after blocks of {seen[0]}{list(seen[1])}: "
+                    "every block of one scatter has the same dtype and trailing shape")
         if array is not None:
             seen = first.setdefault(array, (h.dtype, h.shape))
             if seen != (h.dtype, h.shape):
@@ -118,9 +127,22 @@ def header_check(op: GlobalOp, me: int, describe: Callable[[int], str]) -> Check
     return check
 
 
+def _same_rows(op: GlobalOp, h: DataHeader) -> bool:
+    """Whether ``h``, a frame of an operation whose chunks carry their rows, is of ``op``:
+    its shape is the chunk's rows, then ``op.shape`` (a scan's chunk is one row); a scatter
+    receiver (``op.dtype`` ``None``) knows only the root and the op."""
+    if (h.reduce_op, h.root) != (op.reduce_op, op.root) or not h.shape:
+        return False
+    if op.kind in (OpKind.SCAN, OpKind.EXSCAN) and h.shape[0] != 1:
+        return False
+    if op.dtype is None and op.kind is OpKind.SCATTER:
+        return True
+    return (h.dtype, h.shape[1:]) == (op.dtype, op.shape)
+
+
 def _mismatch(op: GlobalOp, me: int, describe: Callable[[int], str],
               h: DataHeader) -> MismatchError:
-    shape = h.shape[1:] if h.op_kind is OpKind.ALL_GATHER and h.shape else h.shape
+    shape = h.shape[1:] if h.op_kind in ROW_KINDS and h.shape else h.shape
     mine = describe_fingerprint(op.kind, op.reduce_op, op.dtype, op.shape, op.root)
     theirs = describe_fingerprint(h.op_kind, h.reduce_op, h.dtype, shape, h.root)
     return MismatchError(
@@ -148,7 +170,7 @@ def expected_bytes(op: GlobalOp, num_chunks: int, h: DataHeader) -> int:
     if op.kind is OpKind.BROADCAST and h.op_kind is OpKind.BROADCAST and (
             0 <= h.chunk < num_chunks):
         a, b = even_layout(count, num_chunks)[h.chunk]
-    elif op.kind is OpKind.ALL_GATHER and h.op_kind is OpKind.ALL_GATHER:
+    elif op.kind in ROW_KINDS and h.op_kind is op.kind:
         a, b = 0, count
     else:
         raise ProtocolError(f"sent {part_of(h)} of {op.label}, a chunk this node holds no "

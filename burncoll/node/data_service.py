@@ -11,8 +11,10 @@ a pass over them on either side. Every connection is authenticated before any fr
 :class:`DataService` composes the parts: :class:`~burncoll.node.membership.Membership` (the
 session, from the orchestrator's table), :class:`~burncoll.node.dialing.Dialing` (opening and
 accepting connections), :class:`~burncoll.node.connections.MemberConnections` (sending),
-:mod:`~burncoll.node.placement` (where a received part goes) and
-:class:`~burncoll.node.reading.MemberReader` (what arrives). The executor uses its
+:mod:`~burncoll.node.placement` (where a received part goes),
+:class:`~burncoll.node.reading.MemberReader` (what arrives), and the point-to-point messages
+received (:class:`~burncoll.node.inbox.Inbox`) and sent
+(:class:`~burncoll.node.p2p_outbox.Outbox`). The executor uses its
 ``node_index``, ``nodes``, ``session``, ``timeout``, ``send``, ``fail`` and ``mailbox``.
 
 A member connection that breaks without ``bye``, or that sends bytes that are not a valid
@@ -32,12 +34,15 @@ from collections.abc import Callable, Mapping, Sequence
 from burncoll.errors import PeerLost, TransportError
 from burncoll.node.connections import MemberConnections
 from burncoll.node.dialing import Dialing
+from burncoll.node.inbox import Inbox
 from burncoll.node.mailbox import Mailbox
 from burncoll.node.member_messages import Abort, Bye, Status, StatusQuery
 from burncoll.node.membership import Membership, NodeInfo, explain_lost
+from burncoll.node.p2p_outbox import Outbox
 from burncoll.node.placement import placer_for
 from burncoll.node.reading import MemberReader
 from burncoll.transport.base import Buffer, Connection, Listener, Transport
+from burncoll.transport.shm import RingReceiver, RingSender
 
 __all__ = ["DataService"]
 
@@ -61,6 +66,9 @@ class DataService:
         self.connections = MemberConnections()
         self.mailbox = Mailbox(self.membership.describe)
         self.mailbox.on_error = self.fail
+        #: Point-to-point messages received, and sent (awaiting their acknowledgements).
+        self.inbox = Inbox()
+        self.outbox = Outbox()
         self.reader = MemberReader(self)
         self._listener: Listener | None = None
         self._readers: set[asyncio.Task[None]] = set()
@@ -109,6 +117,8 @@ class DataService:
         """This node's session (from the orchestrator's table); ``secret`` authenticates
         member connections when no token is configured."""
         self.membership.join(session, node_index, nodes, secret)
+        ranks = sorted((p, n.index) for n in self.membership.nodes for p in n.peer_ids)
+        self.inbox.join(node_index, [n for _, n in ranks])
         self.connections.expect(len(self.membership.others()))
 
     # -- connections ---------------------------------------------------------------------------
@@ -129,6 +139,8 @@ class DataService:
 
     async def _connect(self, node: NodeInfo, deadline: float) -> None:
         conn = await self.dialing.dial(node, deadline)
+        if self._same_host(node.index):
+            conn = RingReceiver(conn)
         # Array data arrives only here (the receiving node dials), and only node's.
         self.connections.add_dialed(node.index, conn, placer_for(
             self.mailbox, self.session, node.index))
@@ -144,11 +156,20 @@ class DataService:
         if accepted is None:
             return
         node, conn = accepted
+        if self._same_host(node):
+            conn = RingSender(conn)
         if not self.connections.add_out(node, conn):
             log.warning("data service: dropped a second connection from %s",
                         self.nodes[node].describe())
             return
         await self.reader.read(conn, node, data=False)
+
+    def _same_host(self, node: int) -> bool:
+        """Whether ``node`` runs on this node's host (:mod:`burncoll.transport.shm`): their
+        large messages then go through shared memory."""
+        nodes = self.membership.nodes
+        me = nodes[self.node_index].host_id if 0 <= self.node_index < len(nodes) else ""
+        return bool(me) and 0 <= node < len(nodes) and nodes[node].host_id == me
 
     async def send(self, node: int, parts: Sequence[Buffer]) -> None:
         """Send one frame to ``node``; a broken connection fails the session (PeerLost)."""
@@ -213,6 +234,8 @@ class DataService:
         if tell and type(error) is PeerLost:
             error = PeerLost(explain_lost(str(error), self.mailbox, self.timeout))
         self.mailbox.fail(error)
+        self.inbox.fail(error)
+        self.outbox.fail(error)
         self.connections.stop_placing()  # the failed operation's memory is its caller's again
         self._failed.set()
         self.on_failure(error)

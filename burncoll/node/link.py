@@ -15,10 +15,12 @@ import logging
 import os
 import time
 from collections.abc import Coroutine, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import numpy as np
 
+from burncoll.compression import quantize
 from burncoll.config import CollectiveConfig
 from burncoll.config_values import parse_host_port
 from burncoll.errors import CollectiveError, CollectiveTimeout, PeerLost, UsageError
@@ -29,9 +31,11 @@ from burncoll.node.data_service import DataService
 from burncoll.node.exchange import exchange_all_reduce, exchange_parts, exchange_receives
 from burncoll.node.executor import GlobalExecutor
 from burncoll.node.orchestrator_client import OrchestratorClient
+from burncoll.node.p2p_link import NodePointToPoint
 from burncoll.strategies import Ring, Schedule, Strategy
 from burncoll.strategies.layout import even_layout
 from burncoll.transport import get_transport
+from burncoll.transport.shm import host_identity
 
 __all__ = ["NodeLink", "join_collective"]
 
@@ -59,6 +63,7 @@ class NodeLink:
             {len(n.peer_ids) for n in self.nodes}) == 1
         self._local: LocalPeers | None = None
         self._closed = False
+        self._p2p = NodePointToPoint(io, service, self.peer_ids, self.node_of)
         service.on_failure = self._on_failure
         service.status = self._status
         orchestrator.on_node_lost = self._on_node_lost
@@ -208,6 +213,8 @@ class NodeLink:
             _require_separate_out(buf, out)
             outs = [out[a:b] for a, b in layout]
         self._call(op, self._run(op, schedule, chunks, channel, outs))
+        if op.compression is not None:  # every node keeps the bits it sent, and no more
+            quantize(buf if out is None else out, op.compression)
 
     def reduce(self, op: GlobalOp, buf: HostArray, root_node: int, *,
                strategy: Strategy) -> None:
@@ -249,6 +256,11 @@ class NodeLink:
         self._call(op, self._run(op, schedule, chunks))
         return [c if c is not None else np.empty(0) for c in chunks]
 
+    def route(self, op: GlobalOp, schedule: Schedule,
+              chunks: list[HostArray | None]) -> list[HostArray | None]:
+        self._call(op, self._run(op, schedule, chunks))
+        return chunks
+
     def barrier(self, op: GlobalOp, *, path: GlobalPath) -> None:
         if isinstance(path, Exchange):  # one round, every node leaves at about the same time
             empty = np.empty(0, np.uint8)
@@ -258,6 +270,15 @@ class NodeLink:
         chunks: list[HostArray | None] = [
             np.empty(0, np.uint8) for _ in range(schedule.num_chunks)]
         self._call(op, self._run(op, schedule, chunks))
+
+    # -- point to point (burncoll.node.p2p_link) ------------------------------------------
+    def p2p_send(self, src: int, dst: int, tag: int, buf: HostArray, deadline: float
+                 ) -> Future[None]:
+        return self._p2p.send(src, dst, tag, buf, deadline)
+
+    def p2p_recv(self, src: int, dst: int, tag: int, deadline: float,
+                 want: tuple[str, tuple[int, ...]] | None = None) -> Future[HostArray]:
+        return self._p2p.recv(src, dst, tag, deadline, want)
 
     # -- leaving --------------------------------------------------------------------------
     def close(self, deadline: float) -> None:
@@ -332,7 +353,8 @@ async def _join(service: DataService, orch: OrchestratorClient, config: Collecti
         await orch.join(Join(
             service.host, service.port, tuple(local_peer_ids), config.global_fingerprint(),
             pid=os.getpid(),
-            meta={"local_ring": isinstance(config.strategy("local_all_reduce_strategy"), Ring)},
+            meta={"local_ring": isinstance(config.strategy("local_all_reduce_strategy"), Ring),
+                  "host": host_identity() if config.shared_memory else ""},
         ), deadline)
         # Without a token, member connections authenticate with the session's own secret
         # (from the orchestrator's table): a stranger cannot pose as a member.

@@ -3,7 +3,8 @@
 A dialer opens with :class:`Hello` (:mod:`burncoll.node.dialing`); a member leaving cleanly
 says :class:`Bye`, a failing one :class:`Abort`; a member whose operation timed out asks the
 others :class:`StatusQuery` and they answer :class:`Status`
-(:mod:`burncoll.node.data_service`, :mod:`burncoll.node.reading`). The orchestrator never sees
+(:mod:`burncoll.node.data_service`, :mod:`burncoll.node.reading`); the receiver of a
+point-to-point message acknowledges it with :class:`P2PAck`. The orchestrator never sees
 them, so they live apart from its conversation (:mod:`burncoll.node.control`, whose frame,
 shapes and checks they share): same JSON objects, same bytes, the same strict decoding.
 """
@@ -14,11 +15,22 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, TypeAlias
 
+from burncoll.levels import MAX_TAG
 from burncoll.node.control import MAX_PEER_ID, MAX_SESSION, AboutNode, decode_by_type
 from burncoll.node.json_fields import Fields, JsonObject, MalformedMessage, count, int_tuple, is_int
 from burncoll.transport.wire import Frame
 
-__all__ = ["Abort", "Bye", "Hello", "MemberMessage", "Status", "StatusQuery", "decode_member"]
+__all__ = [
+    "MAX_REFUSAL", "Abort", "Bye", "Hello", "MemberMessage", "P2PAck", "Status", "StatusQuery",
+    "decode_member",
+]
+
+#: Longest reason a receiver gives for refusing a point-to-point message (characters).
+MAX_REFUSAL = 1000
+#: Largest rank in a point-to-point message (a DATA header's u32 ``chunk`` carries the src).
+_MAX_RANK = 2**32 - 1
+#: Largest message number (a DATA header's u64 ``seq``).
+_MAX_SEQ = 2**64 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,10 +131,44 @@ class Status:
         return cls.from_json({"type": cls.KIND, "node": node, **report})
 
 
-MemberMessage: TypeAlias = "Hello | Bye | Abort | StatusQuery | Status"
+@dataclass(frozen=True, slots=True)
+class P2PAck:
+    """The receiving node took message ``seq`` of ``(src, dst, tag)`` (ranks; a recv matched
+    it), or refused it: ``refused`` says why (a recv whose ``out=`` has another dtype or
+    shape). Sent back to the sending node (:mod:`burncoll.node.p2p_link`), whose send then
+    returns, or raises :class:`~burncoll.MismatchError` with the reason."""
+
+    KIND: ClassVar[str] = "p2p-ack"
+    node: int
+    src: int
+    dst: int
+    tag: int
+    seq: int
+    refused: str | None = None
+
+    def to_json(self) -> JsonObject:
+        message: JsonObject = {"type": self.KIND, "node": self.node, "src": self.src,
+                               "dst": self.dst, "tag": self.tag, "seq": self.seq}
+        if self.refused is not None:
+            message["refused"] = self.refused
+        return message
+
+    @classmethod
+    def from_json(cls, message: Mapping[str, object]) -> P2PAck:
+        fields = Fields(message, "p2p-ack message")
+        node = fields.integer("node", 0)
+        src, dst = fields.integer("src", 0, _MAX_RANK), fields.integer("dst", 0, _MAX_RANK)
+        tag, seq = fields.integer("tag", 0, MAX_TAG), fields.integer("seq", 0, _MAX_SEQ)
+        refused = fields.text("refused", MAX_REFUSAL) if "refused" in message else None
+        fields.check()
+        return cls(node, src, dst, tag, seq, refused)
+
+
+MemberMessage: TypeAlias = "Hello | Bye | Abort | StatusQuery | Status | P2PAck"
 _MEMBER: dict[str, Callable[[Mapping[str, object]], MemberMessage]] = {
     Hello.KIND: Hello.from_json, Bye.KIND: Bye.from_json, Abort.KIND: Abort.from_json,
     StatusQuery.KIND: StatusQuery.from_json, Status.KIND: Status.from_json,
+    P2PAck.KIND: P2PAck.from_json,
 }
 
 

@@ -42,6 +42,9 @@ class NodeInfo:
     peer_ids: tuple[int, ...]
     #: The node runs its local all-reduce as a ring (it can shard across nodes).
     local_ring: bool = False
+    #: Its host, as :func:`burncoll.transport.shm.host_identity` names it (``""``: unknown, or
+    #: shared memory turned off): nodes of one host exchange large messages through a ring.
+    host_id: str = ""
 
     def describe(self) -> str:
         return f"node {self.index} (peers {list(self.peer_ids)}, {self.host}:{self.port})"

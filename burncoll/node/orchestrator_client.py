@@ -135,7 +135,8 @@ class OrchestratorClient:
         self.session = table.session
         self.index = table.index
         self.nodes = tuple(
-            NodeInfo(n.index, n.host, n.port, n.peer_ids, bool(n.meta.get("local_ring", False)))
+            NodeInfo(n.index, n.host, n.port, n.peer_ids, bool(n.meta.get("local_ring", False)),
+                     _host_id(n.meta.get("host")))
             for n in table.nodes
         )
         self.secret = table.secret
@@ -228,3 +229,10 @@ class OrchestratorClient:
             if self.gone is None and not self._finished.is_set():
                 await tell(self.conn, Leave(), 1.0)
             await self.conn.close()
+
+
+def _host_id(value: object) -> str:
+    """A node's announced host identity, if it looks like one (32 hex digits), else ``""``."""
+    if isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value):
+        return value
+    return ""

@@ -3,9 +3,11 @@
 DATA frames go to the :class:`~burncoll.node.mailbox.Mailbox` -- only the sender's own parts,
 of this session, on the connection this node dialed (the only one array data comes on). A
 reader stops reading while the mailbox holds too many frames of operations not started here
-(see :mod:`burncoll.node.mailbox`: backpressure, not hoarding). CONTROL frames carry
-:class:`~burncoll.node.member_messages.Abort` (another node failed),
-:class:`~burncoll.node.member_messages.Bye` (a node leaving cleanly) and status queries.
+(see :mod:`burncoll.node.mailbox`: backpressure, not hoarding). Point-to-point messages (op
+kind P2P) go to the :class:`~burncoll.node.inbox.Inbox` instead, which bounds them likewise.
+CONTROL frames carry :class:`~burncoll.node.member_messages.Abort` (another node failed),
+:class:`~burncoll.node.member_messages.Bye` (a node leaving cleanly), status queries and
+:class:`~burncoll.node.member_messages.P2PAck` (a message this node sent was received).
 
 A connection that breaks without ``bye``, or that sends bytes that are not a valid frame, fails
 the session with :class:`~burncoll.PeerLost` / :class:`~burncoll.ProtocolError`.
@@ -17,9 +19,12 @@ import logging
 from typing import Protocol
 
 from burncoll.errors import PeerLost, ProtocolError, TransportError
+from burncoll.node.inbox import Inbox
 from burncoll.node.mailbox import Mailbox
-from burncoll.node.member_messages import Abort, Bye, Status, StatusQuery, decode_member
+from burncoll.node.member_messages import Abort, Bye, P2PAck, Status, StatusQuery, decode_member
 from burncoll.node.membership import Membership, error_from_abort
+from burncoll.node.p2p_outbox import Outbox
+from burncoll.ops import OpKind
 from burncoll.transport.base import Connection
 from burncoll.transport.wire import Frame, FrameType, decode
 
@@ -37,6 +42,10 @@ class ReaderService(Protocol):
     def membership(self) -> Membership: ...
     @property
     def mailbox(self) -> Mailbox: ...
+    @property
+    def inbox(self) -> Inbox: ...
+    @property
+    def outbox(self) -> Outbox: ...
 
     def fail(self, error: BaseException, tell: bool = True) -> None: ...
     async def await_explanation(self) -> None: ...
@@ -112,11 +121,16 @@ class MemberReader:
                 await self.service.reply_status(node)
             elif isinstance(said, Status):
                 self.service.took_status(said, node)
+            elif isinstance(said, P2PAck):
+                try:
+                    self.service.outbox.took(said, node)
+                except ProtocolError as exc:
+                    self._corrupted(ProtocolError(f"{self._describe(node)} {exc}; {_CORRUPTED}"))
 
     async def _take_data(self, frame: Frame, node: int, data: bool) -> None:
         """A DATA frame from ``node``: into the mailbox, unless it may not come from there."""
-        mailbox = self.service.mailbox
-        held = False
+        mailbox, inbox = self.service.mailbox, self.service.inbox
+        held = whole = False
         try:
             header = frame.header
             if header is not None and header.session != self.service.membership.session:
@@ -125,7 +139,10 @@ class MemberReader:
                 raise ProtocolError(f"sent a frame in the name of node {header.src}")
             if not data:
                 raise ProtocolError("sent array data on the connection this node sends on")
-            held = mailbox.put(frame)
+            if header is not None and header.op_kind is OpKind.P2P:
+                whole = inbox.put(frame, node)  # point to point: never the mailbox
+            else:
+                held = mailbox.put(frame)
         except ProtocolError as exc:
             self.service.fail(ProtocolError(
                 f"{self._describe(node)} {exc}; {_CORRUPTED}, so the operation cannot be "
@@ -134,6 +151,8 @@ class MemberReader:
             # Backpressure: read no further until this node starts the operations whose
             # frames it holds (see burncoll.node.mailbox for why that comes).
             await mailbox.drained()
+        if whole and inbox.crowded:  # the same, at a message's end, for unreceived messages
+            await inbox.drained()
 
     def _lost(self, node: int, exc: BaseException) -> None:
         if self.closing or node in self.leaving:

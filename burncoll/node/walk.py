@@ -32,17 +32,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from burncoll.backends.numpy import host_ufunc
+from burncoll.compression import WIRE_ITEMSIZE, decode, encode
 from burncoll.dtypes import dtype_from_name
 from burncoll.errors import CollectiveError, ProtocolError
 from burncoll.levels import GlobalOp, HostArray
 from burncoll.node.checks import Check, expected_bytes, part_of, protocol_error
 from burncoll.node.mailbox import PART_BYTES, FrameKey, Receives
 from burncoll.node.pipeline import Pipeline
-from burncoll.ops import OpKind
+from burncoll.ops import ROW_KINDS
 from burncoll.strategies import Action, Schedule, Step
 from burncoll.transport.wire import DataHeader, Frame
 
@@ -107,12 +109,14 @@ def receives(op: GlobalOp, schedule: Schedule, me: int, chunks: Sequence[HostArr
     :meth:`Mailbox.expect <burncoll.node.mailbox.Mailbox.expect>` when the operation starts.
     A chunk not held yet (``None``) is sized from its first header (:func:`expected_bytes`)."""
     totals: dict[FrameKey, int | None] = {}
+    wire = op.compression is not None  # 16-bit values on the wire
     for r, round_ in enumerate(schedule.rounds):
         for s in round_:
             if s.dst == me and s.src != me:
                 chunk = chunks[s.chunk]
                 totals[(op.seq, channel, r, s.src, s.chunk)] = (
-                    None if chunk is None else chunk.nbytes)
+                    None if chunk is None else
+                    chunk.size * WIRE_ITEMSIZE if wire else chunk.nbytes)
     num_chunks = schedule.num_chunks
     return Receives(op.seq, channel, totals, lambda h: expected_bytes(op, num_chunks, h),
                     part_bytes)
@@ -151,6 +155,9 @@ class Walk:
                              if me in (s.src, s.dst)), key=lambda rs: (rs[0], rs[1].src != me))
         self.pipelined = any(c is not None and c.nbytes > part_bytes for c in chunks)
         self._ufunc = host_ufunc(op.reduce_op) if op.reduce_op is not None else None
+        #: A compressed all-reduce's wire format: parts, offsets and sizes then count its
+        #: 16-bit values, and received values are widened before they are combined.
+        self.wire = op.compression
 
     def transfers(self, changed: Callable[[int], None] = _unwatched) -> list[Transfer]:
         """This node's steps as transfers, in walk order. Run them one after the other, or,
@@ -188,9 +195,9 @@ class Walk:
             raise RuntimeError(f"chunk {c} sent before it was received")
         flat = np.ascontiguousarray(data).reshape(-1)
         raw = memoryview(flat.view(np.uint8))  # type: ignore[arg-type]
-        total = raw.nbytes
+        total = raw.nbytes if self.wire is None else flat.size * WIRE_ITEMSIZE
         shape = tuple(self.shape)
-        if op.kind is OpKind.ALL_GATHER:  # the rows the array has (it may hold no elements)
+        if op.kind in ROW_KINDS:  # the rows the array has (it may hold no elements)
             row = math.prod(shape)
             rows = data.shape[0] if data.ndim == len(shape) + 1 else (
                 data.size // row if row else 0)
@@ -201,11 +208,14 @@ class Walk:
             if pipe is not None:
                 while not pipe.ready(c, slot, end):
                     yield AwaitChunk(c)
+            payload = raw[start:end] if self.wire is None else memoryview(encode(
+                flat[start // WIRE_ITEMSIZE:end // WIRE_ITEMSIZE], self.wire).view(
+                    np.uint8))  # type: ignore[arg-type]
             yield SendPart(step.dst, DataHeader(
                 session=self.session, seq=op.seq, op_kind=op.kind, reduce_op=op.reduce_op,
                 dtype=self.dtype, shape=shape, root=op.root, src=self.me, round=r,
                 channel=self.channel, chunk=c, offset=start, chunk_bytes=total,
-            ), raw[start:end])
+            ), payload)
             if pipe is not None:
                 pipe.advance(c, slot, end)
             start = end
@@ -229,7 +239,7 @@ class Walk:
         target, source = write[c], read[c]
         while got < total or total < 0:
             place = None
-            if ufunc is None and target is not None:
+            if ufunc is None and target is not None and self.wire is None:
                 place = yield from self._room(c, target, got, pipe, slot)
             frame = yield ReceivePart(key, got, place)
             assert frame is not None  # a ReceivePart is answered with its frame
@@ -241,7 +251,7 @@ class Walk:
                 raise error
             if total < 0:
                 total = h.chunk_bytes
-                if self.op.kind is not OpKind.ALL_GATHER:  # (an all-gather's is the chunk's own)
+                if self.op.kind not in ROW_KINDS:  # (an all-gather's is the chunk's own)
                     self.dtype, self.shape = h.dtype, h.shape
                 target = self._target(c, write, h)
                 source = read[c]  # allocated just now when in place
@@ -250,26 +260,38 @@ class Walk:
             if target is None or source is None:  # pragma: no cover - prepared above
                 raise RuntimeError("no target")
             size = len(frame.payload)
-            self._check_part(h, got, size, total, target.dtype.itemsize)
-            start, stop = got // target.dtype.itemsize, (got + size) // target.dtype.itemsize
+            itemsize = target.dtype.itemsize if self.wire is None else WIRE_ITEMSIZE
+            self._check_part(h, got, size, total, itemsize)
+            start, stop = got // itemsize, (got + size) // itemsize
             if pipe is not None:
                 while not pipe.ready(c, slot, got + size):
                     yield AwaitChunk(c)
-            if ufunc is not None:
-                incoming = np.frombuffer(frame.payload, dtype=target.dtype)
-                ufunc(source[start:stop], incoming, out=target[start:stop])
-            elif not frame.placed:  # (a placed part is there already: it was at byte got)
-                target[start:stop] = np.frombuffer(frame.payload, dtype=target.dtype)
+            self._apply(frame, ufunc, source[start:stop], target[start:stop])
             got += size
             if pipe is not None:
                 pipe.advance(c, slot, got)
             if total == 0:
                 break
-        if (self.op.kind is OpKind.ALL_GATHER and target is not None and target.ndim == 1
+        if (self.op.kind in ROW_KINDS and target is not None and target.ndim == 1
                 and h is not None and math.prod(h.shape) == target.size):
             write[c] = target.reshape(h.shape)  # the rows its header gave (a view, no copy)
         if pipe is not None:
             pipe.finish(c, slot)
+
+    def _apply(self, frame: Frame, ufunc: Any, source: HostArray, target: HostArray) -> None:
+        """Put one received part where it goes: combined with ``source`` into ``target`` (a
+        REDUCE), or copied there (a part received in place is there already); a compressed
+        all-reduce's 16-bit values are widened first."""
+        if self.wire is not None:
+            values = decode(np.frombuffer(frame.payload, np.uint16), self.wire)
+            if ufunc is not None:
+                ufunc(source, values, out=target)
+            else:
+                target[...] = values
+        elif ufunc is not None:
+            ufunc(source, np.frombuffer(frame.payload, dtype=target.dtype), out=target)
+        elif not frame.placed:
+            target[...] = np.frombuffer(frame.payload, dtype=target.dtype)
 
     def _room(self, c: int, target: HostArray, got: int, pipe: Pipeline | None,
               slot: int) -> Generator[Request, Frame | None, memoryview | None]:
@@ -303,7 +325,8 @@ class Walk:
         is the one ``h``'s dtype and shape give (:func:`expected_bytes`)."""
         target = chunks[c]
         try:
-            expected = (target.nbytes if target is not None
+            expected = (target.size * WIRE_ITEMSIZE if target is not None and self.wire
+                        else target.nbytes if target is not None
                         else expected_bytes(self.op, self.num_chunks, h))
         except ProtocolError as exc:
             raise self._protocol(h, str(exc).removeprefix("sent ")) from None

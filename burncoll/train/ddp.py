@@ -187,7 +187,11 @@ class DataParallel:
         checkpoint_every: int | None = None,
     ) -> FitResult:
         """Train with data parallelism; see :func:`burncoll.train.fit.fit` for the contract
-        (``checkpoint_dir`` / ``checkpoint_every``: checkpoint and resume after a restart)."""
+        (``checkpoint_dir`` / ``checkpoint_every``: checkpoint and resume after a restart).
+
+        Overlap, as DDP's: a ``grad_fn`` returning ``(loss, iterator of (key, grad))``, its
+        backward yielding layer by layer, gets each ``bucket_bytes`` bucket all-reduced while
+        the next gradients are computed (:data:`~burncoll.train.fit.GradFn`)."""
         return fit(
             self,
             params,

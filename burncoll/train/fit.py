@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import numbers
 import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -32,17 +31,13 @@ import numpy as np
 
 from burncoll.api import Communicator
 from burncoll.backends import get_backend
-from burncoll.backends.base import Array, Backend, Device
-from burncoll.buckets import (
-    DEFAULT_BUCKET_BYTES,
-    all_reduce_tree,
-    broadcast_tree,
-    flatten_tree,
-)
+from burncoll.backends.base import Backend
+from burncoll.buckets import DEFAULT_BUCKET_BYTES, broadcast_tree, flatten_tree
 from burncoll.config import CollectiveConfig
-from burncoll.dtypes import dtype_from_name, dtype_name, is_inexact
+from burncoll.dtypes import dtype_name
 from burncoll.errors import UsageError
 from burncoll.train.checkpoint import Checkpointer, RunInfo, Spec, checkpointer, from_numpy
+from burncoll.train.fit_step import Progress, StepReducer, apply_updates
 
 R = TypeVar("R")
 
@@ -60,7 +55,12 @@ class Replicas(Protocol):
 __all__ = ["FitResult", "GradFn", "GradientTransformation", "Update", "fit", "replicas_identical"]
 
 #: ``grad_fn(params, batch) -> (loss, grads)``: the mean loss over ``batch`` (a scalar or 0-d
-#: array) and its gradient, a tree shaped like ``params`` (``jax.value_and_grad`` fits).
+#: array) and its gradient, a tree shaped like ``params`` (``jax.value_and_grad`` fits), or
+#: an iterator of ``(key, grad)`` pairs, every leaf once, that backward yields layer by layer,
+#: last layer first (``key``: the leaf's path in ``params``, or its dict key): each bucket is
+#: then reduced while the next gradients are computed (:mod:`burncoll.train.fit_step`).
+#: ``bucket_bytes`` is DDP's ``bucket_cap_mb``, in bytes (25 MiB by default); about one
+#: layer's gradients lets each layer's reduction start as soon as backward has produced it.
 GradFn = Callable[[Any, Any], tuple[Any, Any]]
 
 
@@ -115,7 +115,7 @@ def fit(
       dimension (the examples): NumPy arrays or arrays of the config's backend. Every node must
       hold the same data. ``grad_fn`` receives a shard in the same form (a tuple for a
       list), on the peer's device.
-    - ``grad_fn(params, batch) -> (loss, grads)``: see :data:`GradFn`.
+    - ``grad_fn(params, batch) -> (loss, grads)``, and ``bucket_bytes``: see :data:`GradFn`.
     - ``update``: ``update(params, grads) -> params`` (a plain function; it may update NumPy
       arrays in place, each replica is private), or an optax ``GradientTransformation``.
     - ``batch_size``: the global batch, split evenly among all peers of all nodes. ``None``
@@ -207,15 +207,15 @@ class _Job:
             restored = ckpt.restore(comm, p, state, stateful, self.bucket, steps=self.steps)
             if restored is not None:
                 start, p, state, losses = restored
-        bar = _Progress(self.steps, self.desc, self.progress and comm.rank == 0, start)
+        bar = Progress(self.steps, self.desc, self.progress and comm.rank == 0, start)
+        reduce = StepReducer(comm, self.bucket)
         try:
             for step in range(start, self.steps):
                 loss, grads = self.grad_fn(p, sampler.batch(step))
-                loss_leaf = _loss_leaf(backend, loss, grads, comm.device)
-                loss_mean, grads = all_reduce_tree(comm, (loss_leaf, grads), "mean", self.bucket)
+                loss_mean, grads = reduce(p, loss, grads)
                 if isinstance(update, GradientTransformation):
                     updates, state = update.update(grads, state, p)
-                    p = _apply_updates(p, updates)
+                    p = apply_updates(p, updates)
                 else:
                     p = update(p, grads)
                 losses.append(float(backend.to_host(loss_mean)))
@@ -332,67 +332,3 @@ class _Sampler:
         if self._backend.is_array(x):
             return self._backend.to_device(x, self._device)
         return from_numpy(self._backend, np.asarray(x), self._device)
-
-
-def _loss_leaf(backend: Backend, loss: Any, grads: Any, device: Device) -> Array:
-    """The loss as a 0-d array of ``backend``, in the grads' float dtype when it is not one."""
-    if backend.is_array(loss):
-        if backend.shape(loss) != ():
-            raise UsageError(f"grad_fn must return a scalar loss, got shape {backend.shape(loss)}")
-        return loss
-    like = "float64"
-    for leaf in flatten_tree(grads)[0]:
-        if backend.is_array(leaf) and is_inexact(dtype_from_name(backend.dtype_name(leaf))):
-            like = backend.dtype_name(leaf)
-            break
-    host = np.asarray(loss, dtype=dtype_from_name(like))
-    if host.shape != ():
-        raise UsageError(f"grad_fn must return a scalar loss, got shape {host.shape}")
-    return from_numpy(backend, host, device)
-
-
-def _apply_updates(params: Any, updates: Any) -> Any:
-    """``params + updates`` leaf by leaf, in the params' dtypes, as ``optax.apply_updates``.
-
-    Written out rather than calling optax, which would turn NumPy leaves into JAX arrays.
-    """
-    p_leaves, unflatten = flatten_tree(params)
-    u_leaves, _ = flatten_tree(updates)
-    if len(p_leaves) != len(u_leaves):
-        raise UsageError(
-            f"the optimizer returned {len(u_leaves)} updates for {len(p_leaves)} parameters"
-        )
-    return unflatten([(p + u).astype(p.dtype) for p, u in zip(p_leaves, u_leaves, strict=True)])
-
-
-class _Progress:
-    """A tqdm bar with the loss; plain lines on stderr when tqdm is not installed."""
-
-    def __init__(self, total: int, desc: str, enabled: bool, done: int = 0) -> None:
-        self._total = total
-        self._desc = desc
-        self._enabled = enabled
-        self._done = done
-        self._bar: Any = None
-        if enabled:
-            try:
-                from tqdm.auto import tqdm
-            except ImportError:
-                return
-            self._bar = tqdm(total=total, initial=min(done, total), desc=desc, unit="step",
-                             dynamic_ncols=True)
-
-    def step(self, loss: float) -> None:
-        if not self._enabled:
-            return
-        self._done += 1
-        if self._bar is not None:
-            self._bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
-            self._bar.update(1)
-        elif self._done % max(1, self._total // 10) == 0 or self._done == self._total:
-            print(f"{self._desc}: step {self._done}/{self._total} loss {loss:.4g}", file=sys.stderr)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None

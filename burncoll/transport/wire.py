@@ -142,15 +142,18 @@ class PartPeek:
 
 
 def peek_part(first: memoryview) -> PartPeek | None:
-    """The routing fields of the DATA message starting with ``first``; ``None`` when
-    ``first`` does not hold its whole header, or is not a DATA frame of this wire version
-    (:func:`decode` then says what is wrong, once the message is whole)."""
+    """The routing fields of the collective DATA message starting with ``first``; ``None``
+    when ``first`` does not hold its whole header, is not a DATA frame of this wire version
+    (:func:`decode` then says what is wrong, once the message is whole), or is a
+    point-to-point message (its own inbox copies it)."""
     if len(first) < FIXED_HEADER_BYTES:
         return None
-    (magic, version, frame_type, session, seq, _op, _reduce, _dtype, ndim, _root, src,
+    (magic, version, frame_type, session, seq, op, _reduce, _dtype, ndim, _root, src,
      round_, channel, chunk, offset, _chunk_bytes, payload_len) = _FIXED.unpack_from(first)
     if magic != MAGIC or version != WIRE_VERSION or frame_type != FrameType.DATA or (
             ndim > MAX_NDIM) or len(first) < FIXED_HEADER_BYTES + 8 * ndim:
+        return None
+    if op == OpKind.P2P:  # a point-to-point message never lands in a collective's memory
         return None
     return PartPeek(FIXED_HEADER_BYTES + 8 * int(ndim), int(session),
                     (int(seq), int(channel), int(round_), int(src), int(chunk)), int(offset),

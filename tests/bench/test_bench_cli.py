@@ -339,3 +339,34 @@ def test_a_baseline_that_cannot_run_is_skipped_with_one_line(
     assert "Traceback" not in out + err
     header, _ = _tables(out)["all_reduce"]
     assert header[len(COLUMNS) :] == ["vs numpy"]
+
+
+def _busy_loops() -> set[int]:
+    """Pids of this user's processes running the load's busy loop."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"while True:\n    pass" in cmdline:
+                found.add(int(entry.name))
+    return found
+
+
+def test_load_and_compression_across_two_nodes(capsys: pytest.CaptureFixture[str],
+                                               tmp_path: Path) -> None:
+    """--load N runs N busy processes for the run and leaves none; --compression reaches every
+    node (the results are checked against the reference with the compression's bound)."""
+    before = _busy_loops()
+    path = tmp_path / "rows.json"
+    code, out, err = _bench(capsys, "--nodes", "2", "--devices", "1", "--op", "all_reduce",
+                            "-b", "1K", "-e", "64K", "-f", "8", "--load", "2",
+                            "--compression", "bf16", "--json", str(path), *QUICK)
+    assert code == 0, out + err
+    assert "2 CPU-bound processes" in out and "bf16 between nodes" in out
+    document = json.loads(path.read_text())
+    assert document["settings"]["config"]["compression"] == "bf16"
+    assert all(row["wrong"] == 0 for row in document["rows"])
+    assert _busy_loops() <= before

@@ -53,6 +53,13 @@ def run(transport: str, kind: str, timeout: float = TIMEOUT) -> tuple[float, lis
         return float(injected[0]["at"]), sorted(done, key=lambda r: int(r["node"]))
 
 
+@pytest.fixture(autouse=True)
+def _nodes_talk_over_the_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hostile member's frames travel on the network between nodes: keep this host's
+    nodes there rather than on shared memory (``burncoll.transport.shm``)."""
+    monkeypatch.setenv("BURNCOLL_SHARED_MEMORY", "0")
+
+
 def _root(record: dict[str, Any]) -> str:
     return str(record["cause"] if record["error"] == "CollectiveAborted" else record["error"])
 

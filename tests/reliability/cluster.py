@@ -26,7 +26,8 @@ import burncoll
 
 WORKER = Path(__file__).with_name("worker.py")
 REPO = Path(__file__).resolve().parents[2]
-ENV = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+#: (the faults are the network's: nodes of this host stay on it, not on shared memory)
+ENV = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", BURNCOLL_SHARED_MEMORY="0")
 
 
 def free_port() -> int:

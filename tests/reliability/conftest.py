@@ -24,6 +24,14 @@ def fault_table() -> FaultTable:
     return FaultTable()
 
 
+@pytest.fixture(autouse=True)
+def _nodes_talk_over_the_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The faults injected here are faults of the network between nodes (frames delayed,
+    dropped, doubled, cut): keep this host's nodes on it rather than on shared memory
+    (``burncoll.transport.shm``), as nodes of different hosts are."""
+    monkeypatch.setenv("BURNCOLL_SHARED_MEMORY", "0")  # child processes inherit it
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     path = os.environ.get("BURNCOLL_FAULT_TABLE")
     if not path or not _ROWS:

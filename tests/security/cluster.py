@@ -32,6 +32,7 @@ def child_env(timeout: float) -> dict[str, str]:
     """The environment of a child: no BURNCOLL_* settings leak in from this one."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BURNCOLL_")}
     env.update(TEST_TIMEOUT=str(timeout), PYTHONPATH=str(REPO))
+    env["BURNCOLL_SHARED_MEMORY"] = "0"  # the attacks are on the network (see conftest.py)
     return env
 
 

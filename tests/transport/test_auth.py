@@ -21,9 +21,10 @@ from .support import EACH_PROTOCOL, HOST, MakeTransport, run, serving
 
 pytestmark = pytest.mark.parametrize("make", EACH_PROTOCOL)
 
-#: A failed authentication must be reported faster than this (no timeouts involved).
-QUICK = 2.0
-TIMEOUT = 5.0
+#: A failed authentication must be reported faster than this (no timeouts involved): well
+#: under TIMEOUT, with room for a loaded machine (the suite runs two workers on two cores).
+QUICK = 8.0
+TIMEOUT = 20.0
 
 ServerSide = Callable[[Connection], Awaitable[Any]]
 ClientSide = Callable[[Connection], Awaitable[Any]]

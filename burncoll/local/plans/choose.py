@@ -22,6 +22,10 @@ The plan kinds, by when they are chosen (first match):
 - :class:`ReduceGlobalBroadcast` -- any other all-reduce across nodes.
 - :class:`GlobalReduce`, :class:`GlobalReduceScatter`, :class:`GlobalBroadcast`,
   :class:`GlobalAllGather` -- those operations across nodes.
+
+Before all of these, whatever the strategies: :class:`Personal` -- gather, scatter, all-to-all,
+scan and exscan, and a reduce-scatter given explicit counts, on one node or across nodes
+(direct schedules: each block straight to the node that needs it).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from burncoll.local.plans.global_reduce_scatter import GlobalReduceScatter
 from burncoll.local.plans.hierarchical_ring import HierarchicalRing
 from burncoll.local.plans.inline import Inline
 from burncoll.local.plans.out_of_place import OutOfPlace
+from burncoll.local.plans.personal import PERSONAL_KINDS, Personal
 from burncoll.local.plans.reduce_broadcast import ReduceGlobalBroadcast
 from burncoll.local.plans.scheduled import LocalSchedule
 from burncoll.local.rendezvous import OpState, Prepared, Rendezvous
@@ -62,7 +67,7 @@ __all__ = ["OpPlan", "choose", "prepare"]
 OpPlan = (
     Inline | Fused | LocalBarrier | LocalSchedule | GlobalBarrier | OutOfPlace
     | HierarchicalRing | ReduceGlobalBroadcast | GlobalReduce | GlobalReduceScatter
-    | GlobalBroadcast | GlobalAllGather
+    | GlobalBroadcast | GlobalAllGather | Personal
 )
 
 #: The config field of each operation's local strategy (a barrier has none).
@@ -95,9 +100,12 @@ def choose(calls: Sequence[Call], world: World, backend: Backend,
     """The plan of the operation every one of ``calls`` (one per local peer, matching) asks
     for, on this node of ``world``, with ``backend`` and ``config``'s strategies."""
     call = calls[0]
+    if call.kind in PERSONAL_KINDS or call.counts is not None:
+        return Personal()
     nbytes = max(_nbytes(c) for c in calls)
     if _inline(call, world, config, nbytes):
-        return Inline(_all_reduce_path(config, world, nbytes) if world.multi_node else None)
+        return Inline(_all_reduce_path(config, world, nbytes, call.compression is not None)
+                      if world.multi_node else None)
     if _fused(calls, world, backend, config):
         return Fused()
     if call.kind is OpKind.BARRIER:
@@ -163,10 +171,12 @@ def _global(config: CollectiveConfig, kind: OpKind, nbytes: int, world: World) -
     return resolve(config.strategy(_GLOBAL_FIELD[kind]), "global", nbytes, world.num_nodes)
 
 
-def _all_reduce_path(config: CollectiveConfig, world: World, nbytes: int) -> GlobalPath:
+def _all_reduce_path(config: CollectiveConfig, world: World, nbytes: int,
+                     compressed: bool = False) -> GlobalPath:
     """The exchange, or the global all-reduce schedule's strategy, for ``nbytes`` per node
-    (a barrier is a 0-byte all-reduce)."""
-    if _exchanges(config, world, nbytes):
+    (a barrier is a 0-byte all-reduce). A compressed all-reduce always takes a schedule (its
+    16-bit wire format is the walk's)."""
+    if not compressed and _exchanges(config, world, nbytes):
         return Exchange()
     return _global(config, OpKind.ALL_REDUCE, nbytes, world)
 
@@ -208,12 +218,14 @@ def _across_nodes(call: Call, world: World, config: CollectiveConfig, nbytes: in
 def _all_reduce_across_nodes(call: Call, world: World, config: CollectiveConfig,
                              nbytes: int) -> OpPlan:
     local = _local(config, "local_all_reduce_strategy", nbytes, world)
+    compressed = call.compression is not None
     if world.size == 1:
-        return OutOfPlace(_all_reduce_path(config, world, nbytes))
+        return OutOfPlace(_all_reduce_path(config, world, nbytes, compressed))
     if world.sharded:
         itemsize = ITEMSIZES[call.dtype or "uint8"]
         shards = even_layout(math.prod(call.shape or ()), world.size)
-        return HierarchicalRing(local, tuple(_all_reduce_path(config, world, (b - a) * itemsize)
+        return HierarchicalRing(local, tuple(_all_reduce_path(config, world, (b - a) * itemsize,
+                                                              compressed)
                                              for a, b in shards))
     return ReduceGlobalBroadcast(local, _local(config, "local_broadcast_strategy", nbytes, world),
-                                 0, _all_reduce_path(config, world, nbytes))
+                                 0, _all_reduce_path(config, world, nbytes, compressed))

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from burncoll.backends.numpy import host_ufunc
+from burncoll.backends.pool import fresh
 from burncoll.levels import HostArray
 from burncoll.local.plans.phases import peer_call
 from burncoll.local.rendezvous import OpState, Rendezvous
@@ -51,7 +52,7 @@ class Fused:
             # the caller's out= (x itself, in place, is safe: a block of x is read before it
             # is written, by the one thread that owns the block)
             outputs.append(c.out.reshape(-1) if isinstance(c.out, np.ndarray)
-                           else np.empty_like(x))
+                           else fresh(x.size, x.dtype))
         return FusedBuffers(rv, state, inputs, outputs)
 
 

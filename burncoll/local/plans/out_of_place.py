@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from burncoll.backends.base import Array
+from burncoll.backends.pool import fresh
 from burncoll.levels import GlobalOp, GlobalPath, HostArray
 from burncoll.local.calls import Call
 from burncoll.local.plans.phases import finish_reduce, flat_input, global_op, link_of, peer_call
@@ -49,7 +50,7 @@ class OutOfPlaceRun:
         host = rv.backend.to_host(flat_input(rv, call))
         if not host.flags.c_contiguous:  # pragma: no cover - flatten gives C order
             host = np.ascontiguousarray(host)
-        out = np.empty_like(host)
+        out = fresh(host.size, host.dtype)  # (no page faults when the last result is gone)
         link_of(rv).all_reduce(gop, host, out=out, path=self.plan.global_path)
         result = rv.backend.from_host(out, call.dtype or "float32", call.shape or (),
                                       rv.devices[0])

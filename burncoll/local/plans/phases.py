@@ -3,11 +3,13 @@ handed to the global level, the mean's division, and the local broadcast phase."
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
 
 from burncoll.backends.base import Array
+from burncoll.compression import root_code
 from burncoll.levels import GlobalLink, GlobalOp, HostArray
 from burncoll.local.buffers import ChunkBuffer
 from burncoll.local.calls import Call
@@ -74,20 +76,37 @@ def finish_reduce(rv: Rendezvous, x: Array, op: ReduceOp | None) -> Array:
 
 
 def global_op(state: OpState, deadline: float) -> GlobalOp:
-    """The operation as the nodes see it (an all-gather's shape without its rows)."""
+    """The operation as the nodes see it (the shape without its rows where chunks carry
+    their own: all-gather, gather, all-to-all, scatter; a scan's chunk is one row of the
+    call's shape; a scatter receiver's node knows neither dtype nor shape)."""
     call = first_call(state)
     dtype: str | None
     shape: tuple[int, ...]
-    if call.kind is OpKind.BROADCAST:
+    if call.kind is OpKind.SCATTER:
+        call = next((c for c in state.complete_calls() if c.array is not None), call)
+    if call.kind is OpKind.BROADCAST or (call.kind is OpKind.SCATTER and call.array is None):
         dtype, shape = None, ()
-    elif call.kind is OpKind.ALL_GATHER:
+    elif call.kind in (OpKind.ALL_GATHER, OpKind.GATHER, OpKind.ALL_TO_ALL, OpKind.SCATTER):
         dtype, shape = call.dtype, (call.shape or ())[1:]
     else:
         dtype, shape = call.dtype, call.shape or ()
+    root = -1 if call.root is None else call.root
+    if call.kind is OpKind.REDUCE_SCATTER and call.counts is not None:
+        root = counts_digest(call.counts)  # (no root): nodes that disagree on counts mismatch
+    if call.kind is OpKind.ALL_REDUCE and call.compression is not None:
+        root = root_code(call.compression)  # (no root either): read back by op.compression
     return GlobalOp(
         seq=state.seq, kind=call.kind, reduce_op=call.reduce_op, dtype=dtype, shape=shape,
-        root=-1 if call.root is None else call.root, deadline=deadline, started=state.started,
+        root=root, deadline=deadline, started=state.started,
     )
+
+
+def counts_digest(counts: tuple[int, ...]) -> int:
+    """A reduce-scatter's explicit counts as a non-negative 62-bit number, carried in the
+    frames' root field: a node whose counts differ fails with a MismatchError, before any
+    size check."""
+    text = ",".join(map(str, counts)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
 
 
 def writable_host(rv: Rendezvous, flat: Array) -> HostArray:

@@ -1,0 +1,70 @@
+"""Direct schedules: one round, each block sent straight from the node that holds it to the
+node that needs it -- the rooted and personalised collectives across nodes.
+
+A gather, a scatter and an all-to-all move *different* data to each destination: nothing can be
+combined on the way, so a relay (a tree, a ring) only adds hops. Sent directly, each node sends
+and receives exactly the bytes it must (the root of a gather receives every other node's blocks
+once, as it must in any schedule), in one round: the same choice as MPI's linear
+``Gatherv``/``Scatterv`` and pairwise ``Alltoallv``. A prefix reduction (``scan``) sends each
+rank's array to every node that holds a later rank, which then reduces in rank order itself:
+one round too, every result reduced in the same order on whichever node computes it.
+
+Chunks are indexed by rank (gather, scatter, prefix) or by ``(src rank, dst rank)`` as
+``src * ranks + dst`` (all-to-all); ``owners[r]`` is the node of rank ``r``. Pure and
+stdlib-only, like the rest of :mod:`burncoll.strategies`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from burncoll.strategies._checks import check_owners, check_root, drop_empty
+from burncoll.strategies.schedule import Action, Round, Schedule, Step
+
+__all__ = ["all_to_all_schedule", "gather_schedule", "prefix_schedule", "scatter_schedule"]
+
+_CACHE_SIZE = 256
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def gather_schedule(nodes: int, owners: tuple[int, ...], root: int) -> Schedule:
+    """Every rank's chunk to node ``root`` (chunk ``r`` is rank ``r``'s array)."""
+    owners = check_owners(nodes, owners)
+    check_root(nodes, root)
+    steps: Round = tuple(Step(o, root, c, Action.COPY) for c, o in enumerate(owners)
+                         if o != root)
+    return Schedule(nodes, len(owners), drop_empty([steps]))
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def scatter_schedule(nodes: int, owners: tuple[int, ...], root: int) -> Schedule:
+    """Node ``root``'s chunk ``r`` to rank ``r``'s node."""
+    owners = check_owners(nodes, owners)
+    check_root(nodes, root)
+    steps: Round = tuple(Step(root, o, c, Action.COPY) for c, o in enumerate(owners)
+                         if o != root)
+    return Schedule(nodes, len(owners), drop_empty([steps]))
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def all_to_all_schedule(nodes: int, owners: tuple[int, ...]) -> Schedule:
+    """Chunk ``s * ranks + d`` (rank ``s``'s block for rank ``d``) from ``s``'s node to
+    ``d``'s, by source rank, then destination rank."""
+    owners = check_owners(nodes, owners)
+    ranks = len(owners)
+    steps: Round = tuple(
+        Step(owners[s], owners[d], s * ranks + d, Action.COPY)
+        for s in range(ranks) for d in range(ranks) if owners[s] != owners[d])
+    return Schedule(nodes, ranks * ranks, drop_empty([steps]))
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def prefix_schedule(nodes: int, owners: tuple[int, ...]) -> Schedule:
+    """Rank ``r``'s chunk to every other node that holds a rank after ``r``."""
+    owners = check_owners(nodes, owners)
+    last = [-1] * nodes
+    for r, o in enumerate(owners):
+        last[o] = r
+    steps: Round = tuple(Step(o, n, c, Action.COPY) for c, o in enumerate(owners)
+                         for n in range(nodes) if n != o and last[n] > c)
+    return Schedule(nodes, len(owners), drop_empty([steps]))

@@ -1,0 +1,251 @@
+"""Gradient buckets reduced while backward still runs: DDP's overlap, for any grad function.
+
+``torch.nn.parallel.DistributedDataParallel`` packs the gradients into buckets of
+``bucket_cap_mb`` in the reverse order of the parameters (backward produces the last layer's
+gradients first), and an autograd hook per parameter marks its gradient ready; once every
+gradient of a bucket is, the bucket's all-reduce starts while backward computes the next
+ones. :class:`GradientBuckets` is that reducer: ``ready(key, grad)`` is the hook, the
+buckets' all-reduces are issued with ``async_op=True`` (they run on the communicator's worker
+thread), and :meth:`GradientBuckets.wait` returns the reduced tree::
+
+    buckets = GradientBuckets(comm, params, "mean", bucket_bytes=4 * 2**20)
+    for key, grad in backward(params, batch):   # e.g. "w3", "b3", "w2", ... last layer first
+        buckets.ready(key, grad)                 # full buckets start reducing now
+    grads = buckets.wait()                       # a tree shaped like params
+
+Every peer issues the buckets in the same order -- bucket ``k`` once it and every bucket
+before it are complete -- so gradients may be handed in in any order (they are then reduced
+later, not wrongly). The bucket plan is a pure function of ``like``'s structure, dtypes and
+shapes and of ``order``, so every peer must pass the same ones (as for
+:func:`~burncoll.buckets.all_reduce_tree`). ``fit`` does what DDP does after its first
+iteration: it learns the order in which rank 0's ``grad_fn`` yielded the gradients and
+rebuilds the buckets in that order (see :mod:`burncoll.train.fit_step`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+from burncoll.api import Communicator
+from burncoll.backends import get_backend
+from burncoll.backends.base import Array
+from burncoll.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    Bucket,
+    LeafSpec,
+    flatten_tree,
+    in_place_ok,
+    leaf_spec,
+    plan_buckets,
+    unpack_bucket,
+)
+from burncoll.errors import UsageError
+from burncoll.ops import ReduceOp, check_reduce_dtype, parse_reduce_op
+from burncoll.work import Work
+
+__all__ = ["GradientBuckets", "leaf_paths", "plan_stream_buckets"]
+
+T = TypeVar("T")
+
+#: A leaf's path in a tree: the dict keys and sequence indices from the root to it.
+Path = tuple[Any, ...]
+
+
+def leaf_paths(tree: Any) -> list[Path]:
+    """The path of every leaf of ``tree``, in :func:`~burncoll.buckets.flatten_tree`'s order.
+
+    ``{"w": a, "layers": [{"b": c}]}`` gives ``[("layers", 0, "b"), ("w",)]``. With jax
+    imported, the paths are ``jax.tree_util``'s (a named tuple's field by name, a registered
+    pytree's keys as it names them).
+    """
+    if "jax" in sys.modules:
+        import jax
+
+        keyed, _ = jax.tree_util.tree_flatten_with_path(tree)
+        return [tuple(_jax_key(k) for k in path) for path, _ in keyed]
+    paths: list[Path] = []
+    _walk(tree, (), paths)
+    return paths
+
+
+def _jax_key(key: Any) -> Any:
+    for attribute in ("key", "idx", "name"):  # DictKey, SequenceKey, GetAttrKey
+        if hasattr(key, attribute):
+            return getattr(key, attribute)
+    return key  # pragma: no cover - a key type of a newer jax
+
+
+def _walk(node: Any, path: Path, paths: list[Path]) -> None:
+    if node is None:
+        return
+    if isinstance(node, Mapping):
+        keys = list(node) if isinstance(node, OrderedDict) else sorted(node)
+        for k in keys:
+            _walk(node[k], (*path, k), paths)
+    elif isinstance(node, list | tuple):
+        for i, child in enumerate(node):
+            _walk(child, (*path, i), paths)
+    else:
+        paths.append(path)
+
+
+def plan_stream_buckets(specs: Sequence[LeafSpec], order: Sequence[int],
+                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
+    """Buckets for leaves that become ready in ``order`` (leaf indices), in the order they
+    fill up; a pure function of its arguments.
+
+    As DDP's bucket assignment: one open bucket per dtype takes the leaves in ``order`` until
+    the next would take it past ``bucket_bytes`` (a larger leaf gets a bucket of its own);
+    buckets are ordered by the position of their last leaf in ``order``, i.e. by when they are
+    complete when the leaves arrive in ``order``.
+    """
+    plan_buckets([], bucket_bytes)  # the same check of bucket_bytes
+    if sorted(order) != list(range(len(specs))):
+        raise UsageError(f"order must list each of the {len(specs)} leaf indices once, "
+                         f"got {list(order)}")
+    open_: dict[str, tuple[list[int], int]] = {}
+    done: list[tuple[int, str, list[int]]] = []
+    last: dict[str, int] = {}
+    for position, i in enumerate(order):
+        dtype, nbytes = specs[i].dtype, specs[i].nbytes
+        leaves, size = open_.get(dtype, ([], 0))
+        if leaves and size + nbytes > bucket_bytes:
+            done.append((last[dtype], dtype, leaves))
+            leaves, size = [], 0
+        open_[dtype] = ([*leaves, i], size + nbytes)
+        last[dtype] = position
+    done += [(last[dtype], dtype, leaves) for dtype, (leaves, _) in open_.items()]
+    buckets = []
+    for _, dtype, leaves in sorted(done, key=lambda entry: entry[0]):
+        offsets = [0]
+        for i in leaves:
+            offsets.append(offsets[-1] + specs[i].size)
+        buckets.append(Bucket(dtype, tuple(leaves), tuple(offsets)))
+    return buckets
+
+
+class GradientBuckets(Generic[T]):
+    """One step's gradients, all-reduced bucket by bucket as they are handed in.
+
+    - ``like``: a tree shaped like the gradients (the parameters): its structure, leaf
+      dtypes and shapes fix the buckets; its values are not used.
+    - ``op``: the reduction, by default the mean over every peer (gradients).
+    - ``bucket_bytes``: DDP's ``bucket_cap_mb``, in bytes. Smaller buckets start reducing
+      sooner; each costs one collective.
+    - ``order``: leaf indices (in :func:`~burncoll.buckets.flatten_tree`'s order) in the
+      order their gradients will be ready; by default the reverse of that order, DDP's
+      assumption that backward yields the last parameters first.
+    - ``keys_under``: the path of the subtree of ``like`` whose paths :meth:`ready` takes
+      (``fit`` passes ``(1,)`` for ``like=(loss, params)``).
+
+    One object per step; every peer must build it with the same ``like`` structure, dtypes,
+    shapes, ``bucket_bytes`` and ``order``, and hand in every gradient. A gradient handed in
+    is read by the communicator's worker thread until :meth:`wait` returns: do not modify it
+    before (the usual rule of ``async_op=True``); the results are new arrays.
+    """
+
+    def __init__(self, comm: Communicator, like: T, op: ReduceOp | str = "mean",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, order: Sequence[int] | None = None,
+                 keys_under: Path = ()) -> None:
+        self._comm = comm
+        self._op = parse_reduce_op(op)
+        self._backend = get_backend(comm.config.backend)
+        leaves, self._unflatten = flatten_tree(like)
+        self._specs = [leaf_spec(self._backend, leaf, i) for i, leaf in enumerate(leaves)]
+        for i, spec in enumerate(self._specs):
+            try:
+                check_reduce_dtype(self._op, spec.dtype, "GradientBuckets")
+            except UsageError as exc:
+                raise UsageError(f"leaf {i} of the tree: {exc}") from None
+        self._paths = {path: i for i, path in enumerate(leaf_paths(like))}
+        self._under = tuple(keys_under)
+        n = len(self._specs)
+        self.buckets = plan_stream_buckets(
+            self._specs, range(n - 1, -1, -1) if order is None else order, bucket_bytes)
+        self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.leaves}
+        self._missing = [len(bucket.leaves) for bucket in self.buckets]
+        self._grads: list[Any] = [None] * n
+        self._works: list[Work[Array] | None] = []
+        #: The leaf indices in the order :meth:`ready` received them.
+        self.arrival_order: list[int] = []
+        self._result: list[T] = []  # the tree, once wait() has built it
+
+    @property
+    def issued(self) -> int:
+        """How many buckets' all-reduces have been issued so far (they are in flight or done)."""
+        return len(self._works)
+
+    def ready(self, key: Any, grad: Array) -> None:
+        """Hand in the gradient of the leaf at path ``key`` (DDP's per-parameter hook).
+
+        ``key`` is the leaf's path under ``keys_under`` (:func:`leaf_paths`), or for a leaf
+        one level down (a dict of arrays) its key alone: ``"w1"`` for ``("w1",)``. Once a
+        bucket and every bucket before it are complete, its all-reduce is issued.
+        """
+        # a tuple is a path, or a dict key that is a tuple
+        paths = [(*self._under, *key)] if isinstance(key, tuple) else []
+        for path in [*paths, (*self._under, key)]:
+            if path in self._paths:
+                self.ready_leaf(self._paths[path], grad)
+                return
+        known = [p[len(self._under):] for p in self._paths if p[:len(self._under)] == self._under]
+        raise UsageError(f"GradientBuckets.ready: no leaf at {key!r}; the leaves are at "
+                         f"{known[:8]}{' ...' if len(known) > 8 else ''}")
+
+    def ready_leaf(self, index: int, grad: Array) -> None:
+        """Hand in the gradient of leaf ``index`` (in flattening order); see :meth:`ready`."""
+        if not 0 <= index < len(self._specs) or isinstance(index, bool):
+            raise UsageError(f"leaf index {index!r} is not in 0..{len(self._specs) - 1}")
+        if self._grads[index] is not None:
+            raise UsageError(f"the gradient of leaf {index} was handed in twice in one step")
+        spec, got = self._specs[index], leaf_spec(self._backend, grad, index)
+        if got != spec:
+            raise UsageError(f"the gradient of leaf {index} is {got.dtype}{list(got.shape)}; "
+                             f"its parameter is {spec.dtype}{list(spec.shape)}")
+        self._grads[index] = grad
+        self.arrival_order.append(index)
+        self._missing[self._bucket_of[index]] -= 1
+        while len(self._works) < len(self.buckets) and self._missing[len(self._works)] == 0:
+            self._works.append(self._issue(self.buckets[len(self._works)]))
+
+    def _issue(self, bucket: Bucket) -> Work[Array] | None:
+        backend = self._backend
+        if bucket.size == 0:  # nothing to exchange; every peer skips it alike
+            return None
+        flats = [backend.flatten(self._grads[i]) for i in bucket.leaves]
+        if len(flats) == 1:
+            work: Work[Array] = self._comm.all_reduce(flats[0], self._op, async_op=True)
+            return work
+        packed = backend.concat(flats)  # ours: reduced in place where the dtype allows
+        out = packed if in_place_ok(backend, self._op, bucket.dtype) else None
+        work = self._comm.all_reduce(packed, self._op, out=out, async_op=True)
+        return work
+
+    def wait(self, timeout: float | None = None) -> T:
+        """The reduced tree, shaped like ``like``, once every bucket is reduced; bitwise
+        identical on every peer. The first failing bucket's error is raised here.
+        ``timeout``: as :meth:`burncoll.Work.wait`, for all the buckets together."""
+        if self._result:
+            return self._result[0]
+        missing = [i for i, g in enumerate(self._grads) if g is None]
+        if missing:
+            paths = {i: p for p, i in self._paths.items()}
+            raise UsageError(f"GradientBuckets.wait: the gradients of {len(missing)} leaves "
+                             f"were never handed in: {[paths[i] for i in missing[:8]]}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out: list[Any] = [None] * len(self._specs)
+        for bucket, work in zip(self.buckets, self._works, strict=True):
+            if work is None:
+                for i in bucket.leaves:
+                    out[i] = self._backend.to_device(self._backend.copy(self._grads[i]),
+                                                     self._comm.device)
+                continue
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            unpack_bucket(self._backend, bucket, self._specs, work.wait(left), out)
+        result: T = self._unflatten(out)
+        self._result.append(result)
+        return result

@@ -1,0 +1,300 @@
+"""Shared memory between two nodes of one host: large messages through a ring in ``/dev/shm``,
+everything else -- order, small messages, liveness -- through their own connection.
+
+Node processes of one machine (``burncoll launch --nodes 4``, torchrun's one process per
+device) otherwise push every array through the kernel's TCP stack. When the orchestrator's
+table says two nodes share a host (:func:`host_identity`: same kernel boot, same network
+namespace, same ``/dev/shm``), the sending side of their data connection creates a ring (a
+file of :data:`RING_BYTES` in ``/dev/shm``, mode 0600, its name random) and offers it on the
+connection; the receiving side maps it and removes its name at once. From then on a message of
+at least :data:`MIN_BYTES` is copied into the ring and only a 12-byte descriptor (its length)
+travels on the connection, in order with every other message; the receiver copies it out --
+straight into the memory its placer chose -- and acknowledges the bytes it consumed, which
+the sender may then overwrite. That is one copy on each side and no system call per byte, as
+NCCL's SHM transport and Open MPI's shared-memory component do.
+
+The connection keeps everything else: a process that dies closes it (``PeerLost`` at once, as
+over the network), deadlines are the caller's, a sender waits for ring space only while its
+receiver has not consumed (the backpressure of a paused reader reaches it as before), and no
+byte is read twice or before it was written (the positions are the two sides' own, in
+lockstep; a descriptor carries only a length, checked against the ring). Nodes in different
+network namespaces (the simulated hosts of the multi-host tests) never share a ring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import mmap
+import os
+import re
+import secrets
+import struct
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from burncoll.errors import ProtocolError, TransportError
+from burncoll.transport.base import Buffer, Connection, FastPath, Placer, byte_view
+from burncoll.transport.wire import Placed
+
+__all__ = ["MIN_BYTES", "RING_BYTES", "RingReceiver", "RingSender", "host_identity"]
+
+#: Size of one direction's ring.
+RING_BYTES = 32 << 20
+#: Messages at least this large go through the ring; smaller ones stay on the connection.
+MIN_BYTES = 64 << 10
+#: The largest message the ring carries (bigger ones stay on the connection).
+MAX_BYTES = RING_BYTES // 2
+_DIR = Path("/dev/shm")
+_NAME = re.compile(r"burncoll-([0-9]{1,10})-[0-9a-f]{32}")
+_OFFER, _DATA, _ACK = b"BSO1", b"BSD1", b"BSA1"
+_LENGTH = struct.Struct("<Q")
+
+
+def host_identity() -> str:
+    """What two processes share exactly when they can share a ring: the kernel's boot id,
+    the network namespace and the ``/dev/shm`` mount (``""`` where any is unknown)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        net = os.stat("/proc/self/ns/net").st_ino
+        shm = os.stat(_DIR)
+    except OSError:
+        return ""
+    text = f"{boot}:{net}:{shm.st_dev}:{shm.st_ino}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _advance(position: int, size: int) -> tuple[int, int]:
+    """Where a message of ``size`` bytes starts in the ring when the last one ended at
+    ``position`` (at 0 when it would not fit before the end), and the bytes it uses up."""
+    if position + size > RING_BYTES:
+        return 0, RING_BYTES - position + size
+    return position, size
+
+
+def _sweep() -> None:
+    """Remove the rings of processes of this user that died before their receiver mapped
+    them (a ring's name holds its creator's pid): a crash leaves nothing behind for long."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(_DIR):
+            match = _NAME.fullmatch(entry.name)
+            if match is None or int(match.group(1)) == os.getpid():
+                continue
+            try:
+                os.kill(int(match.group(1)), 0)
+                continue  # alive (or not ours to signal): leave it
+            except ProcessLookupError:
+                pass
+            except OSError:
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid == os.getuid():
+                    os.unlink(entry.path)
+
+
+class RingSender(Connection, FastPath):
+    """The sending side of a data connection to a node of the same host (see the module)."""
+
+    def __init__(self, inner: Connection) -> None:
+        self.inner = inner
+        self.remote = inner.remote
+        self._fast = inner if isinstance(inner, FastPath) else None
+        self._path: Path | None = None
+        self._map: mmap.mmap | None = None
+        self._ring = memoryview(b"")
+        self._offered = False
+        self._position = 0
+        self._unacked = 0
+        self._room = asyncio.Event()
+        self._broken: BaseException | None = None
+        self._busy = threading.Lock()  # held while a message goes through the ring
+
+    async def send(self, parts: Sequence[Buffer]) -> None:
+        views = [byte_view(p) for p in parts]
+        size = sum(len(v) for v in views)
+        if not MIN_BYTES <= size <= MAX_BYTES:
+            await self.inner.send(views)
+            return
+        if not self._offered:  # the ring is made when the first large message needs it
+            self._create()
+            assert self._path is not None
+            await self.inner.send([_OFFER + _LENGTH.pack(RING_BYTES) + self._path.name.encode()])
+            self._offered = True
+        with self._busy:
+            start, used = _advance(self._position, size)
+            while self._unacked + used > RING_BYTES:
+                if self._broken is not None:
+                    raise TransportError(f"connection to {self.remote} is closed") from None
+                self._room.clear()
+                await self._room.wait()
+            at = start
+            for view in views:
+                self._ring[at:at + len(view)] = view
+                at += len(view)
+            self._position, self._unacked = at, self._unacked + used
+            await self.inner.send([_DATA + _LENGTH.pack(size)])
+
+    async def recv(self) -> Buffer | Placed:
+        while True:
+            try:
+                message = await self.inner.recv()
+            except BaseException as exc:
+                self._broken = exc
+                self._room.set()
+                raise
+            if isinstance(message, Placed) or bytes(message[:4]) != _ACK:
+                return message
+            freed = _LENGTH.unpack_from(message, 4)[0] if len(message) == 12 else -1
+            if not 0 < freed <= self._unacked:
+                raise ProtocolError(f"acknowledged {freed} bytes of a ring that holds "
+                                    f"{self._unacked} unread")
+            self._unacked -= freed
+            self._room.set()
+            self._unlink()  # the receiver has mapped it: the name is no longer needed
+
+    def _create(self) -> None:
+        _sweep()
+        self._path = _DIR / f"burncoll-{os.getpid()}-{secrets.token_hex(16)}"
+        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, RING_BYTES)
+            self._map = mmap.mmap(fd, RING_BYTES)
+        finally:
+            os.close(fd)
+        self._ring = memoryview(self._map)
+
+    def _unlink(self) -> None:
+        if self._path is not None:
+            with contextlib.suppress(OSError):
+                self._path.unlink()
+            self._path = None
+
+    def send_now(self, parts: Sequence[Buffer]) -> bool:
+        if self._fast is None or not self._busy.acquire(blocking=False):
+            return False
+        try:  # (small messages only: the inner connection decides)
+            return self._fast.send_now(parts)
+        finally:
+            self._busy.release()
+
+    def place_with(self, placer: Placer) -> None:
+        if self._fast is not None:
+            self._fast.place_with(placer)
+
+    def stop_placing(self) -> None:
+        if self._fast is not None:
+            self._fast.stop_placing()
+
+    async def close(self) -> None:
+        self._broken = self._broken or TransportError("closed")
+        self._room.set()
+        self._unlink()
+        await self.inner.close()
+        with contextlib.suppress(BufferError, ValueError):
+            self._ring.release()
+            if self._map is not None:
+                self._map.close()
+
+    def authenticated(self) -> None:
+        self.inner.authenticated()
+
+    def channel_binding(self) -> bytes:
+        return self.inner.channel_binding()
+
+
+class RingReceiver(Connection, FastPath):
+    """The receiving side: maps the ring its sender offers, reads messages out of it."""
+
+    def __init__(self, inner: Connection) -> None:
+        self.inner = inner
+        self.remote = inner.remote
+        self._fast = inner if isinstance(inner, FastPath) else None
+        self._ring: memoryview | None = None
+        self._map: mmap.mmap | None = None
+        self._position = 0
+        self._placer: Placer | None = None
+
+    async def recv(self) -> Buffer | Placed:
+        while True:
+            message = await self.inner.recv()
+            if isinstance(message, Placed):
+                return message
+            tag = bytes(message[:4])
+            if tag == _OFFER:
+                self._map_ring(byte_view(message))
+                continue
+            if tag != _DATA:
+                return message
+            return await self._take(byte_view(message))
+
+    def _map_ring(self, message: memoryview) -> None:
+        name = bytes(message[12:]).decode("ascii", "replace")
+        size = _LENGTH.unpack_from(message, 4)[0] if len(message) >= 12 else -1
+        if self._ring is not None or size != RING_BYTES or not _NAME.fullmatch(name):
+            raise ProtocolError("offered a shared-memory ring this node does not accept")
+        path = _DIR / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as exc:  # (its sender closed it, or it is not on this host after all)
+            raise TransportError(f"could not map the shared-memory ring {name} offered by "
+                                 f"{self.remote}: {exc}") from None
+        try:
+            info = os.fstat(fd)
+            if info.st_uid != os.getuid() or info.st_size != RING_BYTES:
+                raise ProtocolError("offered a shared-memory ring of another user or size")
+            self._map = mmap.mmap(fd, RING_BYTES, prot=mmap.PROT_READ)
+            self._ring = memoryview(self._map)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()  # the name goes now: nothing is left behind if a process dies
+
+    async def _take(self, message: memoryview) -> Buffer | Placed:
+        size = _LENGTH.unpack_from(message, 4)[0] if len(message) == 12 else -1
+        if self._ring is None or not MIN_BYTES <= size <= MAX_BYTES:
+            raise ProtocolError(f"sent a shared-memory message of {size} bytes, which this "
+                                "node does not accept")
+        start, used = _advance(self._position, size)
+        data = self._ring[start:start + size]
+        self._position = start + size
+        result: Buffer | Placed
+        chosen = self._placer(data, size) if self._placer is not None else None
+        if chosen is not None:
+            head, memory = chosen
+            memory[:] = data[head:]
+            result = Placed(bytes(data[:head]), memory)
+        else:
+            result = bytearray(data)
+        await self.inner.send([_ACK + _LENGTH.pack(used)])
+        return result
+
+    async def send(self, parts: Sequence[Buffer]) -> None:
+        await self.inner.send(parts)
+
+    def send_now(self, parts: Sequence[Buffer]) -> bool:
+        return self._fast is not None and self._fast.send_now(parts)
+
+    def place_with(self, placer: Placer) -> None:
+        self._placer = placer
+        if self._fast is not None:
+            self._fast.place_with(placer)
+
+    def stop_placing(self) -> None:
+        self._placer = None
+        if self._fast is not None:
+            self._fast.stop_placing()
+
+    async def close(self) -> None:
+        await self.inner.close()
+        with contextlib.suppress(BufferError, ValueError):
+            if self._ring is not None and self._map is not None:
+                self._ring.release()
+                self._map.close()
+
+    def authenticated(self) -> None:
+        self.inner.authenticated()
+
+    def channel_binding(self) -> bytes:
+        return self.inner.channel_binding()

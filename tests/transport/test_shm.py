@@ -1,0 +1,230 @@
+"""The shared-memory ring between two nodes of one host (``burncoll.transport.shm``), over real
+connections of each protocol: every message arrives whole and in order however often the ring
+wraps, a slow receiver holds its sender back, large payloads land where a placer says, a
+closed connection fails both sides at once, hostile descriptors and offers are refused, and no
+ring is left in /dev/shm. Then real nodes: in-process nodes of this host choose the ring, and
+``shared_memory=False`` keeps them on the transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import burncoll
+from burncoll.errors import ProtocolError, TransportError
+from burncoll.transport import shm
+from burncoll.transport.base import Connection
+from burncoll.transport.wire import Placed
+from tests.transport.support import EACH_PROTOCOL, MakeTransport, connected, run
+
+SIZES = [10, shm.MIN_BYTES - 1, shm.MIN_BYTES, 3 << 20, shm.MAX_BYTES, shm.MAX_BYTES + 1,
+         5 << 20, 1 << 20, 7 << 20]
+
+
+def _rings() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("burncoll-*")}
+
+
+def _message(i: int, size: int) -> bytes:
+    return (np.arange(size, dtype=np.uint8) + i).tobytes()
+
+
+async def _acks(conn: Connection, stop: asyncio.Event) -> None:
+    """The sending side reads its connection (where the acknowledgements arrive)."""
+    while not stop.is_set():
+        try:
+            await conn.recv()
+        except (TransportError, asyncio.CancelledError):
+            return
+
+
+@pytest.mark.parametrize("make", EACH_PROTOCOL)
+def test_every_message_arrives_whole_and_in_order_through_the_ring(
+        make: MakeTransport) -> None:
+    before = _rings()
+
+    async def main() -> None:
+        async with connected(make(max_message_bytes=64 << 20)) as (client, server, _):
+            sender, receiver = shm.RingSender(server), shm.RingReceiver(client)
+            stop = asyncio.Event()
+            reading = asyncio.ensure_future(_acks(sender, stop))
+            sizes = SIZES * 4  # 4 rounds of ~50 MiB through a 32 MiB ring
+            got: list[bytes] = []
+
+            async def receive() -> None:
+                for i in range(len(sizes)):
+                    if i % 5 == 0:
+                        await asyncio.sleep(0.05)  # a slow receiver: the sender must wait
+                    message = await receiver.recv()
+                    assert not isinstance(message, Placed)
+                    got.append(bytes(message))
+
+            receiving = asyncio.ensure_future(receive())
+            for i, size in enumerate(sizes):
+                await sender.send([_message(i, size)[:size // 2], _message(i, size)[size // 2:]])
+            await asyncio.wait_for(receiving, 60)
+            assert [len(g) for g in got] == sizes
+            for i, (g, size) in enumerate(zip(got, sizes, strict=True)):
+                assert g == _message(i, size), i
+            stop.set()
+            await sender.close()
+            reading.cancel()
+
+    run(main(), 120)
+    assert _rings() <= before  # the ring's name is gone
+
+
+def test_payloads_land_where_the_placer_says() -> None:
+    from burncoll.transport.tcp import TcpTransport
+
+    async def main() -> None:
+        async with connected(TcpTransport()) as (client, server, _):
+            sender, receiver = shm.RingSender(server), shm.RingReceiver(client)
+            reading = asyncio.ensure_future(_acks(sender, asyncio.Event()))
+            target = bytearray(1 << 20)
+            receiver.place_with(lambda first, size: (16, memoryview(target)[:size - 16])
+                                if size == (1 << 20) + 16 else None)
+            payload = _message(3, 1 << 20)
+            await sender.send([b"H" * 16, payload])
+            message = await receiver.recv()
+            assert isinstance(message, Placed) and message.head == b"H" * 16
+            assert bytes(target) == payload
+            await sender.close()
+            reading.cancel()
+
+    run(main())
+
+
+def test_a_closed_connection_fails_a_sender_waiting_for_room() -> None:
+    from burncoll.transport.tcp import TcpTransport
+
+    async def main() -> None:
+        async with connected(TcpTransport()) as (client, server, _):
+            sender, receiver = shm.RingSender(server), shm.RingReceiver(client)
+            reading = asyncio.ensure_future(_acks(sender, asyncio.Event()))
+            await sender.send([_message(0, shm.MAX_BYTES)])
+            await sender.send([_message(1, shm.MAX_BYTES)])
+            third = asyncio.ensure_future(sender.send([_message(2, shm.MAX_BYTES)]))
+            await asyncio.sleep(0.2)
+            assert not third.done()  # the ring is full until the receiver consumes
+            await receiver.close()
+            with pytest.raises(TransportError):
+                await asyncio.wait_for(third, 10)
+            reading.cancel()
+            await sender.close()
+
+    run(main())
+
+
+def _hostile(build: Callable[[str], bytes]) -> BaseException:
+    from burncoll.transport.tcp import TcpTransport
+
+    async def main() -> BaseException:
+        async with connected(TcpTransport()) as (client, server, _):
+            receiver = shm.RingReceiver(client)
+            sender = shm.RingSender(server)
+            sender._create()
+            assert sender._path is not None
+            await server.send([build(sender._path.name)])
+            try:
+                await asyncio.wait_for(receiver.recv(), 10)
+            except (ProtocolError, TransportError) as exc:
+                return exc
+            finally:
+                await sender.close()
+            raise AssertionError("accepted")
+
+    return run(main())
+
+
+@pytest.mark.parametrize(("what", "build"), [
+    ("a descriptor before any ring", lambda name: b"BSD1" + struct.pack("<Q", 1 << 20)),
+    ("an offer of another size", lambda name: b"BSO1" + struct.pack("<Q", 4096) + name.encode()),
+    ("an offer of a path", lambda name: b"BSO1" + struct.pack("<Q", shm.RING_BYTES)
+     + b"../../etc/passwd"),
+    ("an offer of a ring that is not there", lambda name: b"BSO1"
+     + struct.pack("<Q", shm.RING_BYTES) + b"burncoll-1-" + b"0" * 32),
+])
+def test_hostile_offers_and_descriptors_are_refused(what: str,
+                                                    build: Callable[[str], bytes]) -> None:
+    error = _hostile(build)
+    assert isinstance(error, ProtocolError | TransportError), (what, error)
+
+
+def test_a_descriptor_larger_than_the_ring_allows_is_refused() -> None:
+    def build(name: str) -> bytes:
+        return b"BSO1" + struct.pack("<Q", shm.RING_BYTES) + name.encode()
+
+    from burncoll.transport.tcp import TcpTransport
+
+    async def main() -> None:
+        async with connected(TcpTransport()) as (client, server, _):
+            receiver, sender = shm.RingReceiver(client), shm.RingSender(server)
+            sender._create()
+            assert sender._path is not None
+            await server.send([build(sender._path.name)])
+            await server.send([b"BSD1" + struct.pack("<Q", shm.RING_BYTES)])
+            with pytest.raises(ProtocolError, match="does not accept"):
+                await asyncio.wait_for(receiver.recv(), 10)
+            await sender.close()
+
+    run(main())
+
+
+def test_rings_of_dead_processes_are_swept() -> None:
+    stale = Path("/dev/shm") / f"burncoll-{2**22 + 7}-{'a' * 32}"  # no such pid
+    stale.write_bytes(b"x")
+    mine = Path("/dev/shm") / f"burncoll-{os.getpid()}-{'b' * 32}"
+    mine.write_bytes(b"x")
+    try:
+        shm._sweep()
+        assert not stale.exists() and mine.exists()
+    finally:
+        for path in (stale, mine):
+            path.unlink(missing_ok=True)
+
+
+def _two_nodes(shared_memory: bool) -> dict[int, Any]:
+    import threading
+
+    out: dict[int, Any] = {}
+    with burncoll.start_orchestrator(expected_nodes=2) as orch:
+        def peer(node: int) -> None:
+            cfg = burncoll.CollectiveConfig(num_nodes=2, node_rank=node, num_devices=1,
+                                            global_address=orch.address, timeout=20,
+                                            shared_memory=shared_memory)
+            comm = burncoll.register(node, 0, cfg)
+            x = np.arange(3 << 20, dtype=np.float32) * (node + 1)
+            result = comm.all_reduce(x)
+            link = comm._server.link
+            service = link._service  # type: ignore[union-attr]
+            kinds = {type(c).__name__ for c in service.connections.out.values()}
+            comm.finish()
+            out[node] = (result, kinds)
+
+        threads = [threading.Thread(target=peer, args=(n,)) for n in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    return out
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_nodes_of_one_host_choose_the_ring_unless_told_not_to(shared_memory: bool) -> None:
+    before = _rings()
+    results = _two_nodes(shared_memory)
+    want = np.arange(3 << 20, dtype=np.float32) * 3
+    for node in range(2):
+        result, kinds = results[node]
+        np.testing.assert_array_equal(result, want)
+        assert ("RingSender" in kinds) is shared_memory and len(kinds) == 1, kinds
+    assert _rings() <= before
