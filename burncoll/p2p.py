@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from burncoll.backends.base import Array, Backend, Device
+from burncoll.backends.out_arrays import check_out
 from burncoll.dtypes import SUPPORTED_DTYPES, dtype_name
 from burncoll.errors import (
     CollectiveAborted,
@@ -228,23 +229,7 @@ class PointToPoint:
     def _p2p_out(self, label: str, out: object) -> tuple[str, tuple[int, ...]]:
         """What ``out`` takes (dtype and shape), once it is an array a message may fill."""
         backend = self._backend
-        if not backend.mutable:
-            raise UsageError(f"{label}: out= needs a backend with mutable arrays (numpy, "
-                             f"cupy); {backend.name} arrays are immutable: use the returned "
-                             "array")
-        if not backend.is_array(out):
-            raise UsageError(f"{label}: out must be an array of backend {backend.name!r}, got "
-                             f"{type(out).__name__}")
-        if not backend.same_device(backend.device_of(out), self.device):
-            raise UsageError(f"{label}: out is on {backend.device_of(out)}, not on this peer's "
-                             f"device {self.device}")
-        flags = getattr(out, "flags", None)  # CuPy's flags have no "writeable"
-        if flags is not None and not (getattr(flags, "writeable", True) and flags.c_contiguous):
-            raise UsageError(f"{label}: out must be writable and C-contiguous")
-        dtype = getattr(out, "dtype", None)
-        if isinstance(dtype, np.dtype) and not dtype.isnative:
-            raise UsageError(f"{label}: out has non-native byte order ({dtype.str}); pass a "
-                             "native-order array")
+        check_out(backend, self.device, out, label)
         return backend.dtype_name(out), tuple(backend.shape(out))
 
 

@@ -19,30 +19,11 @@ import numpy as np
 
 from burncoll import objects
 from burncoll.backends.base import Array, Backend, Device
+from burncoll.backends.out_arrays import check_out
 from burncoll.errors import UsageError
 from burncoll.ops import OpKind, ReduceOp, parse_reduce_op
 
 __all__ = ["RootedOps", "check_out", "parse_counts", "write_out"]
-
-
-def check_out(backend: Backend, device: Device, out: object, label: str) -> None:
-    """Refuse, before the operation starts, an ``out`` that no result could be written to."""
-    if not backend.mutable:
-        raise UsageError(f"{label}: out= needs a backend with mutable arrays (numpy, cupy); "
-                         f"{backend.name} arrays are immutable: use the returned array")
-    if not backend.is_array(out):
-        raise UsageError(f"{label}: out must be an array of backend {backend.name!r}, got "
-                         f"{type(out).__name__}")
-    if not backend.same_device(backend.device_of(out), device):
-        raise UsageError(f"{label}: out is on {backend.device_of(out)}, not on this peer's "
-                         f"device {device}")
-    flags = getattr(out, "flags", None)  # CuPy's flags have no "writeable"
-    if flags is not None and not (getattr(flags, "writeable", True) and flags.c_contiguous):
-        raise UsageError(f"{label}: out must be writable and C-contiguous")
-    dtype = getattr(out, "dtype", None)
-    if isinstance(dtype, np.dtype) and not dtype.isnative:
-        raise UsageError(f"{label}: out has non-native byte order ({dtype.str}); pass a "
-                         "native-order array")
 
 
 def write_out(backend: Backend, out: Array | None, result: Array | None, label: str

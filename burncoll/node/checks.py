@@ -25,9 +25,11 @@ from burncoll.transport.wire import DataHeader
 
 __all__ = [
     "Check",
+    "array_bytes",
     "describe_fingerprint",
     "expected_bytes",
     "header_check",
+    "memory_bytes",
     "part_of",
     "protocol_error",
     "timed_out",
@@ -41,7 +43,7 @@ _MAX_DIM = 2**63 - 1
 
 
 @functools.cache
-def _memory_bytes() -> int:
+def memory_bytes() -> int:
     """This machine's physical memory: no array received can be larger."""
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -157,15 +159,8 @@ def expected_bytes(op: GlobalOp, num_chunks: int, h: DataHeader) -> int:
     all-gather's whole chunk. Raises :class:`~burncoll.ProtocolError` (worded "sent ...") for
     an array no node could hold, or an operation that allocates nothing.
     """
-    try:
-        itemsize = dtype_from_name(h.dtype or "uint8").itemsize
-    except CollectiveError as exc:  # a dtype this process cannot hold (no ml_dtypes)
-        raise ProtocolError(f"sent {part_of(h)} of dtype {h.dtype}, which this node cannot "
-                            f"receive: {exc}") from exc
-    # numpy's limit on an array's size counts every dimension, zero ones aside
-    if math.prod(d for d in h.shape if d) * itemsize > _MAX_DIM:
-        raise ProtocolError(f"sent {part_of(h)} of an array of shape {list(h.shape)}, which "
-                            "no array can have")
+    array_bytes(h, part_of(h))  # a dtype this node holds, a shape any array may have
+    itemsize = dtype_from_name(h.dtype or "uint8").itemsize
     count = math.prod(h.shape)
     if op.kind is OpKind.BROADCAST and h.op_kind is OpKind.BROADCAST and (
             0 <= h.chunk < num_chunks):
@@ -176,8 +171,24 @@ def expected_bytes(op: GlobalOp, num_chunks: int, h: DataHeader) -> int:
         raise ProtocolError(f"sent {part_of(h)} of {op.label}, a chunk this node holds no "
                             "buffer for")
     whole = count * itemsize
-    if whole > _memory_bytes():
+    if whole > memory_bytes():
         raise ProtocolError(
             f"sent {part_of(h)} of an array {h.dtype}{list(h.shape)} of {whole} bytes, more "
-            f"than this machine's memory ({_memory_bytes()} bytes)")
+            f"than this machine's memory ({memory_bytes()} bytes)")
     return (b - a) * itemsize
+
+
+def array_bytes(h: DataHeader, part: str) -> int:
+    """The bytes of the array ``h``'s dtype and shape describe (``part`` names the frame in
+    errors); a :class:`~burncoll.ProtocolError` worded "sent ..." for a dtype this process
+    cannot hold, or a shape no array can have."""
+    try:
+        itemsize = dtype_from_name(h.dtype or "uint8").itemsize
+    except CollectiveError as exc:  # a dtype this process cannot hold (no ml_dtypes)
+        raise ProtocolError(f"sent {part} of dtype {h.dtype}, which this node cannot "
+                            f"receive: {exc}") from exc
+    # numpy's limit on an array's size counts every dimension, zero ones aside
+    if math.prod(d for d in h.shape if d) * itemsize > _MAX_DIM:
+        raise ProtocolError(f"sent {part} of an array of shape {list(h.shape)}, which no "
+                            "array can have")
+    return math.prod(h.shape) * itemsize

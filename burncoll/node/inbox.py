@@ -33,8 +33,6 @@ a failure wakes every waiter with the session's error.
 from __future__ import annotations
 
 import asyncio
-import math
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -43,8 +41,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from burncoll.dtypes import dtype_from_name
-from burncoll.errors import CollectiveError, ProtocolError
+from burncoll.errors import ProtocolError
 from burncoll.levels import HostArray
+from burncoll.node.checks import array_bytes, memory_bytes
 from burncoll.node.mailbox import PART_BYTES
 from burncoll.transport.wire import DataHeader, Frame
 
@@ -58,18 +57,6 @@ P2PKey = tuple[int, int, int]
 HELD_BYTES = 64 << 20
 #: Most messages held for receives not posted yet.
 HELD_MESSAGES = 4096
-
-#: The largest array any machine may hold, in bytes (numpy's index type).
-_MAX_ARRAY_BYTES = 2**63 - 1
-
-
-def memory_bytes() -> int:
-    """This machine's physical memory: no message received can be larger."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
-        return _MAX_ARRAY_BYTES
-
 
 @dataclass(frozen=True, slots=True)
 class Message:
@@ -195,15 +182,7 @@ class Inbox:
         """The message's size in bytes, from its dtype and shape, if it may be received."""
         if h.dtype is None:
             raise ProtocolError(f"sent {_part(h)} without a dtype")
-        try:
-            itemsize = dtype_from_name(h.dtype).itemsize
-        except CollectiveError as exc:  # a dtype this process cannot hold (no ml_dtypes)
-            raise ProtocolError(f"sent {_part(h)} of dtype {h.dtype}, which this node cannot "
-                                f"receive: {exc}") from exc
-        if math.prod(d for d in h.shape if d) * itemsize > _MAX_ARRAY_BYTES:
-            raise ProtocolError(f"sent {_part(h)} of an array of shape {list(h.shape)}, which "
-                                "no array can have")
-        total = math.prod(h.shape) * itemsize
+        total = array_bytes(h, _part(h))
         if h.chunk_bytes != total:
             raise ProtocolError(f"sent {_part(h)} announcing {h.chunk_bytes} bytes for an "
                                 f"array {h.dtype}{list(h.shape)} of {total}")

@@ -13,7 +13,6 @@ tested on its own: order, failures, timeouts, callbacks, threads.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +25,7 @@ import burncoll
 import burncoll.work
 from burncoll.train import all_reduce_tree
 from burncoll.work import OpQueue, Work, when_all
-from tests.harness import run_peers
+from tests.harness import run_nodes, run_peers
 
 NDArray = np.ndarray[Any, Any]
 WAIT = 30.0  # every wait of the tests is bounded
@@ -99,33 +98,9 @@ def _run_nodes(nodes: int, devices: int, fn: Callable[[burncoll.Communicator], A
                timeout: float = 10.0) -> list[Any]:
     """``fn(comm)`` on ``devices`` peers of each of ``nodes`` nodes (threads of this process,
     an in-process orchestrator, WebSocket); results (or errors) by rank."""
-    out: list[Any] = [None] * (nodes * devices)
     with burncoll.start_orchestrator(transport="websocket", expected_nodes=nodes) as orch:
-        def peer(node: int, device: int) -> None:
-            rank = node * devices + device
-            cfg = burncoll.CollectiveConfig(num_nodes=nodes, node_rank=node, num_devices=devices,
-                                            global_address=orch.address, timeout=timeout)
-            try:
-                comm = burncoll.register(rank, device, cfg)
-            except BaseException as exc:
-                out[rank] = exc
-                return
-            try:
-                out[rank] = fn(comm)
-            except BaseException as exc:
-                out[rank] = exc
-            finally:
-                with contextlib.suppress(burncoll.CollectiveError):
-                    comm.finish()
-
-        threads = [threading.Thread(target=peer, args=(n, d), daemon=True)
-                   for n in range(nodes) for d in range(devices)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not any(t.is_alive() for t in threads), "a peer thread hung"
-    return out
+        got = run_nodes(orch.address, nodes, devices, fn, timeout=timeout)
+    return [got.get(rank) for rank in range(nodes * devices)]
 
 
 def _one_node(n: int, fn: Callable[[burncoll.Communicator], Any],

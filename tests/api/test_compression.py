@@ -9,7 +9,6 @@ MismatchError; the codec itself is checked against ml_dtypes/NumPy where they ex
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -19,35 +18,14 @@ import pytest
 import burncoll
 from burncoll import compression
 from burncoll.errors import UsageError
-from tests.harness import run_peers
+from tests.harness import run_nodes, run_peers
 
 
 def _nodes(nodes: int, devices: int, fn: Callable[[burncoll.Communicator], Any],
            transport: str = "websocket", **config: Any) -> dict[int, Any]:
-    out: dict[int, Any] = {}
     with burncoll.start_orchestrator(transport=transport, expected_nodes=nodes) as orch:
-        def peer(node: int, device: int, cfg: burncoll.CollectiveConfig) -> None:
-            rank = node * devices + device
-            try:
-                comm = burncoll.register(rank, device, cfg)
-                out[rank] = fn(comm)
-                comm.finish()
-            except BaseException as exc:
-                out[rank] = exc
-
-        threads = []
-        for node in range(nodes):
-            cfg = burncoll.CollectiveConfig(
-                num_nodes=nodes, node_rank=node, num_devices=devices,
-                global_address=orch.address, transport=transport, timeout=15, **config)
-            threads += [threading.Thread(target=peer, args=(node, d, cfg))
-                        for d in range(devices)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-    assert not any(t.is_alive() for t in threads)
-    return out
+        return run_nodes(orch.address, nodes, devices, fn, transport=transport, timeout=15,
+                         **config)
 
 
 def _x(rank: int, n: int, dtype: str) -> np.ndarray:

@@ -13,7 +13,7 @@ import pytest
 
 import burncoll
 from burncoll.errors import CollectiveTimeout, MismatchError, UsageError
-from tests.harness import run_peers
+from tests.harness import run_nodes, run_peers
 
 ORCHESTRATOR_THREAD = "burncoll-orchestrator"
 
@@ -104,29 +104,8 @@ def _no_threads_left(before: set[threading.Thread]) -> None:
 
 def _run_nodes(address: str, nodes: int, devices: int, transport: str,
                fn: Callable[[burncoll.Communicator], Any]) -> list[Any]:
-    out: list[Any] = [None] * (nodes * devices)
-
-    def peer(rank: int, device: int, cfg: burncoll.CollectiveConfig) -> None:
-        try:
-            comm = burncoll.register(rank, device, cfg)
-            out[rank] = fn(comm)
-            comm.finish()
-        except BaseException as exc:
-            out[rank] = exc
-
-    threads = []
-    for node in range(nodes):
-        cfg = burncoll.CollectiveConfig(
-            num_nodes=nodes, node_rank=node, num_devices=devices, global_address=address,
-            transport=transport, timeout=10)
-        threads += [threading.Thread(target=peer, args=(node * devices + d, d, cfg), daemon=True)
-                    for d in range(devices)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a peer thread hung"
-    return out
+    got = run_nodes(address, nodes, devices, fn, transport=transport, timeout=10)
+    return [got.get(rank) for rank in range(nodes * devices)]
 
 
 def _ok(results: list[Any]) -> None:

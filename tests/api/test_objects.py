@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import random
 import struct
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +25,7 @@ import burncoll
 from burncoll import objects
 from burncoll.errors import ProtocolError, UsageError
 from burncoll.train import ddp
+from tests.harness import run_nodes
 
 SUPPORTED_NOTE = "supported: None, bool, int, float, str, bytes, list, tuple, dict"
 
@@ -135,28 +135,7 @@ def test_jax_peers_send_jax_arrays_and_get_numpy_arrays() -> None:
 
 def _run_nodes(address: str, nodes: int, devices: int, transport: str,
                fn: Callable[[burncoll.Communicator], Any]) -> dict[int, Any]:
-    out: dict[int, Any] = {}
-
-    def peer(node: int, device: int, cfg: burncoll.CollectiveConfig) -> None:
-        rank = node * devices + device
-        try:
-            comm = burncoll.register(rank, device, cfg)
-            out[rank] = fn(comm)
-            comm.finish()
-        except BaseException as exc:
-            out[rank] = exc
-
-    threads = []
-    for node in range(nodes):
-        cfg = burncoll.CollectiveConfig(
-            num_nodes=nodes, node_rank=node, num_devices=devices, global_address=address,
-            transport=transport, timeout=10)
-        threads += [threading.Thread(target=peer, args=(node, d, cfg)) for d in range(devices)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
+    return run_nodes(address, nodes, devices, fn, transport=transport, timeout=10)
 
 
 @pytest.mark.parametrize(("transport", "nodes", "devices"), [

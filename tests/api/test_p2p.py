@@ -14,10 +14,8 @@ every peer; misuse is a UsageError at once.
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +25,7 @@ import pytest
 import burncoll
 from burncoll.errors import CollectiveAborted, CollectiveTimeout, MismatchError, UsageError
 from burncoll.node.mailbox import PART_BYTES
-from tests.harness import run_peers
+from tests.harness import run_nodes, run_peers
 
 DTYPES = ["bool", "int8", "uint16", "int64", "float16", "float32", "complex64", "complex128"]
 SHAPES: list[tuple[int, ...]] = [(), (0,), (3, 0), (7,), (2, 3, 4)]
@@ -155,36 +153,8 @@ def _run_nodes(address: str, transport: str, nodes: int, devices: int,
                timeouts: list[float] | None = None) -> dict[int, Any]:
     """``fn`` on every peer of ``nodes`` nodes of ``devices`` threads (node ``i``'s config
     has ``timeouts[i]``); each peer's result or error, by rank."""
-    out: dict[int, Any] = {}
-
-    def peer(rank: int, device: int, cfg: burncoll.CollectiveConfig) -> None:
-        try:
-            comm = burncoll.register(_pid(rank), device, cfg)
-        except BaseException as exc:
-            out[rank] = exc
-            return
-        try:
-            out[rank] = fn(comm)
-        except BaseException as exc:
-            out[rank] = exc
-        finally:
-            # a failed collective's finish may raise: the peer's own error says what happened
-            with contextlib.suppress(burncoll.CollectiveError):
-                comm.finish()
-
-    threads = []
-    for node in range(nodes):
-        cfg = burncoll.CollectiveConfig(
-            num_nodes=nodes, node_rank=node, num_devices=devices, global_address=address,
-            transport=transport, timeout=(timeouts or [20.0] * nodes)[node])
-        threads += [threading.Thread(target=peer, args=(node * devices + d, d, cfg), daemon=True)
-                    for d in range(devices)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a peer thread hung"
-    return out
+    return run_nodes(address, nodes, devices, fn, transport=transport,
+                     timeout=timeouts or 20.0, peer_id=_pid)
 
 
 @pytest.mark.parametrize(("transport", "nodes", "devices"), [

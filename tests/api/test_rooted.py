@@ -11,7 +11,6 @@ every node, several dtype families. Bad counts fail every peer with a UsageError
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +19,7 @@ import pytest
 
 import burncoll
 from burncoll.errors import CollectiveError, UsageError
-from tests.harness import run_peers
+from tests.harness import run_nodes, run_peers
 
 DTYPES = ["float32", "int64", "bool", "float16", "complex64"]
 
@@ -156,29 +155,9 @@ def _run_nodes(address: str, nodes: int, devices: int, transport: str,
                ) -> dict[int, Any]:
     """``nodes`` nodes of ``devices`` peers as threads; peer ids interleave the nodes
     (node ``k`` holds ranks ``k, k + nodes, ...``). Results by rank."""
-    out: dict[int, Any] = {}
-
-    def peer(node: int, device: int, cfg: burncoll.CollectiveConfig) -> None:
-        rank = device * nodes + node
-        try:
-            comm = burncoll.register(10 * rank + 5, device, cfg)
-            out[rank] = fn(comm)
-            comm.finish()
-        except BaseException as exc:
-            out[rank] = exc
-
-    threads = []
-    for node in range(nodes):
-        cfg = burncoll.CollectiveConfig(
-            num_nodes=nodes, node_rank=node, num_devices=devices, global_address=address,
-            transport=transport, timeout=timeout)
-        threads += [threading.Thread(target=peer, args=(node, d, cfg)) for d in range(devices)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    assert not any(t.is_alive() for t in threads), "a peer thread hung"
-    return out
+    return run_nodes(address, nodes, devices, fn, transport=transport, timeout=timeout,
+                     rank_of=lambda node, device: device * nodes + node,
+                     peer_id=lambda rank: 10 * rank + 5)
 
 
 @pytest.mark.parametrize(("transport", "nodes", "devices"), [

@@ -303,7 +303,7 @@ def test_a_dtype_this_node_cannot_hold_is_a_protocol_error(
 def test_an_allocation_that_fails_is_a_protocol_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """A claim this machine's memory check lets through (a test double says the machine has
     2**62 bytes) but no allocation can satisfy: a ProtocolError, not a bare MemoryError."""
-    monkeypatch.setattr(checks_module, "_memory_bytes", lambda: 1 << 62)
+    monkeypatch.setattr(checks_module, "memory_bytes", lambda: 1 << 62)
     services = _services(2)
     op = _op(OpKind.BROADCAST, None, (), root=1)
     schedule = Tree(2).broadcast(2, 1)
