@@ -5,12 +5,13 @@ Node processes of one machine (``burncoll launch --nodes 4``, torchrun's one pro
 device) otherwise push every array through the kernel's TCP stack. When the orchestrator's
 table says two nodes share a host (:func:`host_identity`: same kernel boot, same network
 namespace, same ``/dev/shm``), the sending side of their data connection creates a ring (a
-file of :data:`RING_BYTES` in ``/dev/shm``, mode 0600, its name random) and offers it on the
+file of :data:`RING_BYTES` in ``/dev/shm``, mode 0600, its name random, its pages mapped at
+once) and offers it on the
 connection; the receiving side maps it and removes its name at once. From then on a message of
 at least :data:`MIN_BYTES` is copied into the ring and only a 12-byte descriptor (its length)
 travels on the connection, in order with every other message; the receiver copies it out --
-straight into the memory its placer chose -- and acknowledges the bytes it consumed, which
-the sender may then overwrite. That is one copy on each side and no system call per byte, as
+straight into the memory its placer chose -- and acknowledges the bytes it consumed, a quarter
+ring at a time, which the sender may then overwrite. That is one copy on each side and no system call per byte, as
 NCCL's SHM transport and Open MPI's shared-memory component do.
 
 The connection keeps everything else: a process that dies closes it (``PeerLost`` at once, as
@@ -41,16 +42,24 @@ from burncoll.transport.wire import Placed
 
 __all__ = ["MIN_BYTES", "RING_BYTES", "RingReceiver", "RingSender", "host_identity"]
 
-#: Size of one direction's ring.
-RING_BYTES = 32 << 20
+#: Size of one direction's ring: four of a collective's largest messages (4 MiB parts).
+RING_BYTES = 20 << 20
 #: Messages at least this large go through the ring; smaller ones stay on the connection.
 MIN_BYTES = 64 << 10
-#: The largest message the ring carries (bigger ones stay on the connection).
-MAX_BYTES = RING_BYTES // 2
+#: The largest message the ring carries (bigger ones stay on the connection; a collective's
+#: parts are at most 4 MiB).
+MAX_BYTES = RING_BYTES // 4
+#: A receiver acknowledges consumed bytes once this many have gathered (one small message per
+#: quarter ring, not one per message). Why a sender short of room always gets one: a message
+#: uses at most ``2 * MAX_BYTES`` of the ring (itself, and the end it skips), so the sender
+#: waits only while more than half the ring is unacknowledged -- more than a quarter of it then
+#: still unread, and reading it brings the receiver's count past ``ACK_BYTES``.
+ACK_BYTES = RING_BYTES // 4
 _DIR = Path("/dev/shm")
 _NAME = re.compile(r"burncoll-([0-9]{1,10})-[0-9a-f]{32}")
 _OFFER, _DATA, _ACK = b"BSO1", b"BSD1", b"BSA1"
 _LENGTH = struct.Struct("<Q")
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def host_identity() -> str:
@@ -160,7 +169,8 @@ class RingSender(Connection, FastPath):
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, RING_BYTES)
-            self._map = mmap.mmap(fd, RING_BYTES)
+            # every page now, once: not a page fault per message until the ring first wraps
+            self._map = mmap.mmap(fd, RING_BYTES, flags=mmap.MAP_SHARED | _POPULATE)
         finally:
             os.close(fd)
         self._ring = memoryview(self._map)
@@ -214,6 +224,7 @@ class RingReceiver(Connection, FastPath):
         self._ring: memoryview | None = None
         self._map: mmap.mmap | None = None
         self._position = 0
+        self._consumed = 0  # bytes read out of the ring and not acknowledged yet
         self._placer: Placer | None = None
 
     async def recv(self) -> Buffer | Placed:
@@ -244,7 +255,8 @@ class RingReceiver(Connection, FastPath):
             info = os.fstat(fd)
             if info.st_uid != os.getuid() or info.st_size != RING_BYTES:
                 raise ProtocolError("offered a shared-memory ring of another user or size")
-            self._map = mmap.mmap(fd, RING_BYTES, prot=mmap.PROT_READ)
+            self._map = mmap.mmap(fd, RING_BYTES, flags=mmap.MAP_SHARED | _POPULATE,
+                                  prot=mmap.PROT_READ)
             self._ring = memoryview(self._map)
         finally:
             os.close(fd)
@@ -267,7 +279,10 @@ class RingReceiver(Connection, FastPath):
             result = Placed(bytes(data[:head]), memory)
         else:
             result = bytearray(data)
-        await self.inner.send([_ACK + _LENGTH.pack(used)])
+        self._consumed += used
+        if self._consumed >= ACK_BYTES:
+            await self.inner.send([_ACK + _LENGTH.pack(self._consumed)])
+            self._consumed = 0
         return result
 
     async def send(self, parts: Sequence[Buffer]) -> None:

@@ -110,9 +110,9 @@ def test_a_closed_connection_fails_a_sender_waiting_for_room() -> None:
         async with connected(TcpTransport()) as (client, server, _):
             sender, receiver = shm.RingSender(server), shm.RingReceiver(client)
             reading = asyncio.ensure_future(_acks(sender, asyncio.Event()))
-            await sender.send([_message(0, shm.MAX_BYTES)])
-            await sender.send([_message(1, shm.MAX_BYTES)])
-            third = asyncio.ensure_future(sender.send([_message(2, shm.MAX_BYTES)]))
+            for i in range(shm.RING_BYTES // shm.MAX_BYTES):
+                await sender.send([_message(i, shm.MAX_BYTES)])
+            third = asyncio.ensure_future(sender.send([_message(9, shm.MAX_BYTES)]))
             await asyncio.sleep(0.2)
             assert not third.done()  # the ring is full until the receiver consumes
             await receiver.close()
