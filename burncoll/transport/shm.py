@@ -11,8 +11,8 @@ connection; the receiving side maps it and removes its name at once. From then o
 at least :data:`MIN_BYTES` is copied into the ring and only a 12-byte descriptor (its length)
 travels on the connection, in order with every other message; the receiver copies it out --
 straight into the memory its placer chose -- and acknowledges the bytes it consumed, a quarter
-ring at a time, which the sender may then overwrite. That is one copy on each side and no system call per byte, as
-NCCL's SHM transport and Open MPI's shared-memory component do.
+ring at a time, which the sender may then overwrite. That is one copy on each side and no
+system call per byte, as NCCL's SHM transport and Open MPI's shared-memory component do.
 
 The connection keeps everything else: a process that dies closes it (``PeerLost`` at once, as
 over the network), deadlines are the caller's, a sender waits for ring space only while its
@@ -25,6 +25,7 @@ network namespaces (the simulated hosts of the multi-host tests) never share a r
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import hashlib
 import mmap
@@ -81,6 +82,17 @@ def _advance(position: int, size: int) -> tuple[int, int]:
     if position + size > RING_BYTES:
         return 0, RING_BYTES - position + size
     return position, size
+
+
+#: The rings this process created whose names are still there.
+_ours: set[Path] = set()
+
+
+@atexit.register
+def _remove_ours() -> None:
+    for path in list(_ours):
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def _sweep() -> None:
@@ -166,6 +178,7 @@ class RingSender(Connection, FastPath):
     def _create(self) -> None:
         _sweep()
         self._path = _DIR / f"burncoll-{os.getpid()}-{secrets.token_hex(16)}"
+        _ours.add(self._path)
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, RING_BYTES)
@@ -179,6 +192,7 @@ class RingSender(Connection, FastPath):
         if self._path is not None:
             with contextlib.suppress(OSError):
                 self._path.unlink()
+            _ours.discard(self._path)
             self._path = None
 
     def send_now(self, parts: Sequence[Buffer]) -> bool:
@@ -200,7 +214,11 @@ class RingSender(Connection, FastPath):
     async def close(self) -> None:
         self._broken = self._broken or TransportError("closed")
         self._room.set()
-        self._unlink()
+        if not self._offered:
+            self._unlink()
+        # else the name stays: the receiver may still have the offer to read (a failing node
+        # closes right after its abort, which follows the offer); it removes the name when it
+        # maps the ring, and this process does at exit (_remove_ours) if it never did
         await self.inner.close()
         with contextlib.suppress(BufferError, ValueError):
             self._ring.release()
