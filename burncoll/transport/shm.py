@@ -299,7 +299,10 @@ class RingReceiver(Connection, FastPath):
             result = bytearray(data)
         self._consumed += used
         if self._consumed >= ACK_BYTES:
-            await self.inner.send([_ACK + _LENGTH.pack(self._consumed)])
+            # a sender that is gone needs no acknowledgement, and this message may be the
+            # last before its abort: the next recv says what happened to the connection
+            with contextlib.suppress(TransportError):
+                await self.inner.send([_ACK + _LENGTH.pack(self._consumed)])
             self._consumed = 0
         return result
 
