@@ -10,6 +10,7 @@ import numpy as np
 from burncoll import objects
 from burncoll.backends import get_backend
 from burncoll.backends.base import Array, Backend, Device
+from burncoll.backends.out_arrays import check_out
 from burncoll.buckets import all_reduce_tree
 from burncoll.compression import COMPRESSIONS
 from burncoll.config import CollectiveConfig
@@ -22,7 +23,7 @@ from burncoll.local.rendezvous import Rendezvous
 from burncoll.ops import OpKind, ReduceOp, check_reduce_dtype, parse_reduce_op
 from burncoll.p2p import PointToPoint
 from burncoll.registry import REGISTRY, close_node
-from burncoll.rooted import RootedOps, check_out, parse_counts, write_out
+from burncoll.rooted import RootedOps, parse_counts, write_out
 from burncoll.work import OpQueue
 
 __all__ = ["Communicator", "register"]
@@ -245,13 +246,7 @@ class Communicator(RootedOps, Groups, PointToPoint):
 
     def _check_out(self, x: Array, out: object, op: ReduceOp) -> None:
         backend = self._backend
-        if not backend.mutable:
-            raise UsageError(
-                f"all_reduce: out= needs a backend with mutable arrays (numpy, cupy); "
-                f"{backend.name} arrays are immutable: use the returned array")
-        if not backend.is_array(out):
-            raise UsageError(f"all_reduce: out must be an array of backend {backend.name!r}, "
-                             f"got {type(out).__name__}")
+        check_out(backend, self.device, out, "all_reduce")
         if (backend.dtype_name(out), tuple(backend.shape(out))) != (
                 backend.dtype_name(x), tuple(backend.shape(x))):
             raise UsageError(
@@ -260,17 +255,6 @@ class Communicator(RootedOps, Groups, PointToPoint):
         if op is ReduceOp.MEAN and not is_inexact(dtype_from_name(backend.dtype_name(x))):
             raise UsageError(f"all_reduce: the mean of {backend.dtype_name(x)} is float64, "
                              "which out cannot hold; pass float arrays or omit out")
-        if not backend.same_device(backend.device_of(out), self.device):
-            raise UsageError(f"all_reduce: out is on {backend.device_of(out)}, not on this "
-                             f"peer's device {self.device}")
-        flags = getattr(out, "flags", None)  # CuPy's flags have no "writeable"
-        if flags is not None and not (getattr(flags, "writeable", True) and flags.c_contiguous):
-            raise UsageError("all_reduce: out must be writable and C-contiguous")
-        out_dtype = getattr(out, "dtype", None)
-        if isinstance(out_dtype, np.dtype) and not out_dtype.isnative:
-            raise UsageError(f"all_reduce: out has non-native byte order ({out_dtype.str}); "
-                             "pass a native-order array (e.g. out.astype(out.dtype.newbyteorder"
-                             "('=')))")
         if out is not x and _overlap(x, out):
             raise UsageError("all_reduce: out overlaps x without being x; pass out=x to "
                              "reduce in place, or a separate array")

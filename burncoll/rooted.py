@@ -23,7 +23,7 @@ from burncoll.backends.out_arrays import check_out
 from burncoll.errors import UsageError
 from burncoll.ops import OpKind, ReduceOp, parse_reduce_op
 
-__all__ = ["RootedOps", "check_out", "parse_counts", "write_out"]
+__all__ = ["RootedOps", "parse_counts", "write_out"]
 
 
 def write_out(backend: Backend, out: Array | None, result: Array | None, label: str

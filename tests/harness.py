@@ -29,11 +29,7 @@ def run_peers(
                   lambda comm: fn(comm, i))
 
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(d)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(join_timeout)
-    assert not any(t.is_alive() for t in threads), "a peer thread hung"
+    _start_and_join(threads, join_timeout)
     return out
 
 
@@ -74,11 +70,7 @@ def run_nodes(
             transport=transport, timeout=seconds, **config)
         threads += [threading.Thread(target=peer, args=(rank_of(node, d), d, cfg), daemon=True)
                     for d in range(devices)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(join_timeout)
-    assert not any(t.is_alive() for t in threads), "a peer thread hung"
+    _start_and_join(threads, join_timeout)
     return out
 
 
@@ -98,3 +90,12 @@ def _one_peer(out: Any, key: int, register: Callable[[], burncoll.Communicator],
     finally:
         with contextlib.suppress(burncoll.CollectiveError):
             comm.finish()
+
+
+def _start_and_join(threads: list[threading.Thread], join_timeout: float) -> None:
+    """Start every peer thread, wait for each (bounded); fail if one is still running."""
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_timeout)
+    assert not any(t.is_alive() for t in threads), "a peer thread hung"
