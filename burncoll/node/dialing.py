@@ -72,9 +72,13 @@ class Dialing:
                 if conn is not None:
                     await conn.close()
                 if time.monotonic() + delay >= deadline:
+                    why = str(exc) or (
+                        "the connection and its handshake did not complete in time (is that "
+                        "host overloaded, or a firewall dropping its packets?)"
+                        if isinstance(exc, TimeoutError) else type(exc).__name__)
                     raise TransportError(
                         f"could not connect to {node.describe()} within {self.timeout:g} s: "
-                        f"{exc}"
+                        f"{why}"
                     ) from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)

@@ -136,6 +136,7 @@ class Cluster:
         timeout: float = 3.0,
         local: str = "tree",
         global_: str = "ring",
+        gate: threading.Barrier | None = None,
         **spec: Any,
     ) -> None:
         self.spec: dict[str, Any] = dict(
@@ -149,11 +150,25 @@ class Cluster:
             **spec,
         )
         self.procs = [NodeProcess(dict(self.spec, node=n)) for n in range(nodes)]
+        self.start(self.procs, gate)
+
+    @staticmethod
+    def start(procs: list[NodeProcess], gate: threading.Barrier | None = None) -> None:
+        """Let ``procs`` register once every one of them has started Python and imported
+        burncoll (and, with a ``gate``, once the clusters started beside this one have too),
+        so that the registration deadline measures registration alone."""
+        for p in procs:
+            p.wait_event("ready", 120)
+        if gate is not None:
+            gate.wait(120)
+        for p in procs:
+            p.send("start")
 
     def replace(self, node: int, **changes: Any) -> NodeProcess:
         """Start a new process for ``node`` (after the old one died)."""
         proc = NodeProcess(dict(self.spec, node=node, **changes))
         self.procs.append(proc)
+        self.start([proc])
         return proc
 
     def collect(self, timeout: float | None = None) -> list[dict[str, Any]]:

@@ -37,14 +37,20 @@ STRATEGY_PAIRS = [
 ]
 
 
-def run_concurrently(*fns: Callable[[], T]) -> list[T]:
-    """Run independent scenarios side by side (they mostly wait); re-raise the first error."""
+def run_concurrently(*fns: Callable[[threading.Barrier], T]) -> list[T]:
+    """Run independent scenarios side by side (they mostly wait); re-raise the first error.
+
+    Each scenario gets the same gate for its :class:`Cluster`: no cluster registers before
+    every cluster's processes have started Python, so that a short registration deadline
+    does not run out while the other clusters are still importing on the same two cores."""
     results: list[Any] = [None] * len(fns)
+    gate = threading.Barrier(len(fns))
 
     def one(i: int) -> None:
         try:
-            results[i] = fns[i]()
+            results[i] = fns[i](gate)
         except BaseException as exc:
+            gate.abort()
             results[i] = exc
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(fns))]
@@ -60,6 +66,14 @@ def run_concurrently(*fns: Callable[[], T]) -> list[T]:
 
 def by_peer(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return {int(r["peer"]): r for r in records}
+
+
+def summary(records: list[dict[str, Any]]) -> list[str]:
+    """What each peer's record says, short enough for an assertion message."""
+    return [
+        f"peer {r['peer']}: {r.get('stage', 'ops')} {r.get('error')}: {r.get('message')}"
+        for r in records
+    ]
 
 
 def first_error(record: dict[str, Any]) -> str:
@@ -83,7 +97,7 @@ def seconds(values: list[float], timeout: float | None = None) -> str:
 
 
 def _kill_run(
-    transport: str, local: str, global_: str, mix: bool, timeout: float
+    transport: str, local: str, global_: str, mix: bool, timeout: float, gate: threading.Barrier
 ) -> tuple[list[dict[str, Any]], float]:
     with (
         orchestrator(transport) as address,
@@ -96,6 +110,7 @@ def _kill_run(
             local=local,
             global_=global_,
             scenario="kill",
+            gate=gate,
             victim=1,
             at=5,
             count=10_000,
@@ -105,7 +120,7 @@ def _kill_run(
     ):
         records = cluster.collect()
         kill = cluster.procs[1].event("kill")
-    assert kill is not None, "the victim was not killed"
+    assert kill is not None, f"the victim was not killed: {summary(records)}"
     return records, float(kill["t"])
 
 
@@ -116,7 +131,7 @@ def test_killed_node_makes_every_survivor_raise_naming_it(
     timeout = 4.0
     runs = run_concurrently(
         *(
-            (lambda p=pair: _kill_run(transport, p[0], p[1], p[2], timeout))
+            (lambda gate, p=pair: _kill_run(transport, p[0], p[1], p[2], timeout, gate))
             for pair in STRATEGY_PAIRS
         )
     )
@@ -144,7 +159,9 @@ def test_killed_node_makes_every_survivor_raise_naming_it(
 # -- a node alive but stuck ------------------------------------------------------------------
 
 
-def _stuck_run(transport: str, stuck: list[int], timeout: float) -> list[dict[str, Any]]:
+def _stuck_run(
+    transport: str, stuck: list[int], timeout: float, gate: threading.Barrier
+) -> list[dict[str, Any]]:
     with (
         orchestrator(transport) as address,
         Cluster(
@@ -154,6 +171,7 @@ def _stuck_run(transport: str, stuck: list[int], timeout: float) -> list[dict[st
             transport=transport,
             timeout=timeout,
             scenario="stuck",
+            gate=gate,
             victim=1,
             at=3,
             stuck=stuck,
@@ -169,8 +187,8 @@ def test_stuck_peer_or_node_times_out_naming_who_never_called(fault_table: Fault
     """One local peer of node 1 never calls (WebSocket); all of node 1 never calls (QUIC)."""
     timeout = 2.0
     one_peer, whole_node = run_concurrently(
-        lambda: _stuck_run("websocket", [0], timeout),
-        lambda: _stuck_run("quic", [0, 1], timeout),
+        lambda gate: _stuck_run("websocket", [0], timeout, gate),
+        lambda gate: _stuck_run("quic", [0, 1], timeout, gate),
     )
     for records, missing, transport in ((one_peer, [2], "websocket"), (whole_node, [2, 3], "quic")):
         peers = by_peer(records)
@@ -443,7 +461,7 @@ FRAME_FAULTS: list[dict[str, Any]] = [
 
 
 def _frames_run(
-    transport: str, fault: dict[str, Any], timeout: float
+    transport: str, fault: dict[str, Any], timeout: float, gate: threading.Barrier
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     with (
         orchestrator(transport) as address,
@@ -454,6 +472,7 @@ def _frames_run(
             transport=transport,
             timeout=timeout,
             scenario="frames",
+            gate=gate,
             victim=1,
             frames=fault,
             count=12,
@@ -474,10 +493,13 @@ def test_a_frame_delayed_dropped_doubled_or_cut_never_gives_a_wrong_result(
     transport). Every peer either gets every result right, or raises a CollectiveError."""
     timeout = 3.0
     runs = run_concurrently(
-        *((lambda fault=fault: _frames_run(transport, fault, timeout)) for fault in FRAME_FAULTS)
+        *(
+            (lambda gate, fault=fault: _frames_run(transport, fault, timeout, gate))
+            for fault in FRAME_FAULTS
+        )
     )
     for (records, faults), fault in zip(runs, FRAME_FAULTS, strict=True):
-        assert faults is not None and faults["injected"], (fault, faults)
+        assert faults is not None and faults["injected"], (fault, faults, summary(records))
         assert len(records) == 6, (fault, records)
         for r in records:
             assert r.get("error") not in ("WRONG", "CRASH"), (fault, r)

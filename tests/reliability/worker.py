@@ -456,10 +456,14 @@ def main() -> None:
         faults = patch_transport(frames["mode"], frames["nth"], frames.get("delay", 0.0))
     node = Node(spec)
 
+    start = threading.Event()
+
     def read_commands() -> None:
         for line in sys.stdin:
             if line.strip() == "go":
                 node.go.set()
+            elif line.strip() == "start":
+                start.set()
 
     threading.Thread(target=read_commands, daemon=True).start()
     records: list[dict[str, Any]] = []
@@ -477,6 +481,12 @@ def main() -> None:
                 }
             )
 
+    # every node of the cluster registers at once: on a busy host, starting Python alone can
+    # take longer than a short timeout, which would fail a registration before the test begins
+    real_get_transport(spec["transport"])  # its modules imported, like burncoll's
+    emit({"event": "ready"})
+    if not start.wait(120):
+        raise SystemExit("the test never said start")
     threads = [threading.Thread(target=peer, args=(i,)) for i in range(node.devices)]
     for t in threads:
         t.start()
