@@ -77,6 +77,13 @@ def _bfloat16() -> np.dtype[Any]:
     return bfloat16
 
 
+#: Names and dtypes already looked up: both are asked for on every operation. Bounded: a
+#: caller could otherwise grow them with spellings ("<f4", "f4", ...) or odd dtypes.
+_BY_NAME: dict[str, np.dtype[Any]] = {}
+_NAMES: dict[np.dtype[Any], str] = {}
+_CACHE_LIMIT = 256
+
+
 def dtype_from_name(name: str) -> np.dtype[Any]:
     """The NumPy dtype for ``name``, one of :data:`SUPPORTED_DTYPES`.
 
@@ -84,6 +91,9 @@ def dtype_from_name(name: str) -> np.dtype[Any]:
     Raises :class:`~burncoll.UsageError` for any other name, and for ``"bfloat16"`` when
     ``ml_dtypes`` is not installed.
     """
+    known = _BY_NAME.get(name) if isinstance(name, str) else None
+    if known is not None:
+        return known
     if name == "bfloat16":
         return _bfloat16()
     try:
@@ -93,6 +103,8 @@ def dtype_from_name(name: str) -> np.dtype[Any]:
     if dtype is None or dtype.name not in SUPPORTED_DTYPES or not dtype.isnative:
         accepted = ", ".join(SUPPORTED_DTYPES)
         raise UsageError(f"unsupported dtype {name!r}; use one of {accepted}")
+    if len(_BY_NAME) < _CACHE_LIMIT:
+        _BY_NAME[name] = dtype
     return dtype
 
 
@@ -102,7 +114,12 @@ def dtype_name(dtype: np.dtype[Any]) -> str:
     Never raises: a dtype outside :data:`SUPPORTED_DTYPES` gets NumPy's own name, so that
     error messages can still name it.
     """
-    return np.dtype(dtype).name
+    name = _NAMES.get(dtype) if isinstance(dtype, np.dtype) else None
+    if name is None:
+        name = np.dtype(dtype).name  # NumPy computes it on every access (microseconds)
+        if isinstance(dtype, np.dtype) and len(_NAMES) < _CACHE_LIMIT:
+            _NAMES[dtype] = name
+    return name
 
 
 def is_inexact(dtype: np.dtype[Any]) -> bool:

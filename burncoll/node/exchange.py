@@ -17,6 +17,7 @@ the rest to the event loop: small messages then leave without waking the loop fi
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,15 +25,23 @@ import numpy as np
 from burncoll.backends.numpy import host_ufunc
 from burncoll.dtypes import dtype_from_name
 from burncoll.levels import GlobalOp, HostArray
-from burncoll.node.mailbox import FrameKey, Receives
+from burncoll.node.checks import Check
+from burncoll.node.receives import FrameKey, Receives
 from burncoll.ops import ReduceOp
-from burncoll.transport.wire import DataHeader, encode_data_header
+from burncoll.transport.wire import DataHeader, Frame, encode_data_header
 
 if TYPE_CHECKING:
     from burncoll.node.executor import GlobalExecutor
     from burncoll.node.ports import Ports
 
-__all__ = ["exchange_all_reduce", "exchange_parts", "exchange_receives"]
+__all__ = [
+    "exchange_all_reduce",
+    "exchange_keys",
+    "exchange_parts",
+    "exchange_receives",
+    "reduce_in_node_order",
+    "watched_arrays",
+]
 
 def exchange_parts(service: Ports, op: GlobalOp, buf: HostArray,
                    channel: int) -> list[bytes | memoryview]:
@@ -56,30 +65,18 @@ def exchange_receives(service: Ports, op: GlobalOp, buf: HostArray,
     return Receives(op.seq, channel, totals, part_bytes=max(buf.nbytes, 1))
 
 
-async def exchange_all_reduce(executor: GlobalExecutor, op: GlobalOp, buf: HostArray,
-                              out: HostArray, channel: int = 0,
-                              sent_to: frozenset[int] = frozenset(),
-                              parts: list[bytes | memoryview] | None = None) -> None:
-    """All-reduce ``buf`` (only read) into ``out`` among every node in one round; the nodes
-    in ``sent_to`` already have this node's message (``parts``, when the caller built it)."""
-    service = executor.service
-    me = executor.me
-    others = [n.index for n in service.nodes if n.index != me]
-    if parts is None:
-        parts = exchange_parts(service, op, buf, channel)
-    sends = [asyncio.ensure_future(service.send(dst, parts))
-             for dst in others if dst not in sent_to]
-    try:
-        received = await _receive_all(executor, op, buf, channel, others)
-        await asyncio.gather(*sends)
-    finally:
-        for task in sends:
-            if not task.done():
-                task.cancel()
-            elif not task.cancelled():
-                task.exception()  # retrieved: the session's failure is what is raised
+def exchange_keys(service: Ports, op: GlobalOp, channel: int) -> list[FrameKey]:
+    """The key of the frame this node receives from every other node."""
+    return [(op.seq, channel, 0, n.index, 0)
+            for n in service.nodes if n.index != service.node_index]
+
+
+def reduce_in_node_order(op: GlobalOp, me: int, buf: HostArray,
+                         received: Mapping[int, HostArray], out: HostArray) -> None:
+    """``out = x0 op x1 op ...`` in node order, ``buf`` being this node's ``x``: every node
+    computes the same bits."""
     ufunc = host_ufunc(op.reduce_op or ReduceOp.SUM)
-    operands = [buf if i == me else received[i] for i in range(len(service.nodes))]
+    operands = [buf if i == me else received[i] for i in range(len(received) + 1)]
     if len(operands) == 1:
         out[...] = buf
         return
@@ -88,16 +85,63 @@ async def exchange_all_reduce(executor: GlobalExecutor, op: GlobalOp, buf: HostA
         ufunc(out, x, out=out)
 
 
+def watched_arrays(op: GlobalOp, buf: HostArray, check: Check,
+                   frames: Mapping[FrameKey, Frame]) -> dict[int, HostArray] | None:
+    """The other nodes' arrays in ``frames`` (a :class:`~burncoll.node.watch.Watch`'s), or
+    ``None`` when any frame is not exactly what this node's call expects (the event loop then
+    reports it, as :func:`exchange_all_reduce` does)."""
+    dtype = dtype_from_name(op.dtype or "uint8")
+    received: dict[int, HostArray] = {}
+    for key, frame in frames.items():
+        h = frame.header
+        if (h is None or check(h) is not None or h.chunk_bytes != buf.nbytes
+                or len(frame.payload) != buf.nbytes or h.offset):
+            return None
+        received[key[3]] = np.frombuffer(frame.payload, dtype=dtype)
+    return received
+
+
+async def exchange_all_reduce(executor: GlobalExecutor, op: GlobalOp, buf: HostArray,
+                              out: HostArray, channel: int = 0,
+                              sent_to: frozenset[int] = frozenset(),
+                              parts: list[bytes | memoryview] | None = None,
+                              taken: Mapping[FrameKey, Frame] | None = None) -> None:
+    """All-reduce ``buf`` (only read) into ``out`` among every node in one round; the nodes
+    in ``sent_to`` already have this node's message (``parts``, when the caller built it),
+    and ``taken`` holds frames a watch already took from the mailbox."""
+    service = executor.service
+    me = executor.me
+    others = [n.index for n in service.nodes if n.index != me]
+    if parts is None:
+        parts = exchange_parts(service, op, buf, channel)
+    sends = [asyncio.ensure_future(service.send(dst, parts))
+             for dst in others if dst not in sent_to]
+    try:
+        received = await _receive_all(executor, op, buf, channel, others, taken or {})
+        await asyncio.gather(*sends)
+    finally:
+        for task in sends:
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled():
+                task.exception()  # retrieved: the session's failure is what is raised
+    reduce_in_node_order(op, me, buf, received, out)
+
+
 async def _receive_all(executor: GlobalExecutor, op: GlobalOp, buf: HostArray, channel: int,
-                       others: list[int]) -> dict[int, HostArray]:
+                       others: list[int], taken: Mapping[FrameKey, Frame]
+                       ) -> dict[int, HostArray]:
     service = executor.service
     check = executor.checker(op)
     dtype = dtype_from_name(op.dtype or "uint8")
     received: dict[int, HostArray] = {}
     for src in others:
-        frame = await service.mailbox.get(
-            (op.seq, channel, 0, src, 0), op.deadline,
-            lambda src=src: executor.timeout_error(op, src, 0))  # type: ignore[misc]
+        key = (op.seq, channel, 0, src, 0)
+        frame = taken.get(key)
+        if frame is None:
+            frame = await service.mailbox.get(
+                key, op.deadline,
+                lambda src=src: executor.timeout_error(op, src, 0))  # type: ignore[misc]
         h = frame.header
         assert h is not None  # the mailbox holds DATA frames only
         error = check(h)

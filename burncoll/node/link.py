@@ -28,10 +28,18 @@ from burncoll.ioloop import IoLoop
 from burncoll.levels import Exchange, GlobalOp, GlobalPath, HostArray, LocalPeers
 from burncoll.node.control import Join
 from burncoll.node.data_service import DataService
-from burncoll.node.exchange import exchange_all_reduce, exchange_parts, exchange_receives
+from burncoll.node.exchange import (
+    exchange_all_reduce,
+    exchange_keys,
+    exchange_parts,
+    exchange_receives,
+    reduce_in_node_order,
+    watched_arrays,
+)
 from burncoll.node.executor import GlobalExecutor
 from burncoll.node.orchestrator_client import OrchestratorClient
 from burncoll.node.p2p_link import NodePointToPoint
+from burncoll.node.watch import Watch
 from burncoll.strategies import Ring, Schedule, Strategy
 from burncoll.strategies.layout import even_layout
 from burncoll.transport import get_transport
@@ -180,18 +188,46 @@ class NodeLink:
         if service.mailbox.error is None:
             sent_to = frozenset(n.index for n in self.nodes if n.index != self.node_index
                                 and service.send_now(n.index, parts))
-        self._call(op, self._exchange_rest(op, buf, out, channel, sent_to, parts))
+        watch: Watch | None = None
+        if len(sent_to) == self.num_nodes - 1:  # nothing left for the loop to send
+            watch = Watch(exchange_keys(service, op, channel))
+            check = self._executor.checker(op)
+            if service.mailbox.start_watched(check, exchange_receives(service, op, buf, channel),
+                                             watch):
+                watch.started = True  # no event-loop wake-up at all
+            else:
+                self._io.loop.call_soon_threadsafe(self._start_watch, op, buf, channel, watch)
+            if watch.done.wait(max(op.deadline - time.monotonic(), 0.0)) and not watch.error:
+                received = watched_arrays(op, buf, check, watch.frames)
+                if received is not None:
+                    reduce_in_node_order(op, self.node_index, buf, received, out)
+                    service.mailbox.done(op.seq)
+                    return
+        # late, failed, or not all sent: the loop finishes it and reports what went wrong
+        self._call(op, self._exchange_rest(op, buf, out, channel, sent_to, parts, watch))
+
+    def _start_watch(self, op: GlobalOp, buf: HostArray, channel: int, watch: Watch) -> None:
+        mailbox = self._service.mailbox
+        if mailbox.error is None:
+            mailbox.expect(self._executor.checker(op),
+                           exchange_receives(self._service, op, buf, channel))
+            watch.started = True
+        mailbox.watch(watch)
 
     async def _exchange_rest(self, op: GlobalOp, buf: HostArray, out: HostArray, channel: int,
-                             sent_to: frozenset[int], parts: list[bytes | memoryview]) -> None:
+                             sent_to: frozenset[int], parts: list[bytes | memoryview],
+                             watch: Watch | None) -> None:
         mailbox = self._service.mailbox
-        if mailbox.error is not None:
-            raise mailbox.error
-        mailbox.expect(self._executor.checker(op),
-                       exchange_receives(self._service, op, buf, channel))
+        if watch is not None:
+            mailbox.unwatch(watch)
+        if watch is None or not watch.started:
+            if mailbox.error is not None:
+                raise mailbox.error
+            mailbox.expect(self._executor.checker(op),
+                           exchange_receives(self._service, op, buf, channel))
         try:
             await exchange_all_reduce(self._executor, op, buf, out, channel, sent_to=sent_to,
-                                      parts=parts)
+                                      parts=parts, taken=watch.frames if watch else None)
         finally:
             mailbox.done(op.seq)
 

@@ -41,12 +41,25 @@ lane starts, its frames stop counting as held, and the reader resumes.
 from __future__ import annotations
 
 import asyncio
+import functools
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 from burncoll.errors import CollectiveError, ProtocolError
+from burncoll.node.receives import (
+    PART_BYTES,
+    FrameKey,
+    Lane,
+    Receives,
+    Stream,
+    accept_part,
+    key_of,
+)
+from burncoll.node.receives import describe_part as _part
+from burncoll.node.watch import Watch
 from burncoll.transport.wire import DataHeader, Frame
 
 __all__ = [
@@ -60,57 +73,23 @@ __all__ = [
     "key_of",
 ]
 
-FrameKey = tuple[int, int, int, int, int]
-#: ``(seq, channel)``: one channel of one operation, started by one :meth:`Mailbox.expect`.
-Lane = tuple[int, int]
-
-#: Largest payload of one frame; bigger chunks travel in several parts.
-PART_BYTES = 4 << 20
 #: Most frames held for lanes this node has not started.
 HELD_FRAMES = 1024
 #: Most payload bytes held for lanes this node has not started (plus one part per connection).
 HELD_BYTES = 64 << 20
 
 
-def key_of(h: DataHeader) -> FrameKey:
-    return (h.seq, h.channel, h.round, h.src, h.chunk)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _part(h: DataHeader) -> str:
-    return (f"the part at byte {h.offset} of chunk {h.chunk} of operation #{h.seq} "
-            f"(round {h.round + 1})")
-
-
-def _derived_elsewhere(h: DataHeader) -> int:
-    raise ProtocolError(f"sent {_part(h)}, a chunk of unknown size")
-
-
-@dataclass(frozen=True, slots=True)
-class Receives:
-    """What one lane of this node receives: each key, and its chunk's size in bytes.
-
-    ``None`` as a size: the chunk is allocated on receipt, its size follows from the first
-    header's dtype and shape: ``size_of(header)`` (which raises ProtocolError for a shape this
-    node cannot hold).
-    """
-
-    seq: int
-    channel: int
-    totals: Mapping[FrameKey, int | None]
-    size_of: Callable[[DataHeader], int] = field(default=_derived_elsewhere)
-    #: Bytes of every part but a chunk's last (the sender's ``PART_BYTES``).
-    part_bytes: int = PART_BYTES
-
-
-class _Stream:
-    """What arrived of one key: its chunk's size and the bytes received in order."""
-
-    __slots__ = ("complete", "received", "total")
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.received = 0
-        self.complete = False
+def _locked(method: F) -> F:
+    """Run ``method`` under the mailbox's lock: the event loop's thread stores frames while
+    a calling thread may start or end its exchange (:meth:`Mailbox.start_watched`)."""
+    @functools.wraps(method)
+    def locked(self: Mailbox, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return cast(F, locked)
 
 
 class Mailbox:
@@ -123,6 +102,8 @@ class Mailbox:
         self.clock = clock
         self._frames: dict[FrameKey, deque[Frame]] = {}
         self._waiters: dict[FrameKey, asyncio.Future[None]] = {}
+        #: Keys a calling thread waits for itself (:meth:`watch`).
+        self._watches: dict[FrameKey, Watch] = {}
         self._error: BaseException | None = None
         #: Checks a frame against the receiver's own call of ``seq``; returns an error or None.
         self._checks: dict[int, Callable[[DataHeader], CollectiveError | None]] = {}
@@ -141,7 +122,7 @@ class Mailbox:
         #: the part's final place (the transport may read the payload straight into it).
         self._places: dict[tuple[FrameKey, int], memoryview] = {}
         #: Progress of every key of the lanes not left behind.
-        self._streams: dict[FrameKey, _Stream] = {}
+        self._streams: dict[FrameKey, Stream] = {}
         #: The lanes started here (not yet left behind), and what each receives.
         self._started: dict[Lane, Receives] = {}
         #: Frames and payload bytes held per lane not started, and in total.
@@ -150,16 +131,22 @@ class Mailbox:
         self._held_bytes = 0
         self._room = asyncio.Event()
         self._room.set()
+        #: Held while the structures above change (a re-entrant lock: a failure found while
+        #: storing a frame fails the mailbox from inside ``put``).
+        self._lock = threading.RLock()
 
     # -- placement ----------------------------------------------------------------------------
+    @_locked
     def offer_place(self, key: FrameKey, offset: int, memory: memoryview) -> None:
         """The part ``(key, offset)`` may be received straight into ``memory``."""
         self._places[(key, offset)] = memory
 
+    @_locked
     def withdraw_place(self, key: FrameKey, offset: int) -> None:
         """Withdraw the place offered for ``(key, offset)`` if it was not used."""
         self._places.pop((key, offset), None)
 
+    @_locked
     def take_place(self, key: FrameKey, offset: int, size: int) -> memoryview | None:
         """Where the arriving part ``(key, offset)`` of ``size`` bytes goes, if its receiver
         offered a place for it (given out once)."""
@@ -174,6 +161,7 @@ class Mailbox:
         return self._error
 
     # -- operations ---------------------------------------------------------------------------
+    @_locked
     def expect(self, check: Callable[[DataHeader], CollectiveError | None],
                receives: Receives) -> None:
         """Start lane ``(receives.seq, receives.channel)``: from now on its frames are checked
@@ -204,7 +192,7 @@ class Mailbox:
                 if self._error is not None:
                     return
                 try:
-                    self._accept(header, len(frame.payload), receives)
+                    accept_part(self._streams, header, len(frame.payload), receives)
                 except ProtocolError as exc:
                     self.on_error(ProtocolError(
                         f"{self.describe(header.src)} {exc}; the connection between members "
@@ -236,6 +224,7 @@ class Mailbox:
         """Whether operation ``current`` is still running here."""
         return self._active.get(self.current, 0) > 0
 
+    @_locked
     def done(self, seq: int) -> None:
         """One channel of operation ``seq`` is over on this node (``expect`` was called once
         per channel; the operation is over when every channel is)."""
@@ -276,6 +265,7 @@ class Mailbox:
             await self._room.wait()
 
     # -- frames -------------------------------------------------------------------------------
+    @_locked
     def put(self, frame: Frame) -> bool:
         """Store a DATA frame and wake whoever waits for its key; ``True`` if it is held for a
         lane not started (its reader then checks :attr:`crowded`).
@@ -298,7 +288,7 @@ class Mailbox:
         lane = (header.seq, header.channel)
         receives = self._started.get(lane)
         size = len(frame.payload)
-        self._accept(header, size, receives)
+        accept_part(self._streams, header, size, receives)
         key = key_of(header)
         self._frames.setdefault(key, deque()).append(frame)
         if receives is None:
@@ -310,54 +300,12 @@ class Mailbox:
         waiter = self._waiters.pop(key, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        watch = self._watches.pop(key, None)
+        if watch is not None:
+            watch.take(key, self._frames[key].popleft())
+            if not self._frames[key]:
+                del self._frames[key]
         return receives is None
-
-    def _accept(self, h: DataHeader, size: int, receives: Receives | None) -> None:
-        """Advance the key of ``h`` by its part of ``size`` bytes, or raise ProtocolError.
-
-        ``receives``: the started lane's registration (every check); ``None`` for a lane not
-        started: the part is checked for order and an upper bound on its size only (the exact
-        checks run when the lane starts).
-        """
-        key = key_of(h)
-        stream = self._streams.get(key)
-        if stream is None:
-            if receives is None:
-                total = h.chunk_bytes
-            elif key not in receives.totals:
-                raise ProtocolError(
-                    f"sent {_part(h)}, which this node does not receive in that operation "
-                    "(no such round, sender or chunk in its schedule)")
-            else:
-                registered = receives.totals[key]
-                total = receives.size_of(h) if registered is None else registered
-            if h.chunk_bytes != total:
-                raise ProtocolError(
-                    f"sent {_part(h)} announcing a chunk of {h.chunk_bytes} bytes where this "
-                    f"node expects {total}")
-            stream = _Stream(total)
-            self._streams[key] = stream
-        elif h.chunk_bytes != stream.total:
-            raise ProtocolError(
-                f"sent {_part(h)} announcing a chunk of {h.chunk_bytes} bytes after parts of "
-                f"a chunk of {stream.total}")
-        if stream.complete or h.offset < stream.received:
-            raise ProtocolError(
-                f"sent {_part(h)} twice, or bytes overlapping a part already received (byte "
-                f"{stream.received} of {stream.total} comes next)")
-        if h.offset > stream.received:
-            raise ProtocolError(
-                f"sent {_part(h)} out of order: byte {stream.received} comes next (the parts "
-                "of a chunk follow each other, without gaps)")
-        part = receives.part_bytes if receives is not None else PART_BYTES
-        want = min(part, stream.total - h.offset)
-        fits = size == want if receives is not None else (
-            size <= want and (size > 0 or want == 0))
-        if not fits:
-            raise ProtocolError(
-                f"sent {_part(h)} of {size} bytes where the schedule has {want}")
-        stream.received += size
-        stream.complete = stream.received >= stream.total
 
     async def get(self, key: FrameKey, deadline: float, on_timeout: Callable[[], BaseException]
                   ) -> Frame:
@@ -366,11 +314,8 @@ class Mailbox:
         while True:
             if self._error is not None:
                 raise self._error
-            frames = self._frames.get(key)
-            if frames:
-                frame = frames.popleft()
-                if not frames:
-                    del self._frames[key]
+            frame = self._pop(key)
+            if frame is not None:
                 return frame
             remaining = deadline - self.clock()
             if remaining <= 0:
@@ -383,6 +328,67 @@ class Mailbox:
             except TimeoutError:
                 self._waiters.pop(key, None)
 
+    @_locked
+    def _pop(self, key: FrameKey) -> Frame | None:
+        frames = self._frames.get(key)
+        if not frames:
+            return None
+        frame = frames.popleft()
+        if not frames:
+            del self._frames[key]
+        return frame
+
+    @_locked
+    def watch(self, watch: Watch) -> None:
+        """Hand ``watch`` the next frame of each of its keys: those here now at once, the
+        others as :meth:`put` stores them (checked as for :meth:`get`); a failure of the
+        session wakes it with the error. Only on the event loop's thread."""
+        if self._error is not None:
+            watch.fail(self._error)
+            return
+        for key in watch.keys:
+            frame = self._pop(key)
+            if frame is None:
+                self._watches[key] = watch
+            else:
+                watch.take(key, frame)
+
+    @_locked
+    def start_watched(self, check: Callable[[DataHeader], CollectiveError | None],
+                      receives: Receives, watch: Watch) -> bool:
+        """From a calling thread: :meth:`expect` and :meth:`watch` at once, when that needs
+        nothing of the event loop: no failure yet, no reader paused to wake (not
+        :attr:`crowded`), and every frame held for the lane passes its checks (a failure to
+        report is the loop's). ``False``, with nothing done, otherwise."""
+        if self._error is not None or self.crowded or not self._would_pass(check, receives):
+            return False
+        self.expect(check, receives)
+        self.watch(watch)
+        return True
+
+    def _would_pass(self, check: Callable[[DataHeader], CollectiveError | None],
+                    receives: Receives) -> bool:
+        """Whether :meth:`expect` would find every frame held for the lane right."""
+        lane, streams = (receives.seq, receives.channel), dict[FrameKey, Stream]()
+        for key, frames in self._frames.items():
+            for frame in frames if (key[0], key[1]) == lane else ():
+                h = frame.header
+                if h is None or check(h) is not None:
+                    return False
+                try:
+                    accept_part(streams, h, len(frame.payload), receives)
+                except ProtocolError:
+                    return False
+        return True
+
+    @_locked
+    def unwatch(self, watch: Watch) -> None:
+        """Stop handing frames to ``watch`` (what it took is its own)."""
+        for key in watch.keys:
+            if self._watches.get(key) is watch:
+                del self._watches[key]
+
+    @_locked
     def fail(self, error: BaseException) -> None:
         """End the session: every current and future :meth:`get` raises ``error``."""
         if self._error is not None:
@@ -398,3 +404,6 @@ class Mailbox:
             if not waiter.done():
                 waiter.set_exception(error)
         self._waiters.clear()
+        for watch in list(self._watches.values()):
+            watch.fail(error)
+        self._watches.clear()

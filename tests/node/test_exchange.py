@@ -37,7 +37,12 @@ import pytest
 import burncoll
 from burncoll.dtypes import dtype_from_name
 from burncoll.levels import GlobalOp
-from burncoll.node.exchange import exchange_all_reduce, exchange_receives
+from burncoll.node.exchange import (
+    exchange_all_reduce,
+    exchange_parts,
+    exchange_receives,
+    reduce_in_node_order,
+)
 from burncoll.node.executor import GlobalExecutor
 from burncoll.ops import OpKind, parse_reduce_op
 from burncoll.strategies.auto import exchange_limit
@@ -257,17 +262,24 @@ def _expected(k: int, count: int, op: str, dtype: str, layout: list[int]
 
 
 def _count_exchanges() -> list[int]:
-    """Count this process's exchanges (in the returned list's one item); the wrapper only
-    observes: it calls the real :func:`exchange_all_reduce`."""
+    """Count this process's exchanges (the returned list's first item): each builds its
+    message once, whether the calling thread or the event loop then completes it; and (the
+    second) those the calling thread completed itself. The wrappers only observe: they call
+    the real functions."""
     import burncoll.node.link as link_module
 
-    count = [0]
+    count = [0, 0]
 
-    async def counting(*args: Any, **kwargs: Any) -> None:
+    def counting(*args: Any, **kwargs: Any) -> list[bytes | memoryview]:
         count[0] += 1
-        await exchange_all_reduce(*args, **kwargs)
+        return exchange_parts(*args, **kwargs)
 
-    link_module.exchange_all_reduce = counting  # type: ignore[attr-defined]
+    def reducing_in_caller(*args: Any, **kwargs: Any) -> None:
+        count[1] += 1  # the calling thread got every frame itself (burncoll.node.watch)
+        reduce_in_node_order(*args, **kwargs)
+
+    link_module.exchange_parts = counting  # type: ignore[attr-defined]
+    link_module.reduce_in_node_order = reducing_in_caller  # type: ignore[attr-defined]
     return count
 
 
@@ -391,7 +403,8 @@ def _node_main(argv: list[str]) -> None:
     for t in threads:
         t.join()
     for record in records:
-        print(json.dumps({**record, "exchanges": exchanges[0]}), flush=True)
+        print(json.dumps({**record, "exchanges": exchanges[0], "watched": exchanges[1]}),
+              flush=True)
 
 
 def _run_nodes(layout: list[int], local_s: str, transport: str, scenario: str,
@@ -450,6 +463,8 @@ def test_small_all_reduces_exchange_and_larger_ones_do_not(
         assert not r["problems"], r["problems"]
         assert r["digests"] == records[0]["digests"], f"peer {r['peer']} got different bits"
         assert r["exchanges"] == exchanged, r["exchanges"]  # one per operation on each node
+        if transport != "quic":  # QUIC sends from the event loop: the loop completes them
+            assert r["watched"] > 0, r  # the calling thread sent, waited and reduced itself
 
 
 @pytest.mark.parametrize("local_s", ["auto", "ring"])
