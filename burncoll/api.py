@@ -24,7 +24,7 @@ from burncoll.ops import OpKind, ReduceOp, check_reduce_dtype, parse_reduce_op
 from burncoll.p2p import PointToPoint
 from burncoll.registry import REGISTRY, close_node
 from burncoll.rooted import RootedOps, parse_counts, write_out
-from burncoll.work import OpQueue
+from burncoll.work import OpQueue, Work
 
 __all__ = ["Communicator", "register"]
 
@@ -57,6 +57,7 @@ class Communicator(RootedOps, Groups, PointToPoint):
         #: This peer's operations in the order issued (``async_op=True`` runs them on its
         #: worker thread; see :mod:`burncoll.work`).
         self._ops = OpQueue(f"burncoll-peer-{self.peer_id}")
+        self._p2p_in_flight: set[Work[Any]] = set()
 
     def __repr__(self) -> str:
         return (
@@ -201,8 +202,10 @@ class Communicator(RootedOps, Groups, PointToPoint):
     def finish(self) -> None:
         """Leave the collective. The node closes its connections once every local peer has
         called it; later calls on this communicator raise :class:`~burncoll.UsageError`.
-        Operations still in flight (``async_op=True``) are waited for first."""
+        Operations still in flight (``async_op=True``, ``isend``, ``irecv``) are waited for
+        first (each ends by its own deadline at the latest)."""
         self._ops.run(lambda: None, "finish")
+        self._finish_in_flight()
         if self._server.finish(self._index):
             close_node(self._server)
 

@@ -40,6 +40,7 @@ which holds a copy of the sent array.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -51,6 +52,7 @@ from burncoll.backends.out_arrays import check_out
 from burncoll.dtypes import SUPPORTED_DTYPES, dtype_name
 from burncoll.errors import (
     CollectiveAborted,
+    CollectiveError,
     CollectiveTimeout,
     MismatchError,
     UsageError,
@@ -79,6 +81,7 @@ class PointToPoint:
         _backend: Backend
         peer_id: int
         device: Device
+        _p2p_in_flight: set[Work[Any]]  # isend / irecv not completed yet
 
     def send(self, x: Array, dst: int, tag: int = 0) -> None:
         """Send ``x`` to peer ``dst`` under ``tag``; returns once ``dst`` received it."""
@@ -93,7 +96,7 @@ class PointToPoint:
         """Send ``x`` to peer ``dst`` under ``tag``; returns a :class:`~burncoll.Work` at once,
         completed when ``dst`` received it (keep ``x`` unchanged until then)."""
         dst, tag = self._p2p_peer("isend", dst, "dst"), _check_tag("isend", tag)
-        return self._send("isend", x, dst, tag, wait=False)
+        return self._in_flight(self._send("isend", x, dst, tag, wait=False))
 
     def recv(self, src: int, tag: int = 0, out: Array | None = None) -> Array:
         """The next message from peer ``src`` under ``tag``: a new array on this peer's device
@@ -107,7 +110,21 @@ class PointToPoint:
         :class:`~burncoll.Work` at once, completed with the array (as :meth:`recv`)."""
         src, tag = self._p2p_peer("irecv", src, "src"), _check_tag("irecv", tag)
         work: Work[Any] = self._recv("irecv", src, tag, out, wait=False)
+        return self._in_flight(work)
+
+    def _in_flight(self, work: Work[T]) -> Work[T]:
+        """Remember ``work`` until it completes, for :meth:`_finish_in_flight`."""
+        self._p2p_in_flight.add(work)
+        work.add_done_callback(self._p2p_in_flight.discard)
         return work
+
+    def _finish_in_flight(self) -> None:
+        """Before ``finish``: wait for this peer's isend / irecv in flight, as MPI requires
+        them completed before a process leaves (each ends by its deadline at the latest; a
+        failure was already raised to every peer, and is the user's to see in ``wait``)."""
+        for work in list(self._p2p_in_flight):
+            with contextlib.suppress(CollectiveError):
+                work.exception(self._server.config.timeout + 1.0)
 
     # -- the two directions ---------------------------------------------------------------
     def _send(self, label: str, x: Array, dst: int, tag: int, *, wait: bool) -> Work[None]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -324,3 +325,33 @@ def test_jax_peers_send_and_receive_jax_arrays_on_their_devices() -> None:
         assert isinstance(got, jax.Array), got
         assert got.devices() == {devices[i]}
         _same(got, np.arange(6, dtype=np.float32).reshape(2, 3) + (1 - i), i)
+
+
+# -- finish and messages in flight ------------------------------------------------------------
+@pytest.mark.parametrize("transport", ["websocket", "quic"])
+def test_finish_waits_for_an_isend_or_irecv_in_flight(transport: str) -> None:
+    """A peer that finishes right after ``isend`` (or ``irecv``) without waiting: its node
+    stays until the message is taken (or has come), as MPI has requests completed before a
+    process leaves; the other side, which sends or receives late, gets the right array."""
+    late = 0.5
+    message = np.arange(1000.0) * 3 - 7
+
+    def work(comm: burncoll.Communicator) -> Any:
+        other = next(p for p in comm.peer_ids if p != comm.peer_id)
+        if comm.rank == 0:
+            sent = comm.isend(message.copy(), other)  # never waited
+            pending = comm.irecv(other, tag=1)  # nor this one
+            comm.finish()
+            return pending, sent.is_completed(), pending.is_completed()
+        time.sleep(late)
+        got = comm.recv(other)
+        comm.send(got * 2, other, tag=1)
+        return got
+
+    with burncoll.start_orchestrator(transport=transport, expected_nodes=2) as orch:
+        results = _run_nodes(orch.address, transport, 2, 1, work)
+    _same(results[1], message, "the isend the sender never waited for")
+    assert isinstance(results[0], tuple), results[0]
+    pending, sent_done, received_done = results[0]
+    assert sent_done and received_done  # finish returned once both were complete
+    _same(pending.result(), message * 2, "the irecv the receiver never waited for")
