@@ -1,11 +1,11 @@
-"""Latency of one small all-reduce between 2 node processes, per call, in microseconds.
+"""Latency of one small all-reduce between node processes (2 by default), per call, in µs.
 
 ``burncoll bench`` reports the median of the slowest peer with a barrier before each call;
 this one times back-to-back calls on node 0 (as a training loop issues them), which shows the
 spread (10th percentile, median) that a barrier hides. ``--load N`` runs N CPU-bound
 processes beside it, as ``burncoll bench --load`` does.
 
-    python benchmarks/small_latency.py [--bytes 8] [--iters 2000] [--runs 3] [--load 2]
+    python benchmarks/small_latency.py [--nodes 2] [--bytes 8] [--iters 2000] [--runs 3] [--load 2]
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import burncoll
 from burncoll.bench.load import cpu_load
 
 
-def node(index: int, address: str, transport: str, nbytes: int, iters: int) -> None:
-    config = burncoll.CollectiveConfig(num_devices=1, num_nodes=2, global_address=address,
+def node(index: int, nodes: int, address: str, transport: str, nbytes: int, iters: int) -> None:
+    config = burncoll.CollectiveConfig(num_devices=1, num_nodes=nodes, global_address=address,
                                        node_address="127.0.0.1", transport=transport,
                                        timeout=30)
     comm = burncoll.register(index, 0, config)
@@ -48,8 +48,9 @@ def one_run(args: argparse.Namespace) -> dict[str, float]:
         procs = [subprocess.Popen(
             [sys.executable, __file__, "--node", str(i), "--address", orch.address,
              "--transport", args.transport, "--bytes", str(args.bytes),
-             "--iters", str(args.iters)], stdout=subprocess.PIPE, text=True)
-            for i in range(2)]
+             "--iters", str(args.iters), "--nodes", str(args.nodes)],
+            stdout=subprocess.PIPE, text=True)
+            for i in range(args.nodes)]
         out = [p.communicate(timeout=600)[0] for p in procs]
     result: dict[str, float] = json.loads(out[0].strip().splitlines()[-1])
     return result
@@ -57,6 +58,7 @@ def one_run(args: argparse.Namespace) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--bytes", type=int, default=8)
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--runs", type=int, default=3)
@@ -66,7 +68,7 @@ def main() -> None:
     parser.add_argument("--address", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.node is not None:
-        node(args.node, args.address, args.transport, args.bytes, args.iters)
+        node(args.node, args.nodes, args.address, args.transport, args.bytes, args.iters)
         return
     with cpu_load(args.load):
         runs = [one_run(args) for _ in range(args.runs)]
