@@ -71,12 +71,12 @@ def exchange_keys(service: Ports, op: GlobalOp, channel: int) -> list[FrameKey]:
             for n in service.nodes if n.index != service.node_index]
 
 
-def reduce_in_node_order(op: GlobalOp, me: int, buf: HostArray,
+def reduce_in_node_order(op: GlobalOp, me: int, nodes: int, buf: HostArray,
                          received: Mapping[int, HostArray], out: HostArray) -> None:
-    """``out = x0 op x1 op ...`` in node order, ``buf`` being this node's ``x``: every node
-    computes the same bits."""
+    """``out = x0 op x1 op ...`` over the ``nodes`` nodes in node order, ``buf`` being this
+    node's ``x`` and ``received`` every other node's: every node computes the same bits."""
     ufunc = host_ufunc(op.reduce_op or ReduceOp.SUM)
-    operands = [buf if i == me else received[i] for i in range(len(received) + 1)]
+    operands = [buf if i == me else received[i] for i in range(nodes)]
     if len(operands) == 1:
         out[...] = buf
         return
@@ -125,7 +125,7 @@ async def exchange_all_reduce(executor: GlobalExecutor, op: GlobalOp, buf: HostA
                 task.cancel()
             elif not task.cancelled():
                 task.exception()  # retrieved: the session's failure is what is raised
-    reduce_in_node_order(op, me, buf, received, out)
+    reduce_in_node_order(op, me, len(service.nodes), buf, received, out)
 
 
 async def _receive_all(executor: GlobalExecutor, op: GlobalOp, buf: HostArray, channel: int,

@@ -200,19 +200,27 @@ class NodeLink:
             if watch.done.wait(max(op.deadline - time.monotonic(), 0.0)) and not watch.error:
                 received = watched_arrays(op, buf, check, watch.frames)
                 if received is not None:
-                    reduce_in_node_order(op, self.node_index, buf, received, out)
-                    service.mailbox.done(op.seq)
+                    try:
+                        reduce_in_node_order(op, self.node_index, self.num_nodes, buf,
+                                             received, out)
+                    finally:
+                        service.mailbox.done(op.seq)
                     return
         # late, failed, or not all sent: the loop finishes it and reports what went wrong
         self._call(op, self._exchange_rest(op, buf, out, channel, sent_to, parts, watch))
 
     def _start_watch(self, op: GlobalOp, buf: HostArray, channel: int, watch: Watch) -> None:
+        """(Event loop.) Start the exchange's lane and watch it; an unexpected error wakes the
+        waiting thread with it, which hands the operation to :meth:`_exchange_rest`."""
         mailbox = self._service.mailbox
-        if mailbox.error is None:
-            mailbox.expect(self._executor.checker(op),
-                           exchange_receives(self._service, op, buf, channel))
-            watch.started = True
-        mailbox.watch(watch)
+        try:
+            if mailbox.error is None:
+                watch.started = True  # set first: whatever happens next, ``done`` ends it
+                mailbox.expect(self._executor.checker(op),
+                               exchange_receives(self._service, op, buf, channel))
+            mailbox.watch(watch)
+        except Exception as exc:  # never leave the calling thread waiting out its deadline
+            watch.fail(exc)
 
     async def _exchange_rest(self, op: GlobalOp, buf: HostArray, out: HostArray, channel: int,
                              sent_to: frozenset[int], parts: list[bytes | memoryview],
@@ -226,6 +234,8 @@ class NodeLink:
             mailbox.expect(self._executor.checker(op),
                            exchange_receives(self._service, op, buf, channel))
         try:
+            if watch is not None and watch.error is not None and mailbox.error is None:
+                raise watch.error  # starting the lane failed here (the session did not)
             await exchange_all_reduce(self._executor, op, buf, out, channel, sent_to=sent_to,
                                       parts=parts, taken=watch.frames if watch else None)
         finally:

@@ -342,7 +342,8 @@ class Mailbox:
     def watch(self, watch: Watch) -> None:
         """Hand ``watch`` the next frame of each of its keys: those here now at once, the
         others as :meth:`put` stores them (checked as for :meth:`get`); a failure of the
-        session wakes it with the error. Only on the event loop's thread."""
+        session wakes it with the error. On the event loop's thread, or from a calling thread
+        through :meth:`start_watched`."""
         if self._error is not None:
             watch.fail(self._error)
             return
@@ -360,6 +361,10 @@ class Mailbox:
         nothing of the event loop: no failure yet, no reader paused to wake (not
         :attr:`crowded`), and every frame held for the lane passes its checks (a failure to
         report is the loop's). ``False``, with nothing done, otherwise."""
+        # Both guards keep the event loop's work on its thread: not crowded, so no reader
+        # waits on ``_room`` (its ``set`` below is a flag, not a wake-up); every held frame
+        # right, so ``expect`` calls no ``on_error`` (which must run on the loop). Keep
+        # ``_would_pass`` in step with ``expect``'s checks.
         if self._error is not None or self.crowded or not self._would_pass(check, receives):
             return False
         self.expect(check, receives)

@@ -4,10 +4,12 @@ The one-round exchange of a small all-reduce is the operation where the thread h
 more than the work: a peer thread that asks the event loop to run a coroutine, and waits for
 it, pays two wake-ups (each one a CPU to be scheduled on, which a busy host makes slow) plus
 the loop's task machinery. Instead, the peer thread sends its message itself
-(``DataService.send_now``), asks the loop to start the operation's lane and *watch* for its
-frames (one callback, not a task), and waits on a :class:`Watch`: the loop's reader hands
-each frame over as it is stored (:meth:`Mailbox.watch <burncoll.node.mailbox.Mailbox.watch>`)
-and the last one wakes the peer thread, which reduces the arrays itself.
+(``DataService.send_now``), starts the operation's lane and *watches* for its frames itself,
+under the mailbox's lock (:meth:`Mailbox.start_watched
+<burncoll.node.mailbox.Mailbox.start_watched>`; through one loop callback, not a task, when
+a held frame must be reported first), and waits on a :class:`Watch`: the loop's reader hands
+each frame over as it is stored and the last one wakes the peer thread, which reduces the
+arrays itself.
 
 Every check still runs where it ran: the mailbox checks a frame against this node's call
 before it reaches a watch. A failure of the session wakes the watch with the error; a watch
@@ -43,12 +45,12 @@ class Watch:
         self.done = threading.Event()
 
     def take(self, key: FrameKey, frame: Frame) -> None:
-        """(Event-loop thread.) The frame of ``key`` has come."""
+        """The frame of ``key`` has come (under the mailbox's lock)."""
         self.frames[key] = frame
         if len(self.frames) == len(self.keys):
             self.done.set()
 
     def fail(self, error: BaseException) -> None:
-        """(Event-loop thread.) The session failed: wake the waiting thread."""
+        """The session failed, or starting it did: wake the waiting thread."""
         self.error = error
         self.done.set()
