@@ -122,9 +122,10 @@ class PointToPoint:
         """Before ``finish``: wait for this peer's isend / irecv in flight, as MPI requires
         them completed before a process leaves (each ends by its deadline at the latest; a
         failure was already raised to every peer, and is the user's to see in ``wait``)."""
+        deadline = time.monotonic() + self._server.config.timeout + 1.0  # one, for them all
         for work in list(self._p2p_in_flight):
             with contextlib.suppress(CollectiveError):
-                work.exception(self._server.config.timeout + 1.0)
+                work.exception(max(deadline - time.monotonic(), 0.0))
 
     # -- the two directions ---------------------------------------------------------------
     def _send(self, label: str, x: Array, dst: int, tag: int, *, wait: bool) -> Work[None]:

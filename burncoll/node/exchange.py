@@ -59,9 +59,8 @@ def exchange_receives(service: Ports, op: GlobalOp, buf: HostArray,
                       channel: int) -> Receives:
     """What this node receives in the exchange (for ``Mailbox.expect``): from every other
     node, one part of exactly ``buf``'s size."""
-    totals: dict[FrameKey, int | None] = {
-        (op.seq, channel, 0, n.index, 0): buf.nbytes
-        for n in service.nodes if n.index != service.node_index}
+    totals = dict[FrameKey, int | None].fromkeys(exchange_keys(service, op, channel),
+                                                 buf.nbytes)
     return Receives(op.seq, channel, totals, part_bytes=max(buf.nbytes, 1))
 
 
@@ -94,11 +93,15 @@ def watched_arrays(op: GlobalOp, buf: HostArray, check: Check,
     received: dict[int, HostArray] = {}
     for key, frame in frames.items():
         h = frame.header
-        if (h is None or check(h) is not None or h.chunk_bytes != buf.nbytes
-                or len(frame.payload) != buf.nbytes or h.offset):
+        if h is None or check(h) is not None or not _whole_buffer(h, frame, buf):
             return None
         received[key[3]] = np.frombuffer(frame.payload, dtype=dtype)
     return received
+
+
+def _whole_buffer(h: DataHeader, frame: Frame, buf: HostArray) -> bool:
+    """Whether ``frame`` carries exactly one buffer of ``buf``'s size, from its first byte."""
+    return h.chunk_bytes == buf.nbytes and len(frame.payload) == buf.nbytes and not h.offset
 
 
 async def exchange_all_reduce(executor: GlobalExecutor, op: GlobalOp, buf: HostArray,
@@ -148,7 +151,7 @@ async def _receive_all(executor: GlobalExecutor, op: GlobalOp, buf: HostArray, c
         if error is not None:
             service.fail(error)
             raise error
-        if h.chunk_bytes != buf.nbytes or len(frame.payload) != buf.nbytes or h.offset:
+        if not _whole_buffer(h, frame, buf):
             raise executor.fail_protocol(op, h, "a buffer of the wrong size")
         received[src] = np.frombuffer(frame.payload, dtype=dtype)
     return received

@@ -26,6 +26,7 @@ from burncoll.config_values import parse_host_port
 from burncoll.errors import CollectiveError, CollectiveTimeout, PeerLost, UsageError
 from burncoll.ioloop import IoLoop
 from burncoll.levels import Exchange, GlobalOp, GlobalPath, HostArray, LocalPeers
+from burncoll.node.checks import Check
 from burncoll.node.control import Join
 from burncoll.node.data_service import DataService
 from burncoll.node.exchange import (
@@ -39,6 +40,7 @@ from burncoll.node.exchange import (
 from burncoll.node.executor import GlobalExecutor
 from burncoll.node.orchestrator_client import OrchestratorClient
 from burncoll.node.p2p_link import NodePointToPoint
+from burncoll.node.receives import Receives
 from burncoll.node.watch import Watch
 from burncoll.strategies import Ring, Schedule, Strategy
 from burncoll.strategies.layout import even_layout
@@ -192,11 +194,9 @@ class NodeLink:
         if len(sent_to) == self.num_nodes - 1:  # nothing left for the loop to send
             watch = Watch(exchange_keys(service, op, channel))
             check = self._executor.checker(op)
-            if service.mailbox.start_watched(check, exchange_receives(service, op, buf, channel),
-                                             watch):
-                watch.started = True  # no event-loop wake-up at all
-            else:
-                self._io.loop.call_soon_threadsafe(self._start_watch, op, buf, channel, watch)
+            receives = exchange_receives(service, op, buf, channel)
+            if not service.mailbox.start_watched(check, receives, watch):  # no loop wake-up
+                self._io.loop.call_soon_threadsafe(self._start_watch, check, receives, watch)
             if watch.done.wait(max(op.deadline - time.monotonic(), 0.0)) and not watch.error:
                 received = watched_arrays(op, buf, check, watch.frames)
                 if received is not None:
@@ -209,16 +209,11 @@ class NodeLink:
         # late, failed, or not all sent: the loop finishes it and reports what went wrong
         self._call(op, self._exchange_rest(op, buf, out, channel, sent_to, parts, watch))
 
-    def _start_watch(self, op: GlobalOp, buf: HostArray, channel: int, watch: Watch) -> None:
+    def _start_watch(self, check: Check, receives: Receives, watch: Watch) -> None:
         """(Event loop.) Start the exchange's lane and watch it; an unexpected error wakes the
         waiting thread with it, which hands the operation to :meth:`_exchange_rest`."""
-        mailbox = self._service.mailbox
         try:
-            if mailbox.error is None:
-                watch.started = True  # set first: whatever happens next, ``done`` ends it
-                mailbox.expect(self._executor.checker(op),
-                               exchange_receives(self._service, op, buf, channel))
-            mailbox.watch(watch)
+            self._service.mailbox.start_watched(check, receives, watch, on_loop=True)
         except Exception as exc:  # never leave the calling thread waiting out its deadline
             watch.fail(exc)
 

@@ -302,9 +302,8 @@ class Mailbox:
             waiter.set_result(None)
         watch = self._watches.pop(key, None)
         if watch is not None:
-            watch.take(key, self._frames[key].popleft())
-            if not self._frames[key]:
-                del self._frames[key]
+            watch.take(key, frame)
+            self._pop(key)  # the frame just stored: the watch has it
         return receives is None
 
     async def get(self, key: FrameKey, deadline: float, on_timeout: Callable[[], BaseException]
@@ -356,18 +355,22 @@ class Mailbox:
 
     @_locked
     def start_watched(self, check: Callable[[DataHeader], CollectiveError | None],
-                      receives: Receives, watch: Watch) -> bool:
-        """From a calling thread: :meth:`expect` and :meth:`watch` at once, when that needs
+                      receives: Receives, watch: Watch, *, on_loop: bool = False) -> bool:
+        """:meth:`expect` (unless the session failed; ``watch.started`` then says it ran) and
+        :meth:`watch` at once. From a calling thread (not ``on_loop``) only when that needs
         nothing of the event loop: no failure yet, no reader paused to wake (not
         :attr:`crowded`), and every frame held for the lane passes its checks (a failure to
-        report is the loop's). ``False``, with nothing done, otherwise."""
-        # Both guards keep the event loop's work on its thread: not crowded, so no reader
-        # waits on ``_room`` (its ``set`` below is a flag, not a wake-up); every held frame
-        # right, so ``expect`` calls no ``on_error`` (which must run on the loop). Keep
-        # ``_would_pass`` in step with ``expect``'s checks.
-        if self._error is not None or self.crowded or not self._would_pass(check, receives):
+        report is the loop's); ``False``, with nothing done, otherwise."""
+        # Off the loop these guards keep the loop's work on its thread: not crowded, so no
+        # reader waits on ``_room`` (its ``set`` in ``expect`` is a flag, not a wake-up);
+        # every held frame right, so ``expect`` calls no ``on_error`` (which must run on the
+        # loop). Keep ``_would_pass`` in step with ``expect``'s checks.
+        if not on_loop and (self._error is not None or self.crowded
+                            or not self._would_pass(check, receives)):
             return False
-        self.expect(check, receives)
+        if self._error is None:
+            watch.started = True  # set first: whatever happens next, ``done`` ends the lane
+            self.expect(check, receives)
         self.watch(watch)
         return True
 
