@@ -37,6 +37,7 @@ __all__ = [
     "of_root",
     "quantize",
     "root_code",
+    "wire_values",
 ]
 
 #: The accepted ``compression`` values.
@@ -91,6 +92,17 @@ def decode(raw: NDArray, kind: str) -> NDArray:
     wide = raw.astype(np.uint32)
     np.left_shift(wide, 16, out=wide)
     return wide.view(np.float32)
+
+
+def wire_values(raw: NDArray, kind: str) -> NDArray:
+    """uint16 wire values as 16-bit floats NumPy widens while it combines or copies them (a
+    view, no copy: ``np.add(acc, wire_values(raw, k), out=acc, dtype=acc.dtype)``); the
+    decoded float32 copy where the bfloat16 dtype is missing."""
+    if kind == "fp16":
+        return raw.view(np.float16)
+    if _BFLOAT16 is not None:
+        return raw.view(_BFLOAT16)
+    return decode(raw, kind)
 
 
 def quantize(x: NDArray, kind: str) -> None:

@@ -20,7 +20,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from burncoll.compression import quantize
 from burncoll.config import CollectiveConfig
 from burncoll.config_values import parse_host_port
 from burncoll.errors import CollectiveError, CollectiveTimeout, PeerLost, UsageError
@@ -254,8 +253,6 @@ class NodeLink:
             _require_separate_out(buf, out)
             outs = [out[a:b] for a, b in layout]
         self._call(op, self._run(op, schedule, chunks, channel, outs))
-        if op.compression is not None:  # every node keeps the bits it sent, and no more
-            quantize(buf if out is None else out, op.compression)
 
     def reduce(self, op: GlobalOp, buf: HostArray, root_node: int, *,
                strategy: Strategy) -> None:

@@ -37,13 +37,14 @@ from typing import Any
 import numpy as np
 
 from burncoll.backends.numpy import host_ufunc
-from burncoll.compression import WIRE_ITEMSIZE, decode, encode
+from burncoll.compression import WIRE_ITEMSIZE, encode, quantize, wire_values
 from burncoll.dtypes import dtype_from_name
 from burncoll.errors import CollectiveError, ProtocolError
 from burncoll.levels import GlobalOp, HostArray
 from burncoll.node.checks import Check, expected_bytes, part_of, protocol_error
 from burncoll.node.mailbox import PART_BYTES, FrameKey, Receives
 from burncoll.node.pipeline import Pipeline
+from burncoll.node.step_buffers import copy_unwritten, step_buffers, wire_settled
 from burncoll.ops import ROW_KINDS
 from burncoll.strategies import Action, Schedule, Step
 from burncoll.transport.wire import DataHeader, Frame
@@ -95,8 +96,6 @@ Request = SendPart | ReceivePart | AwaitChunk
 #: One step of this node: yields requests, is answered with the frame a ReceivePart asked
 #: for (``None`` otherwise), returns when the step is done.
 Transfer = Generator[Request, Frame | None, None]
-#: The chunk lists one step reads and writes (a send only reads).
-_Buffers = tuple[Sequence[HostArray | None], list[HostArray | None]]
 
 
 def _unwatched(chunk: int) -> None:
@@ -128,10 +127,11 @@ class Walk:
     receivers).
 
     ``out`` (one array per chunk, sized as ``chunks``) makes the walk out of place: ``chunks``
-    are only read and the result is written to ``out`` (see :func:`_step_buffers`); a chunk no
-    step of this node writes is copied over by :meth:`finish`. ``dtype`` and ``shape`` are
-    what the frames carry until a received frame says otherwise (a broadcast receiver learns
-    the root's). ``check`` compares every received header with this node's call;
+    are only read and the result is written to ``out`` (see
+    :func:`~burncoll.node.step_buffers.step_buffers`); a chunk no step of this node writes is
+    copied over by :meth:`finish`. ``dtype`` and ``shape`` are what the frames carry until a
+    received frame says otherwise (a broadcast receiver learns the root's). ``check`` compares
+    every received header with this node's call;
     ``describe`` names a node in errors.
     """
 
@@ -158,6 +158,10 @@ class Walk:
         #: A compressed all-reduce's wire format: parts, offsets and sizes then count its
         #: 16-bit values, and received values are widened before they are combined.
         self.wire = op.compression
+        #: (compressed) The sends that keep the values they send, and the chunks that end
+        #: holding 16-bit values without a pass over them (``wire_settled``).
+        self._write_back, self._settled = (
+            wire_settled(self.steps, me, out is not None) if self.wire else (set(), set()))
 
     def transfers(self, changed: Callable[[int], None] = _unwatched) -> list[Transfer]:
         """This node's steps as transfers, in walk order. Run them one after the other, or,
@@ -165,24 +169,31 @@ class Walk:
         transfer progresses on ``chunk`` (wake those that await it)."""
         pipe = Pipeline(changed) if self.pipelined else None
         transfers: list[Transfer] = []
-        buffers = _step_buffers(self.steps, self.me, self.chunks, self.out)
-        for (r, s), (read, write) in zip(self.steps, buffers, strict=True):
-            sends = s.src == self.me
-            slot = pipe.add(s.chunk, writes=not sends) if pipe is not None else 0
-            transfers.append(self._send(r, s, read, pipe, slot) if sends
+        buffers = step_buffers(self.steps, self.me, self.chunks, self.out)
+        for i, ((r, s), (read, write)) in enumerate(zip(self.steps, buffers, strict=True)):
+            sends, keeps = s.src == self.me, i in self._write_back
+            slot = pipe.add(s.chunk, writes=keeps or not sends) if pipe is not None else 0
+            transfers.append(self._send(r, s, read, pipe, slot, keeps) if sends
                              else self._receive(r, s, read, write, pipe, slot))
         return transfers
 
     def finish(self) -> tuple[str | None, tuple[int, ...]]:
         """Once every transfer is done: the dtype and shape the frames carried (the root's,
-        for a broadcast receiver); out of place, the chunks no step wrote are copied over."""
+        for a broadcast receiver); out of place, the chunks no step wrote are copied over.
+        Compressed, every chunk ends holding 16-bit values (``wire_settled``)."""
         if self.out is not None:
-            _copy_unwritten(self.steps, self.me, self.chunks, self.out)
+            copy_unwritten(self.steps, self.me, self.chunks, self.out)
+        if self.wire is not None:
+            final = self.out if self.out is not None else self.chunks
+            for c, chunk in enumerate(final):
+                if chunk is not None and c not in self._settled:
+                    quantize(chunk, self.wire)
         return self.dtype, tuple(self.shape)
 
     def _send(self, r: int, step: Step, chunks: Sequence[HostArray | None],
-              pipe: Pipeline | None, slot: int) -> Transfer:
-        """Send chunk ``step.chunk`` of ``chunks`` (the buffer this step reads), part by part.
+              pipe: Pipeline | None, slot: int, keeps: bool = False) -> Transfer:
+        """Send chunk ``step.chunk`` of ``chunks`` (the buffer this step reads), part by part;
+        ``keeps``: a compressed send writes the 16-bit values it sends back into the chunk.
 
         An all-gather's header carries the chunk's own shape (its rows, then the call's
         trailing shape): the receiver allocates the chunk from it."""
@@ -208,9 +219,14 @@ class Walk:
             if pipe is not None:
                 while not pipe.ready(c, slot, end):
                     yield AwaitChunk(c)
-            payload = raw[start:end] if self.wire is None else memoryview(encode(
-                flat[start // WIRE_ITEMSIZE:end // WIRE_ITEMSIZE], self.wire).view(
-                    np.uint8))  # type: ignore[arg-type]
+            if self.wire is None:
+                payload = raw[start:end]
+            else:
+                values = flat[start // WIRE_ITEMSIZE:end // WIRE_ITEMSIZE]
+                narrow = encode(values, self.wire)
+                if keeps:  # (a view of the chunk: chunks are contiguous)
+                    np.copyto(values, wire_values(narrow, self.wire))
+                payload = memoryview(narrow.view(np.uint8))  # type: ignore[arg-type]
             yield SendPart(step.dst, DataHeader(
                 session=self.session, seq=op.seq, op_kind=op.kind, reduce_op=op.reduce_op,
                 dtype=self.dtype, shape=shape, root=op.root, src=self.me, round=r,
@@ -282,12 +298,12 @@ class Walk:
         """Put one received part where it goes: combined with ``source`` into ``target`` (a
         REDUCE), or copied there (a part received in place is there already); a compressed
         all-reduce's 16-bit values are widened first."""
-        if self.wire is not None:
-            values = decode(np.frombuffer(frame.payload, np.uint16), self.wire)
+        if self.wire is not None:  # widened as they are combined: no decoded copy
+            values = wire_values(np.frombuffer(frame.payload, np.uint16), self.wire)
             if ufunc is not None:
-                ufunc(source, values, out=target)
+                ufunc(source, values, out=target, dtype=target.dtype)
             else:
-                target[...] = values
+                np.copyto(target, values)
         elif ufunc is not None:
             ufunc(source, np.frombuffer(frame.payload, dtype=target.dtype), out=target)
         elif not frame.placed:
@@ -347,36 +363,3 @@ class Walk:
     def _protocol(self, h: DataHeader, what: str) -> CollectiveError:
         return protocol_error(self.op, self.describe, h, what)
 
-
-def _step_buffers(steps: list[tuple[int, Step]], me: int, chunks: list[HostArray | None],
-                  out: list[HostArray | None] | None) -> list[_Buffers]:
-    """Which chunk list each of ``steps`` (in walk order) reads and writes.
-
-    In place, both are ``chunks``. Out of place, chunk ``c`` lives in ``chunks`` (the caller's
-    input, never written) until this node's first step that writes it, and in ``out`` from
-    that step on: that step combines ``chunks[c]`` with what it receives into ``out[c]``, and
-    every later step reads and writes ``out[c]``. This is decided here, once, from the order
-    of the steps on ``c`` -- the order :class:`Pipeline` enforces part by part -- never from
-    progress at run time: a pipelined send of ``c`` starts while the receive before it is still
-    writing ``c``, and must read ``out`` from its first part on (it waits for each part there).
-    """
-    if out is None:
-        return [(chunks, chunks)] * len(steps)
-    written: set[int] = set()
-    buffers: list[_Buffers] = []
-    for _, s in steps:
-        read = out if s.chunk in written else chunks
-        buffers.append((read, out))
-        if s.src != me:
-            written.add(s.chunk)
-    return buffers
-
-
-def _copy_unwritten(steps: list[tuple[int, Step]], me: int, chunks: list[HostArray | None],
-                    out: list[HostArray | None]) -> None:
-    """Out of place: the chunks no step of this node wrote still hold their value in
-    ``chunks`` only (a node that just sends them, or a world of one node)."""
-    written = {s.chunk for _, s in steps if s.src != me}
-    for c, (src, dst) in enumerate(zip(chunks, out, strict=True)):
-        if c not in written and src is not None and dst is not None:
-            np.copyto(dst, src)

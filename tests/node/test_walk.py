@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from burncoll import compression
 from burncoll.errors import MismatchError, ProtocolError
 from burncoll.levels import GlobalOp, HostArray
 from burncoll.node.checks import header_check
@@ -224,6 +225,37 @@ def test_all_reduce_in_place_and_out_of_place(reduce_op: ReduceOp) -> None:
                                            err_msg=str(where))
                 assert bufs[node].tobytes() == bufs[0].tobytes(), where  # bitwise everywhere
                 assert outs[node].tobytes() == bufs[node].tobytes(), where
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_compressed_all_reduce_ends_bitwise_identical_on_every_node(kind: str) -> None:
+    """Every node keeps the 16-bit values it sent and no more -- a chunk it reduced last is
+    rounded as it is sent, part by part; one it never sends, at the end -- so every node's
+    result is the same, every value a 16-bit one, within the documented error bound."""
+    for strategy, world in _cases():
+        schedule = strategy.all_reduce(world)
+        for size, part in _sizes(world):
+            xs = [x.astype(np.float32) for x in _inputs(world, size, 7)]
+            ref = np.sum(np.stack(xs).astype(np.float64), axis=0)
+            bound = compression.error_bound(kind, world, np.sum(np.abs(np.stack(xs)), axis=0))
+            layout = even_layout(size, schedule.num_chunks)
+            op = _op(OpKind.ALL_REDUCE, ReduceOp.SUM, "float32", (size,),
+                     compression.root_code(kind))
+            bufs = [x.copy() for x in xs]
+            simulate(schedule, [op] * world, [[b[a:z] for a, z in layout] for b in bufs],
+                     part // 2, seed=size)
+            outs = [np.full(size, np.nan, np.float32) for _ in range(world)]
+            for x in xs:
+                x.flags.writeable = False  # out of place: the input is only read
+            simulate(schedule, [op] * world, [[x[a:z] for a, z in layout] for x in xs],
+                     part // 2, outs=[[o[a:z] for a, z in layout] for o in outs], seed=size)
+            for node in range(world):
+                where = (kind, strategy.spec, world, size, node)
+                for got in (bufs[node], outs[node]):
+                    assert got.tobytes() == bufs[0].tobytes(), where
+                    narrow = compression.decode(compression.encode(got, kind), kind)
+                    assert narrow.tobytes() == got.tobytes(), where  # 16-bit values only
+                    assert (np.abs(got - ref) <= bound).all(), where
 
 
 def test_reduce_to_every_root() -> None:
