@@ -61,6 +61,8 @@ _NAME = re.compile(r"burncoll-([0-9]{1,10})-[0-9a-f]{32}")
 _OFFER, _DATA, _ACK = b"BSO1", b"BSD1", b"BSA1"
 _LENGTH = struct.Struct("<Q")
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+#: Seconds a receiver reads on after its ring could not be mapped (see :class:`RingReceiver`).
+UNMAPPED_GRACE = 1.0
 
 
 def host_identity() -> str:
@@ -233,7 +235,15 @@ class RingSender(Connection, FastPath):
 
 
 class RingReceiver(Connection, FastPath):
-    """The receiving side: maps the ring its sender offers, reads messages out of it."""
+    """The receiving side: maps the ring its sender offers, reads messages out of it.
+
+    A ring that cannot be mapped dooms the connection, but not at once: only its sender
+    removes its name before the receiver maps it, when it closes after a failure (or dies),
+    and what it said before closing -- why it failed -- follows the offer on the connection.
+    So the receiver reads on for up to :data:`UNMAPPED_GRACE` seconds, dropping the
+    descriptors of the missing ring and returning every other message, then fails with the
+    reason the ring could not be mapped (at once when the connection ends first).
+    """
 
     def __init__(self, inner: Connection) -> None:
         self.inner = inner
@@ -244,10 +254,14 @@ class RingReceiver(Connection, FastPath):
         self._position = 0
         self._consumed = 0  # bytes read out of the ring and not acknowledged yet
         self._placer: Placer | None = None
+        #: Why the offered ring could not be mapped, and when reading on for the sender's
+        #: last words ends (event-loop time).
+        self._unmapped: TransportError | None = None
+        self._give_up_at = 0.0
 
     async def recv(self) -> Buffer | Placed:
         while True:
-            message = await self.inner.recv()
+            message = await self._next()
             if isinstance(message, Placed):
                 return message
             tag = bytes(message[:4])
@@ -256,19 +270,34 @@ class RingReceiver(Connection, FastPath):
                 continue
             if tag != _DATA:
                 return message
+            if self._unmapped is not None:
+                continue  # (a message of the ring that is gone)
             return await self._take(byte_view(message))
+
+    async def _next(self) -> Buffer | Placed:
+        if self._unmapped is None:
+            return await self.inner.recv()
+        remaining = self._give_up_at - asyncio.get_running_loop().time()
+        try:
+            async with asyncio.timeout(max(remaining, 0.0)):
+                return await self.inner.recv()
+        except (TimeoutError, TransportError):
+            raise self._unmapped from None
 
     def _map_ring(self, message: memoryview) -> None:
         name = bytes(message[12:]).decode("ascii", "replace")
         size = _LENGTH.unpack_from(message, 4)[0] if len(message) >= 12 else -1
-        if self._ring is not None or size != RING_BYTES or not _NAME.fullmatch(name):
+        if (self._ring is not None or self._unmapped is not None or size != RING_BYTES
+                or not _NAME.fullmatch(name)):
             raise ProtocolError("offered a shared-memory ring this node does not accept")
         path = _DIR / name
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as exc:  # (its sender closed it, or it is not on this host after all)
-            raise TransportError(f"could not map the shared-memory ring {name} offered by "
-                                 f"{self.remote}: {exc}") from None
+            self._unmapped = TransportError(f"could not map the shared-memory ring {name} "
+                                            f"offered by {self.remote}: {exc}")
+            self._give_up_at = asyncio.get_running_loop().time() + UNMAPPED_GRACE
+            return
         try:
             info = os.fstat(fd)
             if info.st_uid != os.getuid() or info.st_size != RING_BYTES:

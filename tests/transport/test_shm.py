@@ -179,6 +179,37 @@ def test_a_descriptor_larger_than_the_ring_allows_is_refused() -> None:
     run(main())
 
 
+@pytest.mark.parametrize("ends", [False, True])
+def test_a_ring_gone_before_it_was_mapped_lets_the_senders_last_words_through(ends: bool) -> None:
+    """A sender that fails closes its ring before its receiver maps it; what it said before
+    closing comes after the offer (and a descriptor) on the connection, and must still be
+    read, for the receiver to learn why -- then the connection fails, naming the ring: after
+    a grace while it stays open, at once when it ends."""
+    from burncoll.transport.tcp import TcpTransport
+
+    async def main() -> None:
+        async with connected(TcpTransport()) as (client, server, _):
+            receiver = shm.RingReceiver(client)
+            sender = shm.RingSender(server)
+            sender._create()
+            assert sender._path is not None
+            name = sender._path.name
+            sender._unlink()  # as a failing sender's close (its process's exit) does
+            await server.send([b"BSO1" + struct.pack("<Q", shm.RING_BYTES) + name.encode()])
+            await server.send([b"BSD1" + struct.pack("<Q", shm.MIN_BYTES)])
+            await server.send([b"the reason it failed"])
+            got = await asyncio.wait_for(receiver.recv(), 10)
+            assert bytes(got) == b"the reason it failed"
+            if ends:
+                await server.close()
+            with pytest.raises(TransportError, match=f"could not map .*{name}"):
+                await asyncio.wait_for(receiver.recv(), 10)
+            await sender.close()
+            await receiver.close()
+
+    run(main())
+
+
 def test_rings_of_dead_processes_are_swept() -> None:
     stale = Path("/dev/shm") / f"burncoll-{2**22 + 7}-{'a' * 32}"  # no such pid
     stale.write_bytes(b"x")
