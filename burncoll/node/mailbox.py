@@ -49,6 +49,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from burncoll.errors import CollectiveError, ProtocolError
+from burncoll.node.places import Place, settled
 from burncoll.node.receives import (
     PART_BYTES,
     FrameKey,
@@ -118,9 +119,9 @@ class Mailbox:
         self.current_started = 0.0
         #: How many channels of each operation are running here (``expect`` minus ``done``).
         self._active: dict[int, int] = {}
-        #: Memory a receiver has made ready for a part not yet arrived: ``(key, offset)`` ->
-        #: the part's final place (the transport may read the payload straight into it).
-        self._places: dict[tuple[FrameKey, int], memoryview] = {}
+        #: Where a receiver wants a part not yet arrived: ``(key, offset)`` -> memory the
+        #: transport may read the payload straight into, or a reduction (node.places).
+        self._places: dict[tuple[FrameKey, int], Place] = {}
         #: Progress of every key of the lanes not left behind.
         self._streams: dict[FrameKey, Stream] = {}
         #: The lanes started here (not yet left behind), and what each receives.
@@ -137,9 +138,9 @@ class Mailbox:
 
     # -- placement ----------------------------------------------------------------------------
     @_locked
-    def offer_place(self, key: FrameKey, offset: int, memory: memoryview) -> None:
-        """The part ``(key, offset)`` may be received straight into ``memory``."""
-        self._places[(key, offset)] = memory
+    def offer_place(self, key: FrameKey, offset: int, place: Place) -> None:
+        """The part ``(key, offset)`` may be received straight into ``place``."""
+        self._places[(key, offset)] = place
 
     @_locked
     def withdraw_place(self, key: FrameKey, offset: int) -> None:
@@ -151,7 +152,7 @@ class Mailbox:
         """Where the arriving part ``(key, offset)`` of ``size`` bytes goes, if its receiver
         offered a place for it (given out once)."""
         memory = self._places.get((key, offset))
-        if memory is None or len(memory) != size or self._error is not None:
+        if not isinstance(memory, memoryview) or len(memory) != size or self._error is not None:
             return None
         del self._places[(key, offset)]
         return memory
@@ -290,6 +291,8 @@ class Mailbox:
         size = len(frame.payload)
         accept_part(self._streams, header, size, receives)
         key = key_of(header)
+        if frame.borrowed:  # lent by the transport: its own payload now, checked as it is
+            frame = settled(frame, self._places.pop((key, header.offset), None))
         self._frames.setdefault(key, deque()).append(frame)
         if receives is None:
             held = self._held.setdefault(lane, [0, 0])

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from burncoll.node.mailbox import FrameKey
+from burncoll.node.places import Place
 from burncoll.transport.base import Buffer
 from burncoll.transport.wire import Frame
 
@@ -30,8 +31,8 @@ class Member(Protocol):
 class Inbox(Protocol):
     """Where received DATA frames wait (:class:`~burncoll.node.mailbox.Mailbox`)."""
 
-    def offer_place(self, key: FrameKey, offset: int, memory: memoryview) -> None:
-        """The part ``(key, offset)`` may be received straight into ``memory``."""
+    def offer_place(self, key: FrameKey, offset: int, place: Place) -> None:
+        """The part ``(key, offset)`` may be received straight into ``place``."""
         ...
 
     def withdraw_place(self, key: FrameKey, offset: int) -> None:

@@ -140,7 +140,7 @@ class MemberReader:
             if not data:
                 raise ProtocolError("sent array data on the connection this node sends on")
             if header is not None and header.op_kind is OpKind.P2P:
-                whole = inbox.put(frame, node)  # point to point: never the mailbox
+                whole = inbox.put(frame.owned(), node)  # point to point: never the mailbox
             else:
                 held = mailbox.put(frame)
         except ProtocolError as exc:

@@ -44,6 +44,7 @@ from burncoll.levels import GlobalOp, HostArray
 from burncoll.node.checks import Check, expected_bytes, part_of, protocol_error
 from burncoll.node.mailbox import PART_BYTES, FrameKey, Receives
 from burncoll.node.pipeline import Pipeline
+from burncoll.node.places import Place, ReducePlace
 from burncoll.node.step_buffers import copy_unwritten, step_buffers, wire_settled
 from burncoll.ops import ROW_KINDS
 from burncoll.strategies import Action, Schedule, Step
@@ -82,7 +83,7 @@ class ReceivePart:
 
     key: FrameKey
     offset: int
-    place: memoryview | None
+    place: Place | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,9 +255,12 @@ class Walk:
         got, total = 0, -1
         target, source = write[c], read[c]
         while got < total or total < 0:
-            place = None
-            if ufunc is None and target is not None and self.wire is None:
+            place: Place | None = None
+            if target is not None and self.wire is None:
                 place = yield from self._room(c, target, got, pipe, slot)
+                if ufunc is not None and place is not None and source is not None:
+                    a, b = got // target.itemsize, (got + len(place)) // target.itemsize
+                    place = ReducePlace(ufunc, source[a:b], target[a:b], len(place))
             frame = yield ReceivePart(key, got, place)
             assert frame is not None  # a ReceivePart is answered with its frame
             h = frame.header
@@ -304,16 +308,17 @@ class Walk:
                 ufunc(source, values, out=target, dtype=target.dtype)
             else:
                 np.copyto(target, values)
-        elif ufunc is not None:
+        elif ufunc is not None and not frame.placed:  # (placed: combined as it came)
             ufunc(source, np.frombuffer(frame.payload, dtype=target.dtype), out=target)
         elif not frame.placed:
             target[...] = np.frombuffer(frame.payload, dtype=target.dtype)
 
     def _room(self, c: int, target: HostArray, got: int, pipe: Pipeline | None,
               slot: int) -> Generator[Request, Frame | None, memoryview | None]:
-        """Where the next part of a COPY step may be received straight into ``target`` (no
-        copy out of a receive buffer), once every earlier step on those bytes is done with
-        them; ``None`` for a part too small to be worth it (or no part left)."""
+        """Where the next part may be received straight into ``target`` (no copy out of a
+        receive buffer; a REDUCE makes it a :class:`ReducePlace`, for a part its transport
+        lends), once every earlier step on those bytes is done with them; ``None`` for a part
+        too small to be worth it (or no part left)."""
         end = min(got + self.part_bytes, target.nbytes)
         if end - got <= self.place_min_bytes:
             return None  # small parts are read into the transport's scratch buffer anyway

@@ -3,7 +3,7 @@
 
 The client opens stream 0 by sending a 4-byte :data:`PREAMBLE`, which also tells the listener
 to start its handler. Each message is an 8-byte little-endian length and that many bytes; a
-:class:`~burncoll.transport.wire.MessageAssembler` cuts the stream back into messages, and
+:class:`~burncoll.transport.assembler.MessageAssembler` cuts the stream back into messages, and
 refuses a length over ``max_message_bytes`` before buffering it (the receiver stops the stream
 with :data:`ERR_MESSAGE_TOO_BIG`; both ends raise :class:`~burncoll.ProtocolError`). Before
 authentication it reads at most :data:`~burncoll.transport.base.PREAUTH_BYTES` in all and
@@ -30,9 +30,10 @@ from aioquic.quic.connection import QuicConnection
 
 from burncoll.errors import ProtocolError, TransportError
 from burncoll.transport.admission import Ticket
+from burncoll.transport.assembler import MessageAssembler, MessageTooBig
 from burncoll.transport.base import PREAUTH_BYTES, Buffer, Connection
 from burncoll.transport.quic_credit import GatedConnection, working_window
-from burncoll.transport.wire import LENGTH_PREFIX_BYTES, MessageAssembler, MessageTooBig
+from burncoll.transport.wire import LENGTH_PREFIX_BYTES
 
 __all__ = ["PREAMBLE", "QuicProtocol", "QuicStreamConnection"]
 

@@ -10,9 +10,12 @@ once) and offers it on the
 connection; the receiving side maps it and removes its name at once. From then on a message of
 at least :data:`MIN_BYTES` is copied into the ring and only a 12-byte descriptor (its length)
 travels on the connection, in order with every other message; the receiver copies it out --
-straight into the memory its placer chose -- and acknowledges the bytes it consumed, a quarter
-ring at a time, which the sender may then overwrite. That is one copy on each side and no
-system call per byte, as NCCL's SHM transport and Open MPI's shared-memory component do.
+straight into the memory its placer chose -- or, where no place was chosen, lends it where it
+lies until its next ``recv`` (a :class:`~burncoll.transport.wire.Placed` with ``lent``: the
+node combines a part it reduces straight out of the ring, and copies anything else out), and
+acknowledges the bytes it consumed, a quarter ring at a time, which the sender may then
+overwrite. That is one copy on each side at most and no system call per byte, as NCCL's SHM
+transport and Open MPI's shared-memory component do.
 
 The connection keeps everything else: a process that dies closes it (``PeerLost`` at once, as
 over the network), deadlines are the caller's, a sender waits for ring space only while its
@@ -258,8 +261,13 @@ class RingReceiver(Connection, FastPath):
         #: last words ends (event-loop time).
         self._unmapped: TransportError | None = None
         self._give_up_at = 0.0
+        #: Ring bytes of the message last lent, read once the next one is asked for.
+        self._lent = 0
 
     async def recv(self) -> Buffer | Placed:
+        if self._lent:
+            used, self._lent = self._lent, 0
+            await self._release(used)
         while True:
             message = await self._next()
             if isinstance(message, Placed):
@@ -318,14 +326,17 @@ class RingReceiver(Connection, FastPath):
         start, used = _advance(self._position, size)
         data = self._ring[start:start + size]
         self._position = start + size
-        result: Buffer | Placed
         chosen = self._placer(data, size) if self._placer is not None else None
-        if chosen is not None:
-            head, memory = chosen
-            memory[:] = data[head:]
-            result = Placed(bytes(data[:head]), memory)
-        else:
-            result = bytearray(data)
+        if chosen is None:  # lent where it lies, until the next recv (no copy here)
+            self._lent = used
+            return Placed(b"", data, lent=True)
+        head, memory = chosen
+        memory[:] = data[head:]
+        await self._release(used)
+        return Placed(bytes(data[:head]), memory)
+
+    async def _release(self, used: int) -> None:
+        """The ring's ``used`` bytes were read: acknowledge them, a quarter ring at a time."""
         self._consumed += used
         if self._consumed >= ACK_BYTES:
             # a sender that is gone needs no acknowledgement, and this message may be the
@@ -333,7 +344,6 @@ class RingReceiver(Connection, FastPath):
             with contextlib.suppress(TransportError):
                 await self.inner.send([_ACK + _LENGTH.pack(self._consumed)])
             self._consumed = 0
-        return result
 
     async def send(self, parts: Sequence[Buffer]) -> None:
         await self.inner.send(parts)

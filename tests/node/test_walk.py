@@ -30,6 +30,7 @@ from burncoll.errors import MismatchError, ProtocolError
 from burncoll.levels import GlobalOp, HostArray
 from burncoll.node.checks import header_check
 from burncoll.node.mailbox import FrameKey, Mailbox
+from burncoll.node.places import ReducePlace
 from burncoll.node.walk import AwaitChunk, ReceivePart, SendPart, Transfer, Walk, receives
 from burncoll.ops import OpKind, ReduceOp
 from burncoll.strategies import Centralized, Ring, Schedule, Strategy, Tree
@@ -86,17 +87,21 @@ class _Node:
         return list(self.transfers) if self.walk.pipelined else list(self.transfers)[:1]
 
     def deliver(self, frame: Frame) -> None:
-        """A frame arrives: into the memory its receiver offered, if it did."""
+        """A frame arrives: into the memory its receiver offered, if it did; a borrowed one
+        (lent by its transport, as the shared-memory ring does) as the mailbox settled it."""
         h = frame.header
         assert h is not None
+        key = (h.seq, h.channel, h.round, h.src, h.chunk)
         self.mailbox.put(frame)  # raises ProtocolError for a part off the schedule
-        memory = self.mailbox.take_place((h.seq, h.channel, h.round, h.src, h.chunk), h.offset,
-                                      len(frame.payload))
-        if memory is not None:
-            memory[:] = frame.payload
-            frame = dataclasses.replace(frame, payload=memory, placed=True)
-        self.queues.setdefault((h.seq, h.channel, h.round, h.src, h.chunk), deque()).append(
-            frame)
+        if frame.borrowed:
+            frame = self.mailbox._frames[key][-1]
+            assert not frame.borrowed
+        else:
+            memory = self.mailbox.take_place(key, h.offset, len(frame.payload))
+            if memory is not None:
+                memory[:] = frame.payload
+                frame = dataclasses.replace(frame, payload=memory, placed=True)
+        self.queues.setdefault(key, deque()).append(frame)
 
 
 class _World:
@@ -151,8 +156,12 @@ class _World:
             return
         node.pending[key] = request
         if isinstance(request, SendPart):  # sent now: the bytes as the request finds them
-            payload = memoryview(bytes(request.payload))
-            self.nodes[request.dst].deliver(Frame(FrameType.DATA, request.header, payload, None))
+            lent = self.rng.random() < 0.5  # or lent, and the transport's memory reused at once
+            payload = bytearray(request.payload)
+            self.nodes[request.dst].deliver(Frame(FrameType.DATA, request.header,
+                                                  memoryview(payload), None, borrowed=lent))
+            if lent:
+                payload[:] = b"\xa5" * len(payload)
         elif isinstance(request, AwaitChunk):
             node.waits[key] = node.versions.get(request.chunk, 0)
         elif isinstance(request, ReceivePart) and request.place is not None:
@@ -365,7 +374,8 @@ def test_the_walk_and_the_mailbox_read_no_clock(monkeypatch: pytest.MonkeyPatch)
 def test_requests_of_a_sequential_walk() -> None:
     """Node 1 of a two-node ring all-reduce of one part per chunk: round by round, a round's
     send before its receive; the chunk reduced in the first round is sent on in the second,
-    and the copy of the other chunk is offered its place."""
+    and the copy of the other chunk is offered its place (the reduce, a reduction into its
+    place: for a part its transport lends)."""
     schedule = Ring().all_reduce(2)
     op = _op(OpKind.ALL_REDUCE, ReduceOp.SUM, shape=(2,))
     buf = np.array([1.0, 2.0])
@@ -386,7 +396,8 @@ def test_requests_of_a_sequential_walk() -> None:
     assert [type(r).__name__ for r in requests] == [
         "SendPart", "ReceivePart", "SendPart", "ReceivePart"]
     reduced, copied = requests[1].key[4], requests[3].key[4]
-    assert requests[1].place is None and requests[3].place is not None  # REDUCE, then COPY
+    assert isinstance(requests[1].place, ReducePlace)  # REDUCE, then COPY
+    assert isinstance(requests[3].place, memoryview)
     assert requests[2].header.chunk == reduced and requests[2].header.round == 1
     assert np.frombuffer(requests[2].payload).tolist() == [[1.0, 2.0][reduced] + 10]
     assert buf[reduced] == [1.0, 2.0][reduced] + 10 and buf[copied] == 10.0

@@ -1,4 +1,4 @@
-"""Stream framing (``wire.MessageAssembler``, used by QUIC) on any chunking; QUIC-only faults."""
+"""Stream framing (``MessageAssembler``, used by QUIC) on any chunking; QUIC-only faults."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from burncoll.errors import ConfigError, ProtocolError, TransportError
+from burncoll.transport.assembler import MessageAssembler
 from burncoll.transport.quic import QuicTransport
 from burncoll.transport.quic_connection import PREAMBLE
-from burncoll.transport.wire import MessageAssembler
 
 from .support import connected, run
 

@@ -1,0 +1,51 @@
+"""Where a part goes when its transport lends it (the shared-memory ring): a borrowed frame is
+*settled* as the mailbox stores it -- after every check of its header and of its place in the
+schedule, before the connection's next ``recv`` -- by combining it straight into the place its
+walk offered (a part it reduces: no copy out of the ring), by copying it into an offered
+memory place, or by copying it out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from burncoll.levels import HostArray
+from burncoll.transport.wire import Frame
+
+__all__ = ["Place", "ReducePlace", "settled"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ReducePlace:
+    """A part a walk reduces: ``ufunc(source, part, out=target)`` (views of the part's
+    elements, ``nbytes`` of them), straight out of the memory a transport lent."""
+
+    ufunc: Any
+    source: HostArray
+    target: HostArray
+    nbytes: int
+
+    def combine(self, payload: memoryview) -> memoryview:
+        """Reduce ``payload`` into the target; the target's bytes."""
+        self.ufunc(self.source, np.frombuffer(payload, self.target.dtype), out=self.target)
+        return memoryview(self.target.view(np.uint8)).cast("B")  # type: ignore[arg-type]
+
+
+#: What a receiver offers for a part not yet arrived: memory the transport may write the
+#: payload into, or a reduction (used only for a borrowed payload).
+Place = memoryview | ReducePlace
+
+
+def settled(frame: Frame, place: Place | None) -> Frame:
+    """``frame`` (borrowed, checked) with a payload of its own: combined into or copied to
+    ``place`` when that is the part's (``placed``), else copied out."""
+    payload = frame.payload
+    if isinstance(place, ReducePlace) and place.nbytes == len(payload):
+        return Frame(frame.frame_type, frame.header, place.combine(payload), None, True)
+    if isinstance(place, memoryview) and len(place) == len(payload):
+        place[:] = payload
+        return Frame(frame.frame_type, frame.header, place, None, True)
+    return frame.owned()
