@@ -3,9 +3,10 @@
 A compressed all-reduce sends every value between nodes as 16 bits and adds what it receives
 into a buffer of the input's own precision (float32 or float64), so only the wire is narrow:
 each value is rounded once when it leaves its node, and a partial sum once per hop it is
-forwarded. When the operation ends every node rounds its result the same way
-(:func:`quantize`), so all nodes hold bitwise identical values (the node that reduced a chunk
-last would otherwise keep more bits than those it sent the chunk to).
+forwarded. Every node ends with the 16-bit values it sent, so all nodes hold bitwise identical
+values (the node that reduced a chunk last would otherwise keep more bits than those it sent
+the chunk to): it rounds its own final values as it sends them, and rounds only what it never
+sent when the operation ends (:func:`quantize`).
 
 Error bound, for ``n`` nodes, ``k = n + 1`` roundings at most on a value's way (once when it
 leaves its node, once per hop its partial sum is forwarded, once at the end) and ``s = x_1 +
