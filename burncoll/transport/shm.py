@@ -332,8 +332,9 @@ class RingReceiver(Connection, FastPath):
             return Placed(b"", data, lent=True)
         head, memory = chosen
         memory[:] = data[head:]
-        await self._release(used)
-        return Placed(bytes(data[:head]), memory)
+        placed = Placed(bytes(data[:head]), memory)
+        await self._release(used)  # (the sender may overwrite all of data from here on)
+        return placed
 
     async def _release(self, used: int) -> None:
         """The ring's ``used`` bytes were read: acknowledge them, a quarter ring at a time."""

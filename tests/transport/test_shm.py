@@ -105,6 +105,59 @@ def test_payloads_land_where_the_placer_says() -> None:
     run(main())
 
 
+def test_nothing_is_read_from_the_ring_once_it_is_acknowledged() -> None:
+    """The sender (another process) may reuse acknowledged ring bytes at once. A test double
+    scribbles over the whole ring the moment an acknowledgement leaves the receiver; every
+    message must still arrive whole: placed ones (their header too), and lent ones read
+    before the next ``recv``."""
+    from burncoll.transport.tcp import TcpTransport
+
+    async def main() -> None:
+        async with connected(TcpTransport()) as (client, server, _):
+            sender, receiver = shm.RingSender(server), shm.RingReceiver(client)
+            reading = asyncio.ensure_future(_acks(sender, asyncio.Event()))
+            sent = [(b"P" if i % 2 else b"L") + bytes([i]) * 15 + _message(i, 3 << 20)
+                    for i in range(12)]
+            regions: list[tuple[int, int, int]] = []  # each message's bytes, its ring use
+            position = total = 0
+            for message in sent:
+                start, used = shm._advance(position, len(message))
+                position, total = start + len(message), total + used
+                regions.append((start, start + len(message), total))
+            acknowledge, acked = client.send, [0]
+
+            async def acknowledge_then_scribble(parts: Any) -> None:
+                await acknowledge(parts)
+                if bytes(parts[0][:4]) == b"BSA1":  # what the sender may now reuse: all of it
+                    acked[0] += struct.unpack_from("<Q", parts[0], 4)[0]
+                    while regions and regions[0][2] <= acked[0]:  # (each once: reused later)
+                        start, end, _ = regions.pop(0)
+                        sender._ring[start:end] = b"\x5a" * (end - start)
+
+            client.send = acknowledge_then_scribble  # type: ignore[method-assign]
+            receiver.place_with(lambda first, size: (16, memoryview(bytearray(size - 16)))
+                                if bytes(first[:1]) == b"P" else None)
+
+            async def receive() -> list[bytes]:
+                got = []
+                for _ in sent:
+                    message = await receiver.recv()
+                    assert isinstance(message, Placed)
+                    got.append(message.head + bytes(message.payload))
+                return got
+
+            receiving = asyncio.ensure_future(receive())
+            for message in sent:
+                await sender.send([message])
+            got = await asyncio.wait_for(receiving, 60)
+            assert [g[:16] for g in got] == [m[:16] for m in sent]
+            assert got == sent
+            await sender.close()
+            reading.cancel()
+
+    run(main())
+
+
 def test_a_closed_connection_fails_a_sender_waiting_for_room() -> None:
     from burncoll.transport.tcp import TcpTransport
 
