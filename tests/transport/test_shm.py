@@ -314,3 +314,45 @@ def test_nodes_of_one_host_choose_the_ring_unless_told_not_to(shared_memory: boo
         np.testing.assert_array_equal(result, want)
         assert ("RingSender" in kinds) is shared_memory and len(kinds) == 1, kinds
     assert _rings() <= before
+
+
+def test_large_operations_among_three_nodes_of_one_host_are_exact_and_identical() -> None:
+    """Real nodes through their rings, many times round them: parts reduced straight out of
+    the ring, parts copied into their place, results fresh and into ``out=``; compared with
+    a float64 reference and across nodes, bit for bit."""
+    import threading
+
+    count, nodes = 7 << 20, 3  # 28 MiB of float32: every ring wraps several times per call
+    out: dict[int, Any] = {}
+    with burncoll.start_orchestrator(expected_nodes=nodes) as orch:
+        def peer(node: int) -> None:
+            cfg = burncoll.CollectiveConfig(num_nodes=nodes, node_rank=node, num_devices=1,
+                                            global_address=orch.address, timeout=60,
+                                            global_all_reduce_strategy="ring")
+            comm = burncoll.register(node, 0, cfg)
+            got = []
+            for i, op in enumerate(["sum", "max", "sum"]):
+                x = np.random.default_rng([node, i]).standard_normal(count).astype(np.float32)
+                into = np.empty_like(x)
+                got.append(comm.all_reduce(x, op) if i != 1 else
+                           comm.all_reduce(x, op, out=into))
+            got.append(comm.all_gather(np.full(count // 8, node, np.float32)))
+            comm.finish()
+            out[node] = got
+
+        threads = [threading.Thread(target=peer, args=(n,)) for n in range(nodes)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert sorted(out) == list(range(nodes))
+    for i, op in enumerate(["sum", "max", "sum"]):
+        xs = np.stack([np.random.default_rng([n, i]).standard_normal(count) for n in
+                       range(nodes)]).astype(np.float32).astype(np.float64)
+        want = xs.sum(axis=0) if op == "sum" else xs.max(axis=0)
+        np.testing.assert_allclose(out[0][i], want, rtol=1e-5, atol=1e-5)
+        for n in range(1, nodes):
+            assert out[n][i].tobytes() == out[0][i].tobytes(), (op, n)
+    gathered = np.repeat(np.arange(nodes, dtype=np.float64), count // 8)
+    for n in range(nodes):
+        np.testing.assert_array_equal(np.asarray(out[n][3]).reshape(-1), gathered)
