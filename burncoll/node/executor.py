@@ -131,12 +131,15 @@ class GlobalExecutor:
         and the part has not come yet."""
         mailbox = self.service.mailbox
         key, offset, place = request.key, request.offset, request.place
-        if place is not None:
-            mailbox.offer_place(key, offset, place)
-        frame = await mailbox.get(key, op.deadline, lambda: self.timeout_error(op, key[3], key[2]))
-        if place is not None:
-            mailbox.withdraw_place(key, offset)  # unused if the part came before it was offered
-        return frame
+        if place is None:
+            return await mailbox.get(key, op.deadline,
+                                     lambda: self.timeout_error(op, key[3], key[2]))
+        mailbox.offer_place(key, offset, place)
+        try:
+            return await mailbox.get(key, op.deadline,
+                                     lambda: self.timeout_error(op, key[3], key[2]))
+        finally:  # unused if the part came before it was offered, or never came
+            mailbox.withdraw_place(key, offset)
 
     def fail_protocol(self, op: GlobalOp, h: DataHeader, what: str) -> CollectiveError:
         """Fail the session: node ``h.src`` sent ``what``."""

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from burncoll.errors import ProtocolError, TransportError
 from burncoll.transport.base import Buffer, Connection, FastPath, Placer, byte_view
-from burncoll.transport.wire import Placed
+from burncoll.transport.wire import FIXED_HEADER_BYTES, MAX_NDIM, Placed
 
 __all__ = ["MIN_BYTES", "RING_BYTES", "RingReceiver", "RingSender", "host_identity"]
 
@@ -64,6 +64,8 @@ _NAME = re.compile(r"burncoll-([0-9]{1,10})-[0-9a-f]{32}")
 _OFFER, _DATA, _ACK = b"BSO1", b"BSD1", b"BSA1"
 _LENGTH = struct.Struct("<Q")
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+#: The most bytes a message's header takes (what a placer reads of it).
+_HEADER_MAX = FIXED_HEADER_BYTES + 8 * MAX_NDIM
 #: Seconds a receiver reads on after its ring could not be mapped (see :class:`RingReceiver`).
 UNMAPPED_GRACE = 1.0
 
@@ -326,25 +328,27 @@ class RingReceiver(Connection, FastPath):
         start, used = _advance(self._position, size)
         data = self._ring[start:start + size]
         self._position = start + size
-        chosen = self._placer(data, size) if self._placer is not None else None
+        # The sender can write the ring at any time: the header the placer judges is a copy,
+        # and the one delivered with the placed payload is that same copy.
+        first = bytes(data[:_HEADER_MAX])
+        chosen = self._placer(memoryview(first), size) if self._placer is not None else None
         if chosen is None:  # lent where it lies, until the next recv (no copy here)
             self._lent = used
             return Placed(b"", data, lent=True)
         head, memory = chosen
         memory[:] = data[head:]
-        placed = Placed(bytes(data[:head]), memory)
         await self._release(used)  # (the sender may overwrite all of data from here on)
-        return placed
+        return Placed(first[:head], memory)
 
     async def _release(self, used: int) -> None:
         """The ring's ``used`` bytes were read: acknowledge them, a quarter ring at a time."""
         self._consumed += used
         if self._consumed >= ACK_BYTES:
+            acknowledged, self._consumed = self._consumed, 0  # (never counted twice)
             # a sender that is gone needs no acknowledgement, and this message may be the
             # last before its abort: the next recv says what happened to the connection
             with contextlib.suppress(TransportError):
-                await self.inner.send([_ACK + _LENGTH.pack(self._consumed)])
-            self._consumed = 0
+                await self.inner.send([_ACK + _LENGTH.pack(acknowledged)])
 
     async def send(self, parts: Sequence[Buffer]) -> None:
         await self.inner.send(parts)

@@ -158,6 +158,35 @@ def test_nothing_is_read_from_the_ring_once_it_is_acknowledged() -> None:
     run(main())
 
 
+def test_a_placed_message_carries_the_header_its_placer_judged() -> None:
+    """The sender can rewrite the ring while the receiver reads it: the header delivered with
+    a placed payload must be the one the placer chose the place by, not one re-read later."""
+    from burncoll.transport.tcp import TcpTransport
+
+    async def main() -> None:
+        async with connected(TcpTransport()) as (client, server, _):
+            sender, receiver = shm.RingSender(server), shm.RingReceiver(client)
+            reading = asyncio.ensure_future(_acks(sender, asyncio.Event()))
+            target = bytearray(1 << 20)
+
+            def placer(first: memoryview, size: int) -> tuple[int, memoryview]:
+                judged.append(bytes(first[:16]))
+                sender._ring[0:16] = b"X" * 16  # rewritten as the receiver works
+                return 16, memoryview(target)
+
+            judged: list[bytes] = []
+            receiver.place_with(placer)
+            await sender.send([b"H" * 16, _message(4, 1 << 20)])
+            message = await asyncio.wait_for(receiver.recv(), 10)
+            assert isinstance(message, Placed) and not message.lent
+            assert judged == [b"H" * 16] and message.head == b"H" * 16
+            assert bytes(target) == _message(4, 1 << 20)
+            await sender.close()
+            reading.cancel()
+
+    run(main())
+
+
 def test_a_closed_connection_fails_a_sender_waiting_for_room() -> None:
     from burncoll.transport.tcp import TcpTransport
 
