@@ -15,6 +15,7 @@ the session with :class:`~burncoll.PeerLost` / :class:`~burncoll.ProtocolError`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Protocol
 
@@ -153,6 +154,11 @@ class MemberReader:
             await mailbox.drained()
         if whole and inbox.crowded:  # the same, at a message's end, for unreceived messages
             await inbox.drained()
+        if frame.borrowed:
+            # A lent part (shared memory) that its walk awaited wakes that walk: let it run
+            # and offer the next part's place before the next message is read, so that part
+            # too is combined where it lies instead of copied out.
+            await asyncio.sleep(0)
 
     def _lost(self, node: int, exc: BaseException) -> None:
         if self.closing or node in self.leaving:

@@ -30,7 +30,9 @@ SIZES = [10, shm.MIN_BYTES - 1, shm.MIN_BYTES, 3 << 20, shm.MAX_BYTES, shm.MAX_B
 
 
 def _rings() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("burncoll-*")}
+    """The rings this process made that are still in /dev/shm (tests running beside these
+    start node processes whose rings come and go meanwhile)."""
+    return {p.name for p in Path("/dev/shm").glob(f"burncoll-{os.getpid()}-*")}
 
 
 def _message(i: int, size: int) -> bytes:
