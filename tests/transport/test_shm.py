@@ -9,9 +9,10 @@ ring is left in /dev/shm. Then real nodes: in-process nodes of this host choose 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -210,22 +211,30 @@ def test_a_closed_connection_fails_a_sender_waiting_for_room() -> None:
     run(main())
 
 
-def _hostile(build: Callable[[str], bytes]) -> BaseException:
+@contextlib.asynccontextmanager
+async def _made_ring() -> AsyncIterator[tuple[Connection, shm.RingReceiver, shm.RingSender, str]]:
+    """A TCP connection whose sending side has made its ring, not offered yet: the sending
+    end's connection, both ring ends, and the ring's name."""
     from burncoll.transport.tcp import TcpTransport
 
+    async with connected(TcpTransport()) as (client, server, _):
+        receiver, sender = shm.RingReceiver(client), shm.RingSender(server)
+        sender._create()
+        assert sender._path is not None
+        try:
+            yield server, receiver, sender, sender._path.name
+        finally:
+            await sender.close()
+
+
+def _hostile(build: Callable[[str], bytes]) -> BaseException:
     async def main() -> BaseException:
-        async with connected(TcpTransport()) as (client, server, _):
-            receiver = shm.RingReceiver(client)
-            sender = shm.RingSender(server)
-            sender._create()
-            assert sender._path is not None
-            await server.send([build(sender._path.name)])
+        async with _made_ring() as (server, receiver, _sender, name):
+            await server.send([build(name)])
             try:
                 await asyncio.wait_for(receiver.recv(), 10)
             except (ProtocolError, TransportError) as exc:
                 return exc
-            finally:
-                await sender.close()
             raise AssertionError("accepted")
 
     return run(main())
@@ -249,18 +258,12 @@ def test_a_descriptor_larger_than_the_ring_allows_is_refused() -> None:
     def build(name: str) -> bytes:
         return b"BSO1" + struct.pack("<Q", shm.RING_BYTES) + name.encode()
 
-    from burncoll.transport.tcp import TcpTransport
-
     async def main() -> None:
-        async with connected(TcpTransport()) as (client, server, _):
-            receiver, sender = shm.RingReceiver(client), shm.RingSender(server)
-            sender._create()
-            assert sender._path is not None
-            await server.send([build(sender._path.name)])
+        async with _made_ring() as (server, receiver, _sender, name):
+            await server.send([build(name)])
             await server.send([b"BSD1" + struct.pack("<Q", shm.RING_BYTES)])
             with pytest.raises(ProtocolError, match="does not accept"):
                 await asyncio.wait_for(receiver.recv(), 10)
-            await sender.close()
 
     run(main())
 
@@ -271,15 +274,8 @@ def test_a_ring_gone_before_it_was_mapped_lets_the_senders_last_words_through(en
     closing comes after the offer (and a descriptor) on the connection, and must still be
     read, for the receiver to learn why -- then the connection fails, naming the ring: after
     a grace while it stays open, at once when it ends."""
-    from burncoll.transport.tcp import TcpTransport
-
     async def main() -> None:
-        async with connected(TcpTransport()) as (client, server, _):
-            receiver = shm.RingReceiver(client)
-            sender = shm.RingSender(server)
-            sender._create()
-            assert sender._path is not None
-            name = sender._path.name
+        async with _made_ring() as (server, receiver, sender, name):
             sender._unlink()  # as a failing sender's close (its process's exit) does
             await server.send([b"BSO1" + struct.pack("<Q", shm.RING_BYTES) + name.encode()])
             await server.send([b"BSD1" + struct.pack("<Q", shm.MIN_BYTES)])
@@ -290,7 +286,6 @@ def test_a_ring_gone_before_it_was_mapped_lets_the_senders_last_words_through(en
                 await server.close()
             with pytest.raises(TransportError, match=f"could not map .*{name}"):
                 await asyncio.wait_for(receiver.recv(), 10)
-            await sender.close()
             await receiver.close()
 
     run(main())
