@@ -1,8 +1,9 @@
 """Where a part goes when its transport lends it (the shared-memory ring): a borrowed frame is
 *settled* as the mailbox stores it -- after every check of its header and of its place in the
 schedule, before the connection's next ``recv`` -- by combining it straight into the place its
-walk offered (a part it reduces: no copy out of the ring), by copying it into an offered
-memory place, or by copying it out.
+walk offered (a part it reduces: no copy out of the ring), or by copying it out. (A memory
+place offered for a part the walk copies never gets here: the transport's placer has taken
+it, and copied the part there, before it lends anything.)
 """
 
 from __future__ import annotations
@@ -40,12 +41,9 @@ Place = memoryview | ReducePlace
 
 
 def settled(frame: Frame, place: Place | None) -> Frame:
-    """``frame`` (borrowed, checked) with a payload of its own: combined into or copied to
-    ``place`` when that is the part's (``placed``), else copied out."""
+    """``frame`` (borrowed, checked) with a payload of its own: combined into ``place`` when
+    that is the part's reduction (``placed``), else copied out."""
     payload = frame.payload
     if isinstance(place, ReducePlace) and place.nbytes == len(payload):
         return Frame(frame.frame_type, frame.header, place.combine(payload), None, True)
-    if isinstance(place, memoryview) and len(place) == len(payload):
-        place[:] = payload
-        return Frame(frame.frame_type, frame.header, place, None, True)
     return frame.owned()

@@ -256,12 +256,13 @@ class Walk:
         target, source = write[c], read[c]
         while got < total or total < 0:
             place: Place | None = None
-            if target is not None and self.wire is None and (ufunc is None or source is not None):
-                place = yield from self._room(c, target, got, pipe, slot)
-                if ufunc is not None and place is not None and source is not None:
-                    a, b = got // target.itemsize, (got + len(place)) // target.itemsize
-                    # (a REDUCE is never offered raw memory: only a reduction into it)
-                    place = ReducePlace(ufunc, source[a:b], target[a:b], len(place))
+            if target is not None and self.wire is None:
+                room = yield from self._room(c, target, got, pipe, slot)
+                if ufunc is None or room is None:
+                    place = room
+                elif source is not None:  # a REDUCE is offered a reduction, never raw memory
+                    a, b = got // target.itemsize, (got + len(room)) // target.itemsize
+                    place = ReducePlace(ufunc, source[a:b], target[a:b], len(room))
             frame = yield ReceivePart(key, got, place)
             assert frame is not None  # a ReceivePart is answered with its frame
             h = frame.header
