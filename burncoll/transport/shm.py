@@ -1,15 +1,17 @@
-"""Shared memory between two nodes of one host: large messages through a ring in ``/dev/shm``,
+"""Shared memory between two nodes of one host: large messages through a sealed ring,
 everything else -- order, small messages, liveness -- through their own connection.
 
 Node processes of one machine (``burncoll launch --nodes 4``, torchrun's one process per
 device) otherwise push every array through the kernel's TCP stack. When the orchestrator's
-table says two nodes share a host (:func:`host_identity`: same kernel boot, same network
-namespace, same ``/dev/shm``), the sending side of their data connection creates a ring (a
-file of :data:`RING_BYTES` in ``/dev/shm``, mode 0600, its name random, its pages mapped at
-once) and offers it on the
-connection; the receiving side maps it and removes its name at once. From then on a message of
-at least :data:`MIN_BYTES` is copied into the ring and only a 12-byte descriptor (its length)
-travels on the connection, in order with every other message; the receiver copies it out --
+table says two nodes share a host (:func:`host_identity`: same kernel boot, same network and
+process namespaces, and sealed anonymous files work here), the sending side of their data
+connection creates a ring (an anonymous ``memfd`` of :data:`RING_BYTES`, its pages mapped at
+once, *sealed* so that nobody -- its creator included -- can shrink or grow it) and offers it
+on the connection as ``pid/fd/token``; the receiving side opens it through ``/proc``, checks
+that it is a regular file of this user, of exactly the ring's size, sealed, and named with
+the offered random token, and maps it read-only. From then on a message of at least
+:data:`MIN_BYTES` is copied into the ring and only a 12-byte descriptor (its length) travels
+on the connection, in order with every other message; the receiver copies it out --
 straight into the memory its placer chose -- or, where no place was chosen, lends it where it
 lies until its next ``recv`` (a :class:`~burncoll.transport.wire.Placed` with ``lent``: the
 node combines a part it reduces straight out of the ring, and copies anything else out), and
@@ -17,24 +19,32 @@ acknowledges the bytes it consumed, a quarter ring at a time, which the sender m
 overwrite. That is one copy on each side at most and no system call per byte, as NCCL's SHM
 transport and Open MPI's shared-memory component do.
 
+The seals are why a member holding the token cannot crash its receiver: a file that can be
+shrunk under a mapping makes the next read of the missing pages fail with ``SIGBUS``, which
+kills the process; a sealed one cannot be shrunk at all. An anonymous file also leaves
+nothing behind: it is gone when the last process holding it ends.
+
 The connection keeps everything else: a process that dies closes it (``PeerLost`` at once, as
 over the network), deadlines are the caller's, a sender waits for ring space only while its
 receiver has not consumed (the backpressure of a paused reader reaches it as before), and no
 byte is read twice or before it was written (the positions are the two sides' own, in
 lockstep; a descriptor carries only a length, checked against the ring). Nodes in different
-network namespaces (the simulated hosts of the multi-host tests) never share a ring.
+network or process namespaces (the simulated hosts of the multi-host tests) never share a
+ring.
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
+import fcntl
+import functools
 import hashlib
 import mmap
 import os
 import re
 import secrets
+import stat
 import struct
 import threading
 from collections.abc import Sequence
@@ -59,8 +69,14 @@ MAX_BYTES = RING_BYTES // 4
 #: waits only while more than half the ring is unacknowledged -- more than a quarter of it then
 #: still unread, and reading it brings the receiver's count past ``ACK_BYTES``.
 ACK_BYTES = RING_BYTES // 4
-_DIR = Path("/dev/shm")
-_NAME = re.compile(r"burncoll-([0-9]{1,10})-[0-9a-f]{32}")
+#: An offer names the ring as its creator's pid, the ring's descriptor there, and the random
+#: token in the ring's name (``/proc/PID/fd/FD`` must lead to ``memfd:burncoll-TOKEN``).
+_OFFERED = re.compile(r"([0-9]{1,10})/([0-9]{1,10})/([0-9a-f]{32})")
+#: A ring's seals: its size is fixed for good (no ``SIGBUS`` from a shrunk file), and no
+#: other seal can be added.
+#: (0 where the platform has no seals: then :func:`host_identity` says no ring is possible.)
+_SEALS: int = (getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0)
+               | getattr(fcntl, "F_SEAL_SEAL", 0))
 _OFFER, _DATA, _ACK = b"BSO1", b"BSD1", b"BSA1"
 _LENGTH = struct.Struct("<Q")
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -70,17 +86,44 @@ _HEADER_MAX = FIXED_HEADER_BYTES + 8 * MAX_NDIM
 UNMAPPED_GRACE = 1.0
 
 
+@functools.cache
 def host_identity() -> str:
-    """What two processes share exactly when they can share a ring: the kernel's boot id,
-    the network namespace and the ``/dev/shm`` mount (``""`` where any is unknown)."""
+    """What two processes share exactly when they can share a ring: the kernel's boot id and
+    the network and process namespaces (``""`` where any is unknown, or where this process
+    cannot make a sealed ring and reach it through ``/proc``)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         net = os.stat("/proc/self/ns/net").st_ino
-        shm = os.stat(_DIR)
-    except OSError:
+        pids = os.stat("/proc/self/ns/pid").st_ino
+        _probe_sealed_ring()
+    except (OSError, AttributeError):
         return ""
-    text = f"{boot}:{net}:{shm.st_dev}:{shm.st_ino}"
+    text = f"{boot}:{net}:{pids}"
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _probe_sealed_ring() -> None:
+    """Make a tiny sealed anonymous file and open it as a receiver would (``OSError`` where
+    that fails: no shared memory here)."""
+    if not _SEALS:
+        raise OSError("this platform cannot seal a file's size")
+    fd = _sealed_file("burncoll-probe", 4096)
+    try:
+        os.close(os.open(f"/proc/{os.getpid()}/fd/{fd}", os.O_PATH))
+    finally:
+        os.close(fd)
+
+
+def _sealed_file(name: str, size: int) -> int:
+    """A new anonymous file of ``size`` bytes that can never change size; its descriptor."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _advance(position: int, size: int) -> tuple[int, int]:
@@ -91,37 +134,6 @@ def _advance(position: int, size: int) -> tuple[int, int]:
     return position, size
 
 
-#: The rings this process created whose names are still there.
-_ours: set[Path] = set()
-
-
-@atexit.register
-def _remove_ours() -> None:
-    for path in list(_ours):
-        with contextlib.suppress(OSError):
-            path.unlink()
-
-
-def _sweep() -> None:
-    """Remove the rings of processes of this user that died before their receiver mapped
-    them (a ring's name holds its creator's pid): a crash leaves nothing behind for long."""
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(_DIR):
-            match = _NAME.fullmatch(entry.name)
-            if match is None or int(match.group(1)) == os.getpid():
-                continue
-            try:
-                os.kill(int(match.group(1)), 0)
-                continue  # alive (or not ours to signal): leave it
-            except ProcessLookupError:
-                pass
-            except OSError:
-                continue
-            with contextlib.suppress(OSError):
-                if entry.stat(follow_symlinks=False).st_uid == os.getuid():
-                    os.unlink(entry.path)
-
-
 class RingSender(Connection, FastPath):
     """The sending side of a data connection to a node of the same host (see the module)."""
 
@@ -129,7 +141,10 @@ class RingSender(Connection, FastPath):
         self.inner = inner
         self.remote = inner.remote
         self._fast = inner if isinstance(inner, FastPath) else None
-        self._path: Path | None = None
+        #: The ring's descriptor, open until the receiver has mapped it (its first
+        #: acknowledgement), and the name it was offered by.
+        self._fd: int | None = None
+        self._offer = ""
         self._map: mmap.mmap | None = None
         self._ring = memoryview(b"")
         self._offered = False
@@ -147,8 +162,7 @@ class RingSender(Connection, FastPath):
             return
         if not self._offered:  # the ring is made when the first large message needs it
             self._create()
-            assert self._path is not None
-            await self.inner.send([_OFFER + _LENGTH.pack(RING_BYTES) + self._path.name.encode()])
+            await self.inner.send([_OFFER + _LENGTH.pack(RING_BYTES) + self._offer.encode()])
             self._offered = True
         with self._busy:
             start, used = _advance(self._position, size)
@@ -180,27 +194,27 @@ class RingSender(Connection, FastPath):
                                     f"{self._unacked} unread")
             self._unacked -= freed
             self._room.set()
-            self._unlink()  # the receiver has mapped it: the name is no longer needed
+            self._forget()  # the receiver has mapped it: the descriptor is no longer needed
 
     def _create(self) -> None:
-        _sweep()
-        self._path = _DIR / f"burncoll-{os.getpid()}-{secrets.token_hex(16)}"
-        _ours.add(self._path)
-        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        token = secrets.token_hex(16)
+        fd = _sealed_file(f"burncoll-{token}", RING_BYTES)
         try:
-            os.ftruncate(fd, RING_BYTES)
             # every page now, once: not a page fault per message until the ring first wraps
             self._map = mmap.mmap(fd, RING_BYTES, flags=mmap.MAP_SHARED | _POPULATE)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._fd, self._offer = fd, f"{os.getpid()}/{fd}/{token}"
         self._ring = memoryview(self._map)
 
-    def _unlink(self) -> None:
-        if self._path is not None:
+    def _forget(self) -> None:
+        """Close the ring's descriptor (the mapping stays): once the receiver has mapped
+        it, nothing else may open it."""
+        if self._fd is not None:
             with contextlib.suppress(OSError):
-                self._path.unlink()
-            _ours.discard(self._path)
-            self._path = None
+                os.close(self._fd)
+            self._fd = None
 
     def send_now(self, parts: Sequence[Buffer]) -> bool:
         if self._fast is None or not self._busy.acquire(blocking=False):
@@ -222,10 +236,10 @@ class RingSender(Connection, FastPath):
         self._broken = self._broken or TransportError("closed")
         self._room.set()
         if not self._offered:
-            self._unlink()
-        # else the name stays: the receiver may still have the offer to read (a failing node
-        # closes right after its abort, which follows the offer); it removes the name when it
-        # maps the ring, and this process does at exit (_remove_ours) if it never did
+            self._forget()
+        # else the descriptor stays open until this process ends: the receiver may still
+        # have the offer to read (a failing node closes right after its abort, which follows
+        # the offer); closing it would let the number name another file of this process
         await self.inner.close()
         with contextlib.suppress(BufferError, ValueError):
             self._ring.release()
@@ -295,20 +309,40 @@ class RingReceiver(Connection, FastPath):
             raise self._unmapped from None
 
     def _map_ring(self, message: memoryview) -> None:
-        name = bytes(message[12:]).decode("ascii", "replace")
+        offered = bytes(message[12:]).decode("ascii", "replace")
         size = _LENGTH.unpack_from(message, 4)[0] if len(message) >= 12 else -1
+        match = _OFFERED.fullmatch(offered)
         if (self._ring is not None or self._unmapped is not None or size != RING_BYTES
-                or not _NAME.fullmatch(name)):
+                or match is None):
             raise ProtocolError("offered a shared-memory ring this node does not accept")
-        path = _DIR / name
+        pid, fd, token = match.groups()
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:  # (its sender closed it, or it is not on this host after all)
-            self._unmapped = TransportError(f"could not map the shared-memory ring {name} "
+            # O_PATH: find the file without opening it (no device is ever opened on an
+            # offer's word), then check it is the ring that was offered
+            handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_PATH)
+        except OSError as exc:  # (its sender has ended, or it is not on this host after all)
+            self._unmapped = TransportError(f"could not map the shared-memory ring {offered} "
                                             f"offered by {self.remote}: {exc}")
             self._give_up_at = asyncio.get_running_loop().time() + UNMAPPED_GRACE
             return
         try:
+            self._map_checked(handle, token)
+        finally:
+            os.close(handle)
+
+    def _map_checked(self, handle: int, token: str) -> None:
+        """Map the file ``handle`` finds if it is the offered ring: a regular anonymous file
+        of this user named with ``token``, of the ring's size, sealed against resizing."""
+        name = os.readlink(f"/proc/self/fd/{handle}")
+        if name not in (f"/memfd:burncoll-{token} (deleted)", f"/memfd:burncoll-{token}"):
+            raise ProtocolError("offered a shared-memory ring that is not the one it names")
+        if not stat.S_ISREG(os.fstat(handle).st_mode):
+            raise ProtocolError("offered a shared-memory ring that is not a regular file")
+        fd = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY)
+        try:
+            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
+                raise ProtocolError("offered a shared-memory ring that could still be resized "
+                                    "(a shrunk ring would crash this process)")
             info = os.fstat(fd)
             if info.st_uid != os.getuid() or info.st_size != RING_BYTES:
                 raise ProtocolError("offered a shared-memory ring of another user or size")
@@ -317,8 +351,6 @@ class RingReceiver(Connection, FastPath):
             self._ring = memoryview(self._map)
         finally:
             os.close(fd)
-            with contextlib.suppress(OSError):
-                path.unlink()  # the name goes now: nothing is left behind if a process dies
 
     async def _take(self, message: memoryview) -> Buffer | Placed:
         size = _LENGTH.unpack_from(message, 4)[0] if len(message) == 12 else -1

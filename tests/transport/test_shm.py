@@ -1,9 +1,10 @@
 """The shared-memory ring between two nodes of one host (``burncoll.transport.shm``), over real
 connections of each protocol: every message arrives whole and in order however often the ring
 wraps, a slow receiver holds its sender back, large payloads land where a placer says, a
-closed connection fails both sides at once, hostile descriptors and offers are refused, and no
-ring is left in /dev/shm. Then real nodes: in-process nodes of this host choose the ring, and
-``shared_memory=False`` keeps them on the transport.
+closed connection fails both sides at once, hostile descriptors and offers are refused (an
+unsealed ring above all: a shrunk one would crash its receiver), nobody can resize a ring, and
+its descriptor is closed once the receiver has mapped it. Then real nodes: in-process nodes of
+this host choose the ring, and ``shared_memory=False`` keeps them on the transport.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import contextlib
 import os
 import struct
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,9 +31,14 @@ SIZES = [10, shm.MIN_BYTES - 1, shm.MIN_BYTES, 3 << 20, shm.MAX_BYTES, shm.MAX_B
 
 
 def _rings() -> set[str]:
-    """The rings this process made that are still in /dev/shm (tests running beside these
-    start node processes whose rings come and go meanwhile)."""
-    return {p.name for p in Path("/dev/shm").glob(f"burncoll-{os.getpid()}-*")}
+    """The rings this process has open descriptors of (mappings hold no descriptor)."""
+    names = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            name = os.readlink(f"/proc/self/fd/{fd}")
+            if name.startswith("/memfd:burncoll-") and "probe" not in name:
+                names.add(name)
+    return names
 
 
 def _message(i: int, size: int) -> bytes:
@@ -84,7 +89,7 @@ def test_every_message_arrives_whole_and_in_order_through_the_ring(
             reading.cancel()
 
     run(main(), 120)
-    assert _rings() <= before  # the ring's name is gone
+    assert _rings() <= before  # acknowledged: the sender closed the ring's descriptor
 
 
 def test_payloads_land_where_the_placer_says() -> None:
@@ -220,11 +225,14 @@ async def _made_ring() -> AsyncIterator[tuple[Connection, shm.RingReceiver, shm.
     async with connected(TcpTransport()) as (client, server, _):
         receiver, sender = shm.RingReceiver(client), shm.RingSender(server)
         sender._create()
-        assert sender._path is not None
         try:
-            yield server, receiver, sender, sender._path.name
+            yield server, receiver, sender, sender._offer
         finally:
             await sender.close()
+
+
+#: A pid no process has (above the kernel's largest).
+_DEAD_PID = 2**22 + 7
 
 
 def _hostile(build: Callable[[str], bytes]) -> BaseException:
@@ -246,7 +254,11 @@ def _hostile(build: Callable[[str], bytes]) -> BaseException:
     ("an offer of a path", lambda name: b"BSO1" + struct.pack("<Q", shm.RING_BYTES)
      + b"../../etc/passwd"),
     ("an offer of a ring that is not there", lambda name: b"BSO1"
-     + struct.pack("<Q", shm.RING_BYTES) + b"burncoll-1-" + b"0" * 32),
+     + struct.pack("<Q", shm.RING_BYTES) + f"{_DEAD_PID}/3/{'0' * 32}".encode()),
+    ("an offer of a ring under another name", lambda name: b"BSO1"
+     + struct.pack("<Q", shm.RING_BYTES) + name[:-32].encode() + b"f" * 32),
+    ("an offer of this process's standard input", lambda name: b"BSO1"
+     + struct.pack("<Q", shm.RING_BYTES) + f"{os.getpid()}/0/{'0' * 32}".encode()),
 ])
 def test_hostile_offers_and_descriptors_are_refused(what: str,
                                                     build: Callable[[str], bytes]) -> None:
@@ -270,38 +282,63 @@ def test_a_descriptor_larger_than_the_ring_allows_is_refused() -> None:
 
 @pytest.mark.parametrize("ends", [False, True])
 def test_a_ring_gone_before_it_was_mapped_lets_the_senders_last_words_through(ends: bool) -> None:
-    """A sender that fails closes its ring before its receiver maps it; what it said before
+    """A sender that fails may end before its receiver maps the ring; what it said before
     closing comes after the offer (and a descriptor) on the connection, and must still be
     read, for the receiver to learn why -- then the connection fails, naming the ring: after
     a grace while it stays open, at once when it ends."""
     async def main() -> None:
-        async with _made_ring() as (server, receiver, sender, name):
-            sender._unlink()  # as a failing sender's close (its process's exit) does
-            await server.send([b"BSO1" + struct.pack("<Q", shm.RING_BYTES) + name.encode()])
+        async with _made_ring() as (server, receiver, _sender, name):
+            gone = f"{_DEAD_PID}/{name.split('/', 1)[1]}"  # as if its process had ended
+            await server.send([b"BSO1" + struct.pack("<Q", shm.RING_BYTES) + gone.encode()])
             await server.send([b"BSD1" + struct.pack("<Q", shm.MIN_BYTES)])
             await server.send([b"the reason it failed"])
             got = await asyncio.wait_for(receiver.recv(), 10)
             assert bytes(got) == b"the reason it failed"
             if ends:
                 await server.close()
-            with pytest.raises(TransportError, match=f"could not map .*{name}"):
+            with pytest.raises(TransportError, match=f"could not map .*{gone}"):
                 await asyncio.wait_for(receiver.recv(), 10)
             await receiver.close()
 
     run(main())
 
 
-def test_rings_of_dead_processes_are_swept() -> None:
-    stale = Path("/dev/shm") / f"burncoll-{2**22 + 7}-{'a' * 32}"  # no such pid
-    stale.write_bytes(b"x")
-    mine = Path("/dev/shm") / f"burncoll-{os.getpid()}-{'b' * 32}"
-    mine.write_bytes(b"x")
-    try:
-        shm._sweep()
-        assert not stale.exists() and mine.exists()
-    finally:
-        for path in (stale, mine):
-            path.unlink(missing_ok=True)
+def test_an_unsealed_ring_is_refused() -> None:
+    """A ring that could be shrunk under the receiver's mapping would crash it (SIGBUS on the
+    next read): an offer of one -- right name, size and owner, no seals -- is refused."""
+    async def main() -> None:
+        async with _made_ring() as (server, receiver, _sender, _name):
+            token = "c" * 32
+            fd = os.memfd_create(f"burncoll-{token}", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, shm.RING_BYTES)
+                offer = f"{os.getpid()}/{fd}/{token}".encode()
+                await server.send([b"BSO1" + struct.pack("<Q", shm.RING_BYTES) + offer])
+                with pytest.raises(ProtocolError, match="could still be resized"):
+                    await asyncio.wait_for(receiver.recv(), 10)
+            finally:
+                os.close(fd)
+
+    run(main())
+
+
+def test_nobody_can_resize_a_ring() -> None:
+    """Not its creator, not another opener of it: its size is sealed, so no receiver's
+    mapping can lose its pages."""
+    async def main() -> None:
+        async with _made_ring() as (_server, _receiver, sender, _name):
+            assert sender._fd is not None
+            other = os.open(f"/proc/self/fd/{sender._fd}", os.O_RDWR)
+            try:
+                for fd in (sender._fd, other):
+                    for size in (0, shm.RING_BYTES // 2, 2 * shm.RING_BYTES):
+                        with pytest.raises(PermissionError):
+                            os.ftruncate(fd, size)
+                assert os.fstat(other).st_size == shm.RING_BYTES
+            finally:
+                os.close(other)
+
+    run(main())
 
 
 def _two_nodes(shared_memory: bool) -> dict[int, Any]:
