@@ -3,26 +3,22 @@ everything else -- order, small messages, liveness -- through their own connecti
 
 Node processes of one machine (``burncoll launch --nodes 4``, torchrun's one process per
 device) otherwise push every array through the kernel's TCP stack. When the orchestrator's
-table says two nodes share a host (:func:`host_identity`: same kernel boot, same network and
-process namespaces, and sealed anonymous files work here), the sending side of their data
-connection creates a ring (an anonymous ``memfd`` of :data:`RING_BYTES`, its pages mapped at
-once, *sealed* so that nobody -- its creator included -- can shrink or grow it) and offers it
-on the connection as ``pid/fd/token``; the receiving side opens it through ``/proc``, checks
-that it is a regular file of this user, of exactly the ring's size, sealed, and named with
-the offered random token, and maps it read-only. From then on a message of at least
-:data:`MIN_BYTES` is copied into the ring and only a 12-byte descriptor (its length) travels
-on the connection, in order with every other message; the receiver copies it out --
-straight into the memory its placer chose -- or, where no place was chosen, lends it where it
-lies until its next ``recv`` (a :class:`~burncoll.transport.wire.Placed` with ``lent``: the
-node combines a part it reduces straight out of the ring, and copies anything else out), and
-acknowledges the bytes it consumed, a quarter ring at a time, which the sender may then
-overwrite. That is one copy on each side at most and no system call per byte, as NCCL's SHM
-transport and Open MPI's shared-memory component do.
-
-The seals are why a member holding the token cannot crash its receiver: a file that can be
-shrunk under a mapping makes the next read of the missing pages fail with ``SIGBUS``, which
-kills the process; a sealed one cannot be shrunk at all. An anonymous file also leaves
-nothing behind: it is gone when the last process holding it ends.
+table says two nodes share a host (:func:`~burncoll.transport.ring_files.host_identity`),
+the sending side of their data connection creates a ring when its first message of at least
+:data:`MIN_BYTES` needs it (an anonymous file of :data:`RING_BYTES` sealed at its size, its
+pages mapped at once: :mod:`burncoll.transport.ring_files`), offers it on the connection, and
+waits for the answer: the receiver maps it -- only if it is a ring a sender makes -- or
+declines it (it cannot be reached: its sender has ended, ``/proc`` is closed), and then
+everything stays on the connection. Nothing goes through the ring before the answer, and the
+sender closes the descriptor it offered once answered (or at close). From then on a large
+message is copied into the ring and only a 12-byte descriptor (its length) travels on the
+connection, in order with every other message; the receiver copies it out -- straight into
+the memory its placer chose -- or, where no place was chosen, lends it where it lies until
+its next ``recv`` (a :class:`~burncoll.transport.wire.Placed` with ``lent``: the node combines
+a part it reduces straight out of the ring, and copies anything else out), and acknowledges
+the bytes it consumed, a quarter ring at a time, which the sender may then overwrite. That is
+one copy on each side at most and no system call per byte, as NCCL's SHM transport and Open
+MPI's shared-memory component do.
 
 The connection keeps everything else: a process that dies closes it (``PeerLost`` at once, as
 over the network), deadlines are the caller's, a sender waits for ring space only while its
@@ -37,21 +33,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
-import functools
-import hashlib
 import mmap
 import os
 import re
 import secrets
-import stat
 import struct
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 
 from burncoll.errors import ProtocolError, TransportError
 from burncoll.transport.base import Buffer, Connection, FastPath, Placer, byte_view
+from burncoll.transport.ring_files import host_identity, map_offered, sealed_file
 from burncoll.transport.wire import FIXED_HEADER_BYTES, MAX_NDIM, Placed
 
 __all__ = ["MIN_BYTES", "RING_BYTES", "RingReceiver", "RingSender", "host_identity"]
@@ -70,60 +62,16 @@ MAX_BYTES = RING_BYTES // 4
 #: still unread, and reading it brings the receiver's count past ``ACK_BYTES``.
 ACK_BYTES = RING_BYTES // 4
 #: An offer names the ring as its creator's pid, the ring's descriptor there, and the random
-#: token in the ring's name (``/proc/PID/fd/FD`` must lead to ``memfd:burncoll-TOKEN``).
+#: token in the ring's name (:func:`~burncoll.transport.ring_files.map_offered`).
 _OFFERED = re.compile(r"([0-9]{1,10})/([0-9]{1,10})/([0-9a-f]{32})")
-#: A ring's seals: its size is fixed for good (no ``SIGBUS`` from a shrunk file), and no
-#: other seal can be added.
-#: (0 where the platform has no seals: then :func:`host_identity` says no ring is possible.)
-_SEALS: int = (getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0)
-               | getattr(fcntl, "F_SEAL_SEAL", 0))
 _OFFER, _DATA, _ACK = b"BSO1", b"BSD1", b"BSA1"
+#: The receiver's answer to an offer: it mapped the ring, or declined it (the sender then
+#: sends everything on the connection). No descriptor is sent before the answer.
+_MAPPED, _DECLINED = b"BSM1", b"BSN1"
 _LENGTH = struct.Struct("<Q")
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 #: The most bytes a message's header takes (what a placer reads of it).
 _HEADER_MAX = FIXED_HEADER_BYTES + 8 * MAX_NDIM
-#: Seconds a receiver reads on after its ring could not be mapped (see :class:`RingReceiver`).
-UNMAPPED_GRACE = 1.0
-
-
-@functools.cache
-def host_identity() -> str:
-    """What two processes share exactly when they can share a ring: the kernel's boot id and
-    the network and process namespaces (``""`` where any is unknown, or where this process
-    cannot make a sealed ring and reach it through ``/proc``)."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        net = os.stat("/proc/self/ns/net").st_ino
-        pids = os.stat("/proc/self/ns/pid").st_ino
-        _probe_sealed_ring()
-    except (OSError, AttributeError):
-        return ""
-    text = f"{boot}:{net}:{pids}"
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def _probe_sealed_ring() -> None:
-    """Make a tiny sealed anonymous file and open it as a receiver would (``OSError`` where
-    that fails: no shared memory here)."""
-    if not _SEALS:
-        raise OSError("this platform cannot seal a file's size")
-    fd = _sealed_file("burncoll-probe", 4096)
-    try:
-        os.close(os.open(f"/proc/{os.getpid()}/fd/{fd}", os.O_PATH))
-    finally:
-        os.close(fd)
-
-
-def _sealed_file(name: str, size: int) -> int:
-    """A new anonymous file of ``size`` bytes that can never change size; its descriptor."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, size)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def _advance(position: int, size: int) -> tuple[int, int]:
@@ -141,13 +89,16 @@ class RingSender(Connection, FastPath):
         self.inner = inner
         self.remote = inner.remote
         self._fast = inner if isinstance(inner, FastPath) else None
-        #: The ring's descriptor, open until the receiver has mapped it (its first
-        #: acknowledgement), and the name it was offered by.
+        #: The ring's descriptor, open until the receiver has answered the offer (or the
+        #: connection closes), and the name it was offered by.
         self._fd: int | None = None
         self._offer = ""
         self._map: mmap.mmap | None = None
         self._ring = memoryview(b"")
         self._offered = False
+        #: The receiver's answer: ``True`` mapped, ``False`` declined, ``None`` not yet.
+        self._mapped: bool | None = None
+        self._answered = asyncio.Event()
         self._position = 0
         self._unacked = 0
         self._room = asyncio.Event()
@@ -157,18 +108,16 @@ class RingSender(Connection, FastPath):
     async def send(self, parts: Sequence[Buffer]) -> None:
         views = [byte_view(p) for p in parts]
         size = sum(len(v) for v in views)
-        if not MIN_BYTES <= size <= MAX_BYTES:
+        if not MIN_BYTES <= size <= MAX_BYTES or self._mapped is False:
             await self.inner.send(views)
             return
-        if not self._offered:  # the ring is made when the first large message needs it
-            self._create()
-            await self.inner.send([_OFFER + _LENGTH.pack(RING_BYTES) + self._offer.encode()])
-            self._offered = True
         with self._busy:
+            if not await self._ring_taken():
+                await self.inner.send(views)
+                return
             start, used = _advance(self._position, size)
             while self._unacked + used > RING_BYTES:
-                if self._broken is not None:
-                    raise TransportError(f"connection to {self.remote} is closed") from None
+                self._check_open()
                 self._room.clear()
                 await self._room.wait()
             at = start
@@ -178,6 +127,22 @@ class RingSender(Connection, FastPath):
             self._position, self._unacked = at, self._unacked + used
             await self.inner.send([_DATA + _LENGTH.pack(size)])
 
+    async def _ring_taken(self) -> bool:
+        """Whether the receiver mapped the ring: offered when the first large message needs
+        it, then the receiver's answer awaited (nothing goes through the ring before it)."""
+        if not self._offered:
+            self._create()
+            self._offered = True
+            await self.inner.send([_OFFER + _LENGTH.pack(RING_BYTES) + self._offer.encode()])
+        while self._mapped is None:
+            self._check_open()
+            await self._answered.wait()
+        return self._mapped
+
+    def _check_open(self) -> None:
+        if self._broken is not None:
+            raise TransportError(f"connection to {self.remote} is closed") from None
+
     async def recv(self) -> Buffer | Placed:
         while True:
             try:
@@ -185,20 +150,38 @@ class RingSender(Connection, FastPath):
             except BaseException as exc:
                 self._broken = exc
                 self._room.set()
+                self._answered.set()
                 raise
-            if isinstance(message, Placed) or bytes(message[:4]) != _ACK:
+            if isinstance(message, Placed):
                 return message
-            freed = _LENGTH.unpack_from(message, 4)[0] if len(message) == 12 else -1
-            if not 0 < freed <= self._unacked:
-                raise ProtocolError(f"acknowledged {freed} bytes of a ring that holds "
-                                    f"{self._unacked} unread")
-            self._unacked -= freed
-            self._room.set()
-            self._forget()  # the receiver has mapped it: the descriptor is no longer needed
+            tag = bytes(message[:4])
+            if tag in (_MAPPED, _DECLINED) and len(message) == 4:
+                self._take_answer(tag == _MAPPED)
+            elif tag == _ACK:
+                self._take_ack(message)
+            else:
+                return message
+
+    def _take_answer(self, mapped: bool) -> None:
+        if not self._offered or self._mapped is not None:
+            raise ProtocolError("answered a shared-memory ring it was not offered")
+        self._mapped = mapped
+        self._forget()  # mapped or declined: nobody opens the ring from now on
+        if not mapped:
+            self._release()
+        self._answered.set()
+
+    def _take_ack(self, message: Buffer) -> None:
+        freed = _LENGTH.unpack_from(message, 4)[0] if len(message) == 12 else -1
+        if not self._mapped or not 0 < freed <= self._unacked:
+            raise ProtocolError(f"acknowledged {freed} bytes of a ring that holds "
+                                f"{self._unacked} unread")
+        self._unacked -= freed
+        self._room.set()
 
     def _create(self) -> None:
         token = secrets.token_hex(16)
-        fd = _sealed_file(f"burncoll-{token}", RING_BYTES)
+        fd = sealed_file(f"burncoll-{token}", RING_BYTES)
         try:
             # every page now, once: not a page fault per message until the ring first wraps
             self._map = mmap.mmap(fd, RING_BYTES, flags=mmap.MAP_SHARED | _POPULATE)
@@ -209,12 +192,18 @@ class RingSender(Connection, FastPath):
         self._ring = memoryview(self._map)
 
     def _forget(self) -> None:
-        """Close the ring's descriptor (the mapping stays): once the receiver has mapped
-        it, nothing else may open it."""
+        """Close the descriptor the ring was offered by: its number no longer names the ring
+        (the mapping stays, with a descriptor of its own until it is closed)."""
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
+
+    def _release(self) -> None:
+        with contextlib.suppress(BufferError, ValueError):
+            self._ring.release()
+            if self._map is not None:
+                self._map.close()
 
     def send_now(self, parts: Sequence[Buffer]) -> bool:
         if self._fast is None or not self._busy.acquire(blocking=False):
@@ -235,16 +224,12 @@ class RingSender(Connection, FastPath):
     async def close(self) -> None:
         self._broken = self._broken or TransportError("closed")
         self._room.set()
-        if not self._offered:
-            self._forget()
-        # else the descriptor stays open until this process ends: the receiver may still
-        # have the offer to read (a failing node closes right after its abort, which follows
-        # the offer); closing it would let the number name another file of this process
+        self._answered.set()
+        # a receiver that has not read the offer yet finds the ring gone and declines it;
+        # nothing went through it before its answer, so nothing is lost
+        self._forget()
         await self.inner.close()
-        with contextlib.suppress(BufferError, ValueError):
-            self._ring.release()
-            if self._map is not None:
-                self._map.close()
+        self._release()
 
     def authenticated(self) -> None:
         self.inner.authenticated()
@@ -256,12 +241,11 @@ class RingSender(Connection, FastPath):
 class RingReceiver(Connection, FastPath):
     """The receiving side: maps the ring its sender offers, reads messages out of it.
 
-    A ring that cannot be mapped dooms the connection, but not at once: only its sender
-    removes its name before the receiver maps it, when it closes after a failure (or dies),
-    and what it said before closing -- why it failed -- follows the offer on the connection.
-    So the receiver reads on for up to :data:`UNMAPPED_GRACE` seconds, dropping the
-    descriptors of the missing ring and returning every other message, then fails with the
-    reason the ring could not be mapped (at once when the connection ends first).
+    It answers every acceptable offer: mapped, or declined where the ring cannot be reached
+    (its sender has ended or closed it since, ``/proc`` is closed to this process, no memory
+    to map it): the sender then sends everything on the connection, and this side reads on
+    -- what a failing sender said before closing follows its offer. An offer that is not one
+    a sender makes fails the connection (:func:`~burncoll.transport.ring_files.map_offered`).
     """
 
     def __init__(self, inner: Connection) -> None:
@@ -270,13 +254,10 @@ class RingReceiver(Connection, FastPath):
         self._fast = inner if isinstance(inner, FastPath) else None
         self._ring: memoryview | None = None
         self._map: mmap.mmap | None = None
+        self._offered = False
         self._position = 0
         self._consumed = 0  # bytes read out of the ring and not acknowledged yet
         self._placer: Placer | None = None
-        #: Why the offered ring could not be mapped, and when reading on for the sender's
-        #: last words ends (event-loop time).
-        self._unmapped: TransportError | None = None
-        self._give_up_at = 0.0
         #: Ring bytes of the message last lent, read once the next one is asked for.
         self._lent = 0
 
@@ -285,72 +266,32 @@ class RingReceiver(Connection, FastPath):
             used, self._lent = self._lent, 0
             await self._release(used)
         while True:
-            message = await self._next()
+            message = await self.inner.recv()
             if isinstance(message, Placed):
                 return message
             tag = bytes(message[:4])
             if tag == _OFFER:
-                self._map_ring(byte_view(message))
+                await self._answer(byte_view(message))
                 continue
             if tag != _DATA:
                 return message
-            if self._unmapped is not None:
-                continue  # (a message of the ring that is gone)
             return await self._take(byte_view(message))
 
-    async def _next(self) -> Buffer | Placed:
-        if self._unmapped is None:
-            return await self.inner.recv()
-        remaining = self._give_up_at - asyncio.get_running_loop().time()
-        try:
-            async with asyncio.timeout(max(remaining, 0.0)):
-                return await self.inner.recv()
-        except (TimeoutError, TransportError):
-            raise self._unmapped from None
-
-    def _map_ring(self, message: memoryview) -> None:
+    async def _answer(self, message: memoryview) -> None:
+        """Map the offered ring, or decline it; tell the sender which."""
         offered = bytes(message[12:]).decode("ascii", "replace")
         size = _LENGTH.unpack_from(message, 4)[0] if len(message) >= 12 else -1
         match = _OFFERED.fullmatch(offered)
-        if (self._ring is not None or self._unmapped is not None or size != RING_BYTES
-                or match is None):
+        if self._offered or size != RING_BYTES or match is None:
             raise ProtocolError("offered a shared-memory ring this node does not accept")
+        self._offered = True
         pid, fd, token = match.groups()
-        try:
-            # O_PATH: find the file without opening it (no device is ever opened on an
-            # offer's word), then check it is the ring that was offered
-            handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_PATH)
-        except OSError as exc:  # (its sender has ended, or it is not on this host after all)
-            self._unmapped = TransportError(f"could not map the shared-memory ring {offered} "
-                                            f"offered by {self.remote}: {exc}")
-            self._give_up_at = asyncio.get_running_loop().time() + UNMAPPED_GRACE
-            return
-        try:
-            self._map_checked(handle, token)
-        finally:
-            os.close(handle)
-
-    def _map_checked(self, handle: int, token: str) -> None:
-        """Map the file ``handle`` finds if it is the offered ring: a regular anonymous file
-        of this user named with ``token``, of the ring's size, sealed against resizing."""
-        name = os.readlink(f"/proc/self/fd/{handle}")
-        if name not in (f"/memfd:burncoll-{token} (deleted)", f"/memfd:burncoll-{token}"):
-            raise ProtocolError("offered a shared-memory ring that is not the one it names")
-        if not stat.S_ISREG(os.fstat(handle).st_mode):
-            raise ProtocolError("offered a shared-memory ring that is not a regular file")
-        fd = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY)
-        try:
-            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
-                raise ProtocolError("offered a shared-memory ring that could still be resized "
-                                    "(a shrunk ring would crash this process)")
-            info = os.fstat(fd)
-            if info.st_uid != os.getuid() or info.st_size != RING_BYTES:
-                raise ProtocolError("offered a shared-memory ring of another user or size")
-            self._map = mmap.mmap(fd, RING_BYTES, flags=mmap.MAP_SHARED | _POPULATE,
-                                  prot=mmap.PROT_READ)
+        self._map = map_offered(int(pid), int(fd), token, RING_BYTES)
+        if self._map is not None:
             self._ring = memoryview(self._map)
-        finally:
-            os.close(fd)
+        # a sender that is gone needs no answer: the next recv says what became of it
+        with contextlib.suppress(TransportError):
+            await self.inner.send([_MAPPED if self._map is not None else _DECLINED])
 
     async def _take(self, message: memoryview) -> Buffer | Placed:
         size = _LENGTH.unpack_from(message, 4)[0] if len(message) == 12 else -1

@@ -1,0 +1,129 @@
+"""The files behind the shared-memory rings of :mod:`burncoll.transport.shm`: sealed anonymous
+files, which host can share them, and how a receiver opens the one it was offered.
+
+A ring is an anonymous ``memfd`` *sealed* at its size (``F_SEAL_SHRINK | F_SEAL_GROW |
+F_SEAL_SEAL``): nobody, its creator included, can shrink it under a reader's mapping (a read
+of pages a file lost is ``SIGBUS``, which kills the reader) or change its seals. Its sender
+offers it as ``pid/fd/token``; the receiver finds it through ``/proc`` with ``O_PATH`` (no
+device or FIFO is ever opened on an offer's word) and maps it only if it is the offered ring:
+named ``memfd:burncoll-<token>``, a regular file on the kernel's own memfd filesystem (not a
+huge-page one, whose faults can fail), of this user, of the ring's size, sealed, and openable
+without waiting (a lease would make the open block).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import mmap
+import os
+import stat
+from pathlib import Path
+
+from burncoll.errors import ProtocolError
+
+__all__ = ["host_identity", "map_offered", "sealed_file"]
+
+#: A ring's seals (0 where the platform has none: then no host shares rings).
+SEALS: int = (getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0)
+              | getattr(fcntl, "F_SEAL_SEAL", 0))
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+@functools.cache
+def host_identity() -> str:
+    """What two processes share exactly when they can share a ring: the kernel's boot id,
+    the network and process namespaces, and the user (``""`` where any is unknown, or where
+    this process cannot make a sealed ring and find it again through ``/proc``)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        net = os.stat("/proc/self/ns/net").st_ino
+        pids = os.stat("/proc/self/ns/pid").st_ino
+        _probe()
+    except (OSError, AttributeError):
+        return ""
+    text = f"{boot}:{net}:{pids}:{os.getuid()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _probe() -> None:
+    """Make a tiny sealed file and find it as a receiver would (``OSError`` if that fails)."""
+    if not SEALS:
+        raise OSError("this platform cannot seal a file's size")
+    fd = sealed_file("burncoll-probe", 4096)
+    try:
+        found = os.open(f"/proc/{os.getpid()}/fd/{fd}", os.O_PATH)
+        try:
+            mine, there = os.fstat(fd), os.fstat(found)
+            if (mine.st_dev, mine.st_ino) != (there.st_dev, there.st_ino):
+                raise OSError("/proc shows another process's files")
+        finally:
+            os.close(found)
+    finally:
+        os.close(fd)
+
+
+def sealed_file(name: str, size: int) -> int:
+    """A new anonymous file of ``size`` bytes that can never change size; its descriptor."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@functools.cache
+def _memfd_device() -> int:
+    """The device of the kernel's memfd filesystem (that of a plain memfd of this process)."""
+    fd = os.memfd_create("burncoll-device", os.MFD_CLOEXEC)
+    try:
+        return os.fstat(fd).st_dev
+    finally:
+        os.close(fd)
+
+
+def map_offered(pid: int, fd: int, token: str, size: int) -> mmap.mmap | None:
+    """The ring process ``pid`` offered as its descriptor ``fd`` named with ``token``, mapped
+    read-only; ``None`` when it cannot be reached or is not that ring (its sender has ended or
+    closed it, ``/proc`` is closed to this process): the receiver declines it. A file that is
+    named as the ring but is not one a sender makes is :class:`ProtocolError`."""
+    try:
+        handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_PATH)
+    except OSError:
+        return None
+    try:
+        if os.readlink(f"/proc/self/fd/{handle}") not in (
+                f"/memfd:burncoll-{token} (deleted)", f"/memfd:burncoll-{token}"):
+            return None  # (a number its sender reused since, or never had)
+        info = os.fstat(handle)
+        if not stat.S_ISREG(info.st_mode) or info.st_dev != _memfd_device():
+            raise ProtocolError("offered a shared-memory ring that is not an ordinary "
+                                "anonymous file")
+        return _map_checked(handle, size)
+    finally:
+        os.close(handle)
+
+
+def _map_checked(handle: int, size: int) -> mmap.mmap | None:
+    try:  # O_NONBLOCK: a file under a lease fails at once instead of blocking the loop
+        fd = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ProtocolError(f"offered a shared-memory ring it cannot be read from: {exc}"
+                            ) from None
+    try:
+        if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
+            raise ProtocolError("offered a shared-memory ring that could still be resized "
+                                "(a shrunk ring would crash this process)")
+        info = os.fstat(fd)
+        if info.st_uid != os.getuid() or info.st_size != size:
+            raise ProtocolError("offered a shared-memory ring of another user or size")
+        try:
+            return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+        except OSError:  # (no memory for it now: the receiver declines)
+            return None
+    finally:
+        os.close(fd)
