@@ -87,6 +87,8 @@ class GlobalLink(Protocol):
     node_of: Mapping[int, int]
     #: All-reduce shards across nodes: every node runs a local ring over as many devices.
     sharded: bool
+    #: Every node runs on this node's host and shares memory with it (same host identity).
+    one_host: bool
 
     def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0,
                    out: HostArray | None = None, *, path: GlobalPath) -> None:

@@ -24,6 +24,8 @@ class World:
     node_of: Mapping[int, int]
     #: Every node runs a local ring over as many devices: all-reduces shard across nodes.
     sharded: bool
+    #: Every node runs on one host and shares memory (exchanges pay off up to larger sizes).
+    one_host: bool = False
 
     @classmethod
     def of(cls, peer_ids: Sequence[int], link: GlobalLink | None) -> World:
@@ -32,7 +34,7 @@ class World:
         if link is None:
             return cls(mine, mine, 1, 0, dict.fromkeys(mine, 0), False)
         return cls(mine, link.peer_ids, link.num_nodes, link.node_index, link.node_of,
-                   link.sharded)
+                   link.sharded, link.one_host)
 
     @property
     def size(self) -> int:

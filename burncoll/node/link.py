@@ -70,6 +70,9 @@ class NodeLink:
         #: go local reduce-scatter -> per-shard global all-reduce -> local all-gather.
         self.sharded = all(n.local_ring for n in self.nodes) and len(
             {len(n.peer_ids) for n in self.nodes}) == 1
+        #: Every node announced this node's host identity: their rings share memory.
+        self.one_host = bool(self.nodes[0].host_id) and len(
+            {n.host_id for n in self.nodes}) == 1
         self._local: LocalPeers | None = None
         self._closed = False
         self._p2p = NodePointToPoint(io, service, self.peer_ids, self.node_of)

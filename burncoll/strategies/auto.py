@@ -20,7 +20,8 @@ from burncoll.strategies.ring import Ring
 from burncoll.strategies.schedule import Schedule
 from burncoll.strategies.tree import Tree
 
-__all__ = ["CROSSOVERS", "EXCHANGE_BYTES", "INLINE_BYTES", "Auto", "exchange_limit", "resolve"]
+__all__ = ["CROSSOVERS", "EXCHANGE_BYTES", "EXCHANGE_BYTES_ONE_HOST", "INLINE_BYTES", "Auto",
+           "exchange_limit", "resolve"]
 
 #: Local operations of at most this many bytes run inline in one thread under ``auto``.
 INLINE_BYTES = 1 << 20
@@ -29,11 +30,17 @@ INLINE_BYTES = 1 << 20
 #: ``auto``: every node sends its array to every other node and reduces all of them itself
 #: (:mod:`burncoll.node.exchange`). Indexed by the number of nodes; larger worlds use the last.
 EXCHANGE_BYTES: dict[int, int] = {2: 2 << 20, 3: 256 << 10, 4: 128 << 10, 8: 32 << 10}
+#: The same when every node runs on one host (their large messages go through shared memory,
+#: where sending the whole array to every node costs copies, not link time): 4 node processes
+#: of one host exchanged 256-512 KiB in 0.6-0.9x the ring's time (docs/performance.md).
+EXCHANGE_BYTES_ONE_HOST: dict[int, int] = {**EXCHANGE_BYTES, 4: 512 << 10}
 
 
-def exchange_limit(world: int) -> int:
-    """The largest all-reduce (bytes per node) that ``auto`` exchanges among ``world`` nodes."""
-    fitting = [limit for w, limit in EXCHANGE_BYTES.items() if w <= world]
+def exchange_limit(world: int, one_host: bool = False) -> int:
+    """The largest all-reduce (bytes per node) that ``auto`` exchanges among ``world`` nodes
+    (``one_host``: all of them on one host, sharing memory)."""
+    table = EXCHANGE_BYTES_ONE_HOST if one_host else EXCHANGE_BYTES
+    fitting = [limit for w, limit in table.items() if w <= world]
     return fitting[-1] if fitting else 0
 
 #: level -> ((largest size in bytes, strategy), ...): the first row whose size is >= the

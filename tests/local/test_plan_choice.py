@@ -4,8 +4,8 @@ The expected plans below were derived by reading the paths as they were before t
 moved into one function -- ``compose.prepare`` and ``execute`` (link / sharded / single local
 peer), ``wants_inline`` (``auto``, at most ``INLINE_BYTES``, across nodes only the all-reduce),
 ``wants_fused`` (one node, 2+ peers, NumPy, ``auto``, not the mean of integers) and the node
-link's ``_exchanges`` (global ``auto``, at most ``exchange_limit(nodes)`` bytes per node, per
-shard when sharded; a barrier as a 0-byte exchange) -- not by calling the function.
+link's ``_exchanges`` (global ``auto``, at most ``exchange_limit(nodes, one_host)`` bytes per
+node, per shard when sharded; a barrier as a 0-byte exchange) -- not by calling the function.
 
 The global path of each plan (the exchange, or the strategy of the global schedule) is what
 the node link used to resolve itself, by hand from ``strategies/auto.py``: the operation's own
@@ -56,12 +56,15 @@ def one_node(devices: int) -> World:
     return World.of(range(devices), None)
 
 
-def nodes(layout: list[int], node: int = 0, sharded: bool = False) -> World:
-    """Node ``node`` of nodes with ``layout[n]`` local peers each (peer ids in node order)."""
+def nodes(layout: list[int], node: int = 0, sharded: bool = False,
+          one_host: bool = False) -> World:
+    """Node ``node`` of nodes with ``layout[n]`` local peers each (peer ids in node order),
+    on hosts of their own unless ``one_host``."""
     ids = [list(range(sum(layout[:n]), sum(layout[:n + 1]))) for n in range(len(layout))]
     return World(peer_ids=tuple(ids[node]), all_peer_ids=tuple(range(sum(layout))),
                  num_nodes=len(layout), node_index=node,
-                 node_of={p: n for n, peers in enumerate(ids) for p in peers}, sharded=sharded)
+                 node_of={p: n for n, peers in enumerate(ids) for p in peers}, sharded=sharded,
+                 one_host=one_host)
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,13 @@ CASES: list[tuple[str, Case, World, OpPlan]] = [
     ("3 nodes, 256 KiB all_reduce", Case(AR, 256 * KiB), nodes([1, 1, 1]), Inline(X)),
     ("3 nodes, 256 KiB + 4 all_reduce", Case(AR, 256 * KiB + 4), nodes([1, 1, 1]),
      Inline(R)),
+    ("4 nodes, past the 4-node limit", Case(AR, 128 * KiB + 4), nodes([1] * 4), Inline(R)),
+    ("4 nodes of one host, 512 KiB: the exchange", Case(AR, 512 * KiB),
+     nodes([1] * 4, one_host=True), Inline(X)),
+    ("4 nodes of one host, past 512 KiB", Case(AR, 512 * KiB + 4),
+     nodes([1] * 4, 3, one_host=True), Inline(R)),
+    ("3 nodes of one host keep the 3-node limit", Case(AR, 256 * KiB + 4),
+     nodes([1] * 3, one_host=True), Inline(R)),
     ("5 nodes use the 4-node limit", Case(AR, 128 * KiB), nodes([1] * 5), Inline(X)),
     ("5 nodes, past the 4-node limit", Case(AR, 128 * KiB + 8, "float64"), nodes([1] * 5),
      Inline(R)),

@@ -1,10 +1,10 @@
 """The one-round exchange for small global all-reduces (``burncoll.node.exchange``).
 
-Under the ``auto`` global strategy an all-reduce of at most ``exchange_limit(num_nodes)``
-bytes per node is sent by every node to every other node, and each node reduces the buffers in
-node order (``x0 op x1 op ... op x(n-1)``): the same bits on every node. Larger ones run the
-ring. Mismatched calls between nodes raise a ``MismatchError`` on every peer, as with the
-schedules -- or, on a peer that calls only after its node has learnt of the mismatch from
+Under the ``auto`` global strategy an all-reduce of at most ``exchange_limit(num_nodes,
+one_host)`` bytes per node is sent by every node to every other node, and each node reduces
+the buffers in node order (``x0 op x1 op ... op x(n-1)``): the same bits on every node. Larger
+ones run the ring. Mismatched calls between nodes raise a ``MismatchError`` on every peer, as
+with the schedules -- or, on a peer that calls only after its node has learnt of the mismatch from
 another node, the ``CollectiveAborted`` (caused by it) that every later call raises.
 
 Two levels: :func:`exchange_all_reduce` alone, several nodes in one event loop over the
@@ -47,7 +47,15 @@ from burncoll.node.executor import GlobalExecutor
 from burncoll.ops import OpKind, parse_reduce_op
 from burncoll.strategies.auto import exchange_limit
 from burncoll.strategies.layout import even_layout
+from burncoll.transport.shm import host_identity
 from tests.node.test_out_of_place import _MemoryService
+
+
+def _limit(nodes: int) -> int:
+    """The exchange limit these tests' node processes (all of this host) choose by."""
+    one_host = bool(host_identity()) and burncoll.CollectiveConfig().shared_memory
+    return exchange_limit(nodes, one_host)
+
 
 REPO = Path(__file__).resolve().parents[2]
 _UFUNC = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum,
@@ -231,7 +239,7 @@ def _cases() -> list[tuple[int, str, str, str | None]]:
 
 def _count(size: int, dtype: str, nodes: int) -> int:
     itemsize = dtype_from_name(dtype).itemsize
-    limit = exchange_limit(nodes) // itemsize
+    limit = _limit(nodes) // itemsize
     return {-1: limit, -2: limit + 1, -3: limit - 1}.get(size, size)
 
 
@@ -317,7 +325,7 @@ def _run_cases(comm: burncoll.Communicator, layout: list[int], local_s: str
             elif not np.allclose(r.astype(np.float64), ref, rtol=tol, atol=tol):
                 worst = float(np.max(np.abs(r.astype(np.float64) - ref)))
                 problems.append(f"{what}: off the float64 reference by up to {worst:g}")
-            elif (exact_order and x.nbytes <= exchange_limit(nodes)
+            elif (exact_order and x.nbytes <= _limit(nodes)
                     and r.tobytes() != exact.tobytes()):
                 problems.append(f"{what}: not the node-order fold of the exchange")
         digests.append(hashlib.sha256(r.dtype.name.encode() + r.tobytes()).hexdigest())
@@ -338,7 +346,7 @@ def _mismatch(comm: burncoll.Communicator, node: int, nodes: int, what: str
     elif what == "op":
         op = "max" if odd else "sum"
     elif what == "boundary":  # the others exchange, node 1 runs the ring
-        x = np.ones(exchange_limit(nodes) // 8 + (1 if odd else 0))
+        x = np.ones(_limit(nodes) // 8 + (1 if odd else 0))
     if what == "late" and node == 0:
         time.sleep(0.5)
     started = time.monotonic()
@@ -439,6 +447,7 @@ def _run_nodes(layout: list[int], local_s: str, transport: str, scenario: str,
     ([1, 1], "auto", "websocket"),  # the inline path around the global all-reduce
     ([1, 1, 1], "auto", "tcp"),
     ([1, 1, 1], "ring", "websocket"),  # the sharded composition (one shard per node)
+    ([1, 1, 1, 1], "auto", "tcp"),  # 4 nodes of one host: the exchange up to 512 KiB
     ([2, 2], "auto", "websocket"),
     ([2, 2], "tree", "tcp"),
     ([2, 2], "ring", "tcp"),  # sharded: each peer all-reduces its shard on its own channel
@@ -454,7 +463,7 @@ def test_small_all_reduces_exchange_and_larger_ones_do_not(
     shards = layout[0] if local_s == "ring" and layout[0] > 1 else 1
     exchanged = sum(1 for size, _op, dtype, _out in _cases()
                     for a, b in even_layout(_count(size, dtype, nodes), shards)
-                    if (b - a) * dtype_from_name(dtype).itemsize <= exchange_limit(nodes))
+                    if (b - a) * dtype_from_name(dtype).itemsize <= _limit(nodes))
     # per node and operation: one exchange, or one per shard that fits (the sharded layout
     # halves every case, so all of them fit; the others also run the ring above the limit)
     assert exchanged > 0 and (shards > 1 or exchanged < len(_cases()))
@@ -483,8 +492,8 @@ def _mismatch_messages(what: str, nodes: int) -> tuple[str, str]:
         "late": ("float64[5]", "float64[4]"),
         "dtype": ("float32[4]", "float64[4]"),
         "op": ("op=max", "op=sum"),
-        "boundary": (f"float64[{exchange_limit(nodes) // 8 + 1}]",
-                     f"float64[{exchange_limit(nodes) // 8}]"),
+        "boundary": (f"float64[{_limit(nodes) // 8 + 1}]",
+                     f"float64[{_limit(nodes) // 8}]"),
     }[what]
 
 

@@ -159,7 +159,8 @@ def _fused(calls: Sequence[Call], world: World, backend: Backend,
 def _exchanges(config: CollectiveConfig, world: World, nbytes: int) -> bool:
     """Whether ``auto`` runs a global all-reduce of ``nbytes`` (per node) as an exchange."""
     return (isinstance(config.strategy("global_all_reduce_strategy"), Auto)
-            and world.num_nodes > 1 and nbytes <= exchange_limit(world.num_nodes))
+            and world.num_nodes > 1
+            and nbytes <= exchange_limit(world.num_nodes, world.one_host))
 
 
 def _global(config: CollectiveConfig, kind: OpKind, nbytes: int, world: World) -> Strategy:
