@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 
 from burncoll.node.control import ControlMessage, tell
 from burncoll.transport.base import Buffer, Connection, FastPath, Placer
+from burncoll.transport.shm import RingSender
 
 __all__ = ["MemberConnections"]
 
@@ -87,6 +88,13 @@ class MemberConnections:
         caller's again)."""
         for fast in self._fast:
             fast.stop_placing()
+
+    def abandon_sends(self, error: BaseException) -> None:
+        """The session failed: a send waiting on a shared-memory ring (for room, or for the
+        receiver's answer to its offer) fails now, freeing its member's lock for the abort."""
+        for conn in self.out.values():
+            if isinstance(conn, RingSender):
+                conn.abandon(error)
 
     async def close(self) -> None:
         """Close every connection, concurrently: a close waits for the other end to

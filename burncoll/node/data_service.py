@@ -239,6 +239,7 @@ class DataService:
         self.inbox.fail(error)
         self.outbox.fail(error)
         self.connections.stop_placing()  # the failed operation's memory is its caller's again
+        self.connections.abandon_sends(error)
         self._failed.set()
         self.on_failure(error)
         if tell and self.connections.out:

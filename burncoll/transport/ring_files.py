@@ -100,7 +100,11 @@ def map_offered(pid: int, fd: int, token: str, size: int) -> mmap.mmap | None:
                 f"/memfd:burncoll-{token} (deleted)", f"/memfd:burncoll-{token}"):
             return None  # (a number its sender reused since, or never had)
         info = os.fstat(handle)
-        if not stat.S_ISREG(info.st_mode) or info.st_dev != _memfd_device():
+        try:
+            device = _memfd_device()
+        except OSError:  # (no descriptor or memory left for the probe: decline)
+            return None
+        if not stat.S_ISREG(info.st_mode) or info.st_dev != device:
             raise ProtocolError("offered a shared-memory ring that is not an ordinary "
                                 "anonymous file")
         return _map_checked(handle, size)
@@ -111,9 +115,11 @@ def map_offered(pid: int, fd: int, token: str, size: int) -> mmap.mmap | None:
 def _map_checked(handle: int, size: int) -> mmap.mmap | None:
     try:  # O_NONBLOCK: a file under a lease fails at once instead of blocking the loop
         fd = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as exc:
+    except BlockingIOError as exc:  # (a lease: no sender takes one)
         raise ProtocolError(f"offered a shared-memory ring it cannot be read from: {exc}"
                             ) from None
+    except OSError:  # (no descriptor left here, ...: decline)
+        return None
     try:
         if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
             raise ProtocolError("offered a shared-memory ring that could still be resized "

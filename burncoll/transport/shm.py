@@ -112,7 +112,7 @@ class RingSender(Connection, FastPath):
             await self.inner.send(views)
             return
         with self._busy:
-            if not await self._ring_taken():
+            if not await self._ring_taken():  # (declined, or no ring could be made here)
                 await self.inner.send(views)
                 return
             start, used = _advance(self._position, size)
@@ -131,8 +131,12 @@ class RingSender(Connection, FastPath):
         """Whether the receiver mapped the ring: offered when the first large message needs
         it, then the receiver's answer awaited (nothing goes through the ring before it)."""
         if not self._offered:
-            self._create()
             self._offered = True
+            try:
+                self._create()
+            except OSError:  # no ring here after all (descriptors, memory): the connection
+                self._mapped = False
+                return False
             await self.inner.send([_OFFER + _LENGTH.pack(RING_BYTES) + self._offer.encode()])
         while self._mapped is None:
             self._check_open()
@@ -141,32 +145,38 @@ class RingSender(Connection, FastPath):
 
     def _check_open(self) -> None:
         if self._broken is not None:
-            raise TransportError(f"connection to {self.remote} is closed") from None
+            why = f"{type(self._broken).__name__}: {self._broken}"
+            raise TransportError(f"connection to {self.remote} failed ({why})") from None
 
     async def recv(self) -> Buffer | Placed:
         while True:
             try:
                 message = await self.inner.recv()
-            except BaseException as exc:
-                self._broken = exc
-                self._room.set()
-                self._answered.set()
+                if isinstance(message, Placed):
+                    return message
+                tag = bytes(message[:4])
+                if tag in (_MAPPED, _DECLINED) and len(message) == 4:
+                    self._take_answer(tag == _MAPPED)
+                elif tag == _ACK:
+                    self._take_ack(message)
+                else:
+                    return message
+            except BaseException as exc:  # (a sender waiting for room or an answer: woken)
+                self.abandon(exc)
                 raise
-            if isinstance(message, Placed):
-                return message
-            tag = bytes(message[:4])
-            if tag in (_MAPPED, _DECLINED) and len(message) == 4:
-                self._take_answer(tag == _MAPPED)
-            elif tag == _ACK:
-                self._take_ack(message)
-            else:
-                return message
+
+    def abandon(self, error: BaseException) -> None:
+        """The connection or the session failed: a send waiting for ring room or for the
+        receiver's answer fails now, and so does every later one through the ring."""
+        self._broken = self._broken or error
+        self._room.set()
+        self._answered.set()
 
     def _take_answer(self, mapped: bool) -> None:
         if not self._offered or self._mapped is not None:
             raise ProtocolError("answered a shared-memory ring it was not offered")
         self._mapped = mapped
-        self._forget()  # mapped or declined: nobody opens the ring from now on
+        self._forget()  # mapped or declined: the offered number no longer names the ring
         if not mapped:
             self._release()
         self._answered.set()
@@ -222,9 +232,7 @@ class RingSender(Connection, FastPath):
             self._fast.stop_placing()
 
     async def close(self) -> None:
-        self._broken = self._broken or TransportError("closed")
-        self._room.set()
-        self._answered.set()
+        self.abandon(TransportError("closed"))
         # a receiver that has not read the offer yet finds the ring gone and declines it;
         # nothing went through it before its answer, so nothing is lost
         self._forget()

@@ -342,6 +342,87 @@ def test_a_declined_ring_leaves_every_message_on_the_connection() -> None:
     run(main())
 
 
+@pytest.mark.parametrize("answers", [
+    [b"BSA1" + struct.pack("<Q", 1)],  # an acknowledgement before any answer
+    [b"BSM1", b"BSM1"],  # answered twice
+    [b"BSN1", b"BSM1"],  # declined, then mapped after all
+])
+def test_a_receiver_that_breaks_the_offer_protocol_fails_the_waiting_send(
+        answers: list[bytes]) -> None:
+    """A hostile receiver's answers are checked; one that breaks the protocol fails the
+    connection, and a send waiting for the answer (or for room) fails with it at once."""
+    from burncoll.transport.tcp import TcpTransport
+
+    async def main() -> None:
+        async with connected(TcpTransport()) as (client, server, _):
+            sender = shm.RingSender(server)
+            reading = asyncio.ensure_future(sender.recv())
+            sending = asyncio.ensure_future(sender.send([_message(1, shm.MIN_BYTES)]))
+            assert bytes(await asyncio.wait_for(client.recv(), 10))[:4] == b"BSO1"
+            for answer in answers:
+                await client.send([answer])
+            with pytest.raises(ProtocolError):
+                await asyncio.wait_for(reading, 10)
+            if not sending.done() or sending.exception() is not None:
+                with pytest.raises(TransportError, match="ProtocolError"):
+                    await asyncio.wait_for(sending, 10)
+            await sender.close()
+
+    run(main())
+
+
+def test_an_answer_without_an_offer_is_refused() -> None:
+    from burncoll.transport.tcp import TcpTransport
+
+    async def main() -> None:
+        async with connected(TcpTransport()) as (client, server, _):
+            sender = shm.RingSender(server)
+            await client.send([b"BSM1"])
+            with pytest.raises(ProtocolError, match="not offered"):
+                await asyncio.wait_for(sender.recv(), 10)
+            await sender.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("then", [
+    lambda name: b"BSD1" + struct.pack("<Q", shm.MIN_BYTES),  # a descriptor after a decline
+    lambda name: _offer(name),  # a second offer
+])
+def test_after_a_decline_no_descriptor_or_offer_is_accepted(
+        then: Callable[[str], bytes]) -> None:
+    async def main() -> None:
+        async with _made_ring() as (server, receiver, _sender, name):
+            await server.send([_offer(f"{_DEAD_PID}/{name.split('/', 1)[1]}")])
+            await server.send([then(name)])
+            with pytest.raises(ProtocolError, match="does not accept"):
+                await asyncio.wait_for(receiver.recv(), 10)
+
+    run(main())
+
+
+def test_a_failed_session_wakes_a_send_waiting_for_the_answer() -> None:
+    """A receiver that never answers (stuck, hostile) must not hold the send -- and the
+    member's send lock the abort needs -- until the connection ends."""
+    from burncoll.transport.tcp import TcpTransport
+
+    async def main() -> None:
+        async with connected(TcpTransport()) as (client, server, _):
+            sender = shm.RingSender(server)
+            sending = asyncio.ensure_future(sender.send([_message(1, shm.MIN_BYTES)]))
+            assert bytes(await asyncio.wait_for(client.recv(), 10))[:4] == b"BSO1"
+            await asyncio.sleep(0.05)
+            assert not sending.done()
+            sender.abandon(ProtocolError("the session failed"))
+            with pytest.raises(TransportError, match="the session failed"):
+                await asyncio.wait_for(sending, 10)
+            await sender.send([b"an abort"])  # small messages still go on the connection
+            assert bytes(await asyncio.wait_for(client.recv(), 10)) == b"an abort"
+            await sender.close()
+
+    run(main())
+
+
 def _sealed_offer(token: str, flags: int = 0, seal: bool = True) -> int:
     """A ring-sized memfd named as a ring with ``token`` (``flags`` added; sealed or not)."""
     fd = os.memfd_create(f"burncoll-{token}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | flags)
