@@ -80,10 +80,15 @@ def _says_why(text: str, transport: str, kind: str) -> bool:
 def test_a_corrupted_member_connection_fails_every_peer_quickly(transport: str, kind: str) -> None:
     run = corrupt_run(transport, kind)
     for record in run.done:
-        # Every result before the corruption was right (a wrong one ends the loop with
-        # AssertionError), and none came after it.
+        # Every result was right (a wrong one ends the loop with AssertionError), and none
+        # came after the operation the corruption broke. Node 1 may finish that one: it
+        # sends the bad message, then its part of the next all-reduce, and node 0's part
+        # can reach it before node 0 reads the bad message (a 2-node exchange needs nothing
+        # else) -- a right result from intact data.
         assert record["error"] not in (None, "AssertionError"), record
-        assert record["iterations"] in (CORRUPT_AFTER - 1, CORRUPT_AFTER), record
+        finished = (CORRUPT_AFTER - 1, CORRUPT_AFTER) + ((CORRUPT_AFTER + 1,)
+                                                         if record["node"] == 1 else ())
+        assert record["iterations"] in finished, record
         # The error says what was wrong and names a node of the broken connection.
         assert _says_why(record["message"], transport, kind), record
         assert "node 0" in record["message"] or "node 1" in record["message"], record
