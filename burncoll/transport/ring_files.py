@@ -13,6 +13,7 @@ without waiting (a lease would make the open block).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from burncoll.errors import ProtocolError
 
-__all__ = ["host_identity", "map_offered", "sealed_file"]
+__all__ = ["close_ring", "host_identity", "map_offered", "new_ring", "sealed_file"]
 
 #: A ring's seals (0 where the platform has none: then no host shares rings).
 SEALS: int = (getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0)
@@ -74,6 +75,26 @@ def sealed_file(name: str, size: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def new_ring(token: str, size: int) -> tuple[int, mmap.mmap]:
+    """A new sealed ring named with ``token``: its descriptor and its writable mapping, every
+    page mapped now (not a page fault per message until the ring first wraps)."""
+    fd = sealed_file(f"burncoll-{token}", size)
+    try:
+        return fd, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def close_ring(view: memoryview | None, mapping: mmap.mmap | None) -> None:
+    """Unmap a ring (left mapped while a view of it is still held elsewhere)."""
+    with contextlib.suppress(BufferError, ValueError):
+        if view is not None:
+            view.release()
+        if mapping is not None:
+            mapping.close()
 
 
 @functools.cache

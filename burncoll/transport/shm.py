@@ -43,7 +43,7 @@ from collections.abc import Sequence
 
 from burncoll.errors import ProtocolError, TransportError
 from burncoll.transport.base import Buffer, Connection, FastPath, Placer, byte_view
-from burncoll.transport.ring_files import host_identity, map_offered, sealed_file
+from burncoll.transport.ring_files import close_ring, host_identity, map_offered, new_ring
 from burncoll.transport.wire import FIXED_HEADER_BYTES, MAX_NDIM, Placed
 
 __all__ = ["MIN_BYTES", "RING_BYTES", "RingReceiver", "RingSender", "host_identity"]
@@ -69,7 +69,6 @@ _OFFER, _DATA, _ACK = b"BSO1", b"BSD1", b"BSA1"
 #: sends everything on the connection). No descriptor is sent before the answer.
 _MAPPED, _DECLINED = b"BSM1", b"BSN1"
 _LENGTH = struct.Struct("<Q")
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 #: The most bytes a message's header takes (what a placer reads of it).
 _HEADER_MAX = FIXED_HEADER_BYTES + 8 * MAX_NDIM
 
@@ -178,7 +177,7 @@ class RingSender(Connection, FastPath):
         self._mapped = mapped
         self._forget()  # mapped or declined: the offered number no longer names the ring
         if not mapped:
-            self._release()
+            close_ring(self._ring, self._map)
         self._answered.set()
 
     def _take_ack(self, message: Buffer) -> None:
@@ -191,13 +190,7 @@ class RingSender(Connection, FastPath):
 
     def _create(self) -> None:
         token = secrets.token_hex(16)
-        fd = sealed_file(f"burncoll-{token}", RING_BYTES)
-        try:
-            # every page now, once: not a page fault per message until the ring first wraps
-            self._map = mmap.mmap(fd, RING_BYTES, flags=mmap.MAP_SHARED | _POPULATE)
-        except BaseException:
-            os.close(fd)
-            raise
+        fd, self._map = new_ring(token, RING_BYTES)
         self._fd, self._offer = fd, f"{os.getpid()}/{fd}/{token}"
         self._ring = memoryview(self._map)
 
@@ -208,12 +201,6 @@ class RingSender(Connection, FastPath):
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
-
-    def _release(self) -> None:
-        with contextlib.suppress(BufferError, ValueError):
-            self._ring.release()
-            if self._map is not None:
-                self._map.close()
 
     def send_now(self, parts: Sequence[Buffer]) -> bool:
         if self._fast is None or not self._busy.acquire(blocking=False):
@@ -237,7 +224,7 @@ class RingSender(Connection, FastPath):
         # nothing went through it before its answer, so nothing is lost
         self._forget()
         await self.inner.close()
-        self._release()
+        close_ring(self._ring, self._map)
 
     def authenticated(self) -> None:
         self.inner.authenticated()
@@ -349,10 +336,7 @@ class RingReceiver(Connection, FastPath):
 
     async def close(self) -> None:
         await self.inner.close()
-        with contextlib.suppress(BufferError, ValueError):
-            if self._ring is not None and self._map is not None:
-                self._ring.release()
-                self._map.close()
+        close_ring(self._ring, self._map)
 
     def authenticated(self) -> None:
         self.inner.authenticated()
