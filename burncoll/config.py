@@ -151,6 +151,11 @@ class CollectiveConfig:
     #: (:mod:`burncoll.transport.shm`; chosen automatically, never between hosts). ``False``:
     #: always through the transport.
     shared_memory: bool = True
+    #: Small operations between nodes (the one-round exchange) are sent and received by the
+    #: calling thread on a socket of its own per node pair (:mod:`burncoll.node.lanes`), not
+    #: through the event loop; tcp and plain websocket only (not with TLS or ``integrity``).
+    #: Used only when every node has it on.
+    caller_sockets: bool = True
 
     def __new__(cls, *args: Any, **kwargs: Any) -> CollectiveConfig:
         """Remember which fields the caller gave: those win over every environment variable."""
@@ -188,6 +193,13 @@ class CollectiveConfig:
         if self.transport != "websocket":
             return False
         return self.tls_settings().wanted
+
+    @property
+    def uses_lanes(self) -> bool:
+        """Whether this node offers caller sockets (``caller_sockets`` on a transport that
+        sends plain bytes: tcp, or websocket without TLS, and no integrity tags)."""
+        return self.caller_sockets and self.transport in ("tcp", "websocket") and not (
+            self.uses_tls or self.integrity)
 
     def tls_settings(self) -> TlsSettings:
         """The transports' TLS settings: the certificate paths, ephemeral when ``tls`` is on."""
@@ -373,7 +385,7 @@ def _validate(cfg: CollectiveConfig) -> None:
         if value is not None and not isinstance(value, str):
             shown = REDACTED if name == "auth_token" else repr(value)
             raise ConfigError(f"{name}={shown}: expected a string or None")
-    for name in ("insecure", "integrity", "shared_memory"):
+    for name in ("insecure", "integrity", "shared_memory", "caller_sockets"):
         if not isinstance(getattr(cfg, name), bool):
             raise ConfigError(f"{name}={getattr(cfg, name)!r}: expected true or false")
     if isinstance(cfg.compression, str) and cfg.compression.strip().lower() in ("none", ""):

@@ -102,6 +102,7 @@ _ENV_PARSERS: dict[str, Callable[[str], Any]] = {
     "insecure": _parse_bool,
     "integrity": _parse_bool,
     "shared_memory": _parse_bool,
+    "caller_sockets": _parse_bool,
     "compression": _parse_optional_str,
     "tls": _parse_optional_bool,
     "tls_cert": _parse_optional_str,

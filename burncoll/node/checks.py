@@ -30,6 +30,7 @@ __all__ = [
     "expected_bytes",
     "header_check",
     "memory_bytes",
+    "order_mismatch",
     "part_of",
     "protocol_error",
     "timed_out",
@@ -150,6 +151,20 @@ def _mismatch(op: GlobalOp, me: int, describe: Callable[[int], str],
     return MismatchError(
         f"{op.label}: peers called it with different arguments: "
         f"{describe(me)} called {mine}; {describe(h.src)} called {theirs}"
+    )
+
+
+def order_mismatch(op: GlobalOp, me: int, describe: Callable[[int], str],
+                   h: DataHeader) -> MismatchError:
+    """Node ``h.src`` sent ``h`` as its operation ``h.seq`` where this node runs ``op``
+    (another number): the peers called different sequences of operations."""
+    shape = h.shape[1:] if h.op_kind in ROW_KINDS and h.shape else h.shape
+    mine = describe_fingerprint(op.kind, op.reduce_op, op.dtype, op.shape, op.root)
+    theirs = describe_fingerprint(h.op_kind, h.reduce_op, h.dtype, shape, h.root)
+    return MismatchError(
+        f"{op.label}: peers called different sequences of operations: {describe(me)} called "
+        f"{mine} as its operation #{op.seq}; {describe(h.src)} called {theirs} as its "
+        f"operation #{h.seq}; every peer must call the same collectives in the same order"
     )
 
 

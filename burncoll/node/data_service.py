@@ -31,10 +31,11 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from burncoll.errors import PeerLost, TransportError
+from burncoll.errors import PeerLost, ProtocolError, TransportError
 from burncoll.node.connections import MemberConnections
 from burncoll.node.dialing import Dialing
 from burncoll.node.inbox import Inbox
+from burncoll.node.lanes import READY, Lanes
 from burncoll.node.mailbox import Mailbox
 from burncoll.node.member_messages import Abort, Bye, Status, StatusQuery
 from burncoll.node.membership import Membership, NodeInfo, explain_lost
@@ -43,6 +44,7 @@ from burncoll.node.placement import placer_for
 from burncoll.node.reading import MemberReader
 from burncoll.transport.base import Buffer, Connection, Listener, Transport
 from burncoll.transport.shm import RingReceiver, RingSender
+from burncoll.transport.stream_connection import StreamConnection
 
 __all__ = ["DataService"]
 
@@ -66,6 +68,9 @@ class DataService:
         self.membership = Membership()
         self.dialing = Dialing(transport, token, timeout, integrity, self.membership)
         self.connections = MemberConnections()
+        #: The caller sockets (:mod:`burncoll.node.lanes`); open only when :attr:`uses_lanes`.
+        self.lanes = Lanes()
+        self._lanes_open = asyncio.Event()
         self.mailbox = Mailbox(self.membership.describe)
         self.mailbox.on_error = self.fail
         #: Point-to-point messages received, and sent (awaiting their acknowledgements).
@@ -96,6 +101,12 @@ class DataService:
     @property
     def nodes(self) -> tuple[NodeInfo, ...]:
         return self.membership.nodes
+
+    @property
+    def uses_lanes(self) -> bool:
+        """Whether every node of the session offers caller sockets: they are then used."""
+        nodes = self.membership.nodes
+        return len(nodes) > 1 and all(n.lanes for n in nodes)
 
     @property
     def port(self) -> int:
@@ -129,15 +140,67 @@ class DataService:
         dialed this one (to send to it), both by ``deadline``."""
         others = self.membership.others()
         await asyncio.gather(*(self._connect(n, deadline) for n in others))
+        await self._wait_for(self.connections.all_out, deadline, lambda n: (
+            n.index in self.connections.out), "")
+        if self.uses_lanes:  # the higher-indexed node of each pair dials the caller socket
+            me = self.node_index
+            await asyncio.gather(*(self._dial_lane(n, deadline) for n in others
+                                   if n.index < me))
+            self._check_lanes()
+            await self._wait_for(self._lanes_open, deadline, lambda n: (
+                n.index in self.lanes.socks), "its caller socket ")
+
+    async def _wait_for(self, event: asyncio.Event, deadline: float,
+                        came: Callable[[NodeInfo], bool], what: str) -> None:
         try:
             async with asyncio.timeout(max(deadline - time.monotonic(), 0.01)):
-                await self.connections.all_out.wait()
+                await event.wait()
         except TimeoutError:
-            missing = [n.describe() for n in others if n.index not in self.connections.out]
+            missing = [n.describe() for n in self.membership.others() if not came(n)]
             raise TransportError(
-                f"{', '.join(missing)} did not connect to this node within "
+                f"{', '.join(missing)} did not connect {what}to this node within "
                 f"{self.timeout:g} s"
             ) from None
+
+    async def _dial_lane(self, node: NodeInfo, deadline: float) -> None:
+        conn = await self.dialing.dial(node, deadline, lane=True)
+        try:
+            if not isinstance(conn, StreamConnection):  # pragma: no cover - tcp, websocket
+                raise TransportError("this transport has no caller sockets")
+            sock = conn.detach()
+        except (TransportError, ProtocolError) as exc:
+            await conn.close()
+            raise TransportError(f"the caller socket to {node.describe()}: {exc}") from exc
+        try:
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.01)):
+                ready = await asyncio.get_running_loop().sock_recv(sock, 1)
+        except (TimeoutError, OSError) as exc:
+            sock.close()
+            raise TransportError(f"{node.describe()} did not open its end of the caller "
+                                 f"socket within {self.timeout:g} s") from exc
+        if ready != READY:
+            sock.close()
+            raise TransportError(f"{node.describe()} did not open its end of the caller "
+                                 "socket (it closed it, or sent something else)")
+        self.lanes.add(node.index, sock)
+
+    def _accept_lane(self, node: int, conn: Connection) -> None:
+        """``node``'s caller socket: out of the event loop, then :data:`READY`."""
+        if not self.uses_lanes or node < self.node_index or node in self.lanes.socks or not (
+                isinstance(conn, StreamConnection)):
+            raise ProtocolError("a caller socket this node did not expect")
+        sock = conn.detach()
+        try:
+            sock.send(READY)
+        except OSError as exc:
+            sock.close()
+            raise TransportError(f"the caller socket broke: {exc}") from exc
+        self.lanes.add(node, sock)
+        self._check_lanes()
+
+    def _check_lanes(self) -> None:
+        if len(self.lanes.socks) == len(self.membership.others()):
+            self._lanes_open.set()
 
     async def _connect(self, node: NodeInfo, deadline: float) -> None:
         conn = await self.dialing.dial(node, deadline)
@@ -157,7 +220,15 @@ class DataService:
         accepted = await self.dialing.accept(conn)
         if accepted is None:
             return
-        node, conn = accepted
+        node, conn, lane = accepted
+        if lane:
+            try:
+                self._accept_lane(node, conn)
+            except (ProtocolError, TransportError) as exc:
+                log.warning("data service: dropped a caller socket from %s: %s",
+                            self.nodes[node].describe(), exc)
+                await conn.close()
+            return
         if self._same_host(node):
             conn = RingSender(conn)
         if not self.connections.add_out(node, conn):
@@ -240,6 +311,7 @@ class DataService:
         self.outbox.fail(error)
         self.connections.stop_placing()  # the failed operation's memory is its caller's again
         self.connections.abandon_sends(error)
+        self.lanes.wake()
         self._failed.set()
         self.on_failure(error)
         if tell and self.connections.out:
@@ -266,6 +338,7 @@ class DataService:
         self.reader.closing = True
         await self.tell_all(Bye(self.node_index))
         await self.connections.close()
+        self.lanes.close()
         for reader in list(self._readers):  # one paused by backpressure reads no more
             reader.cancel()
         if self._listener is not None:

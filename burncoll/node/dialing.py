@@ -23,6 +23,7 @@ from burncoll.node.membership import Membership, NodeInfo
 from burncoll.transport.admission import BoundedLog
 from burncoll.transport.auth import authenticate_client, authenticate_server
 from burncoll.transport.base import PREAUTH_SECONDS, Connection, Transport
+from burncoll.transport.stream_connection import StreamConnection
 from burncoll.transport.wire import decode
 
 __all__ = ["Dialing"]
@@ -49,11 +50,13 @@ class Dialing:
         """What member connections authenticate with: the token, else the session's secret."""
         return self.token if self.token is not None else self.membership.secret
 
-    async def dial(self, node: NodeInfo, deadline: float) -> Connection:
+    async def dial(self, node: NodeInfo, deadline: float, *, lane: bool = False) -> Connection:
         """An authenticated connection to ``node`` that has said hello, retried with backoff
-        until ``deadline``; :class:`~burncoll.AuthenticationError` at once."""
+        until ``deadline``; :class:`~burncoll.AuthenticationError` at once. ``lane``: it is
+        to be the two nodes' caller socket (:mod:`burncoll.node.lanes`): reading stops before
+        the hello leaves, so the other node's first byte on it stays in the socket."""
         me = self.membership
-        hello = encode(Hello(me.node_index, me.session or 0), me.session or 0)
+        hello = encode(Hello(me.node_index, me.session or 0, lane), me.session or 0)
         delay = 0.02
         while True:
             conn: Connection | None = None
@@ -62,6 +65,8 @@ class Dialing:
                     conn = await self.transport.connect(node.host, node.port)
                     conn = await authenticate_client(conn, self.member_token, self.timeout,
                                                      integrity=self.integrity)
+                    if lane and isinstance(conn, StreamConnection):
+                        conn.pause_reading()
                     await conn.send([hello])
                 return conn
             except AuthenticationError:
@@ -83,9 +88,10 @@ class Dialing:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
 
-    async def accept(self, conn: Connection) -> tuple[int, Connection] | None:
+    async def accept(self, conn: Connection) -> tuple[int, Connection, bool] | None:
         """The member an accepted connection comes from, once it is authenticated and said
-        hello, and the connection to use; ``None`` (logged) when it is dropped."""
+        hello, the connection to use, and whether the member asked for it as their caller
+        socket; ``None`` (logged) when it is dropped."""
         if self.token is None and not self.membership.known.is_set():
             try:  # the session's secret is the key: wait for the table (bounded)
                 async with asyncio.timeout(PREAUTH_SECONDS):
@@ -103,16 +109,17 @@ class Dialing:
                                  f"{conn.remote}: {exc}")
             return None
         try:
-            return await self._hello(conn), conn
+            node, lane = await self._hello(conn)
+            return node, conn, lane
         except (ProtocolError, TransportError, TimeoutError) as exc:
             log.warning("data service: dropped %s before it said hello: %s", conn.remote, exc)
             return None
 
-    async def _hello(self, conn: Connection) -> int:
+    async def _hello(self, conn: Connection) -> tuple[int, bool]:
         frame = decode(await asyncio.wait_for(conn.recv(), self.timeout))
         async with asyncio.timeout(self.timeout):
             await self.membership.known.wait()
         hello = decode_member(frame) if kind_of(frame) == Hello.KIND else None
         if not isinstance(hello, Hello):
             raise ProtocolError("expected a hello frame first")
-        return self.membership.check_hello(hello)
+        return self.membership.check_hello(hello), hello.lane

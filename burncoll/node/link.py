@@ -37,6 +37,7 @@ from burncoll.node.exchange import (
     watched_arrays,
 )
 from burncoll.node.executor import GlobalExecutor
+from burncoll.node.lane_exchange import LaneExchange
 from burncoll.node.orchestrator_client import OrchestratorClient
 from burncoll.node.p2p_link import NodePointToPoint
 from burncoll.node.receives import Receives
@@ -76,6 +77,9 @@ class NodeLink:
         self._local: LocalPeers | None = None
         self._closed = False
         self._p2p = NodePointToPoint(io, service, self.peer_ids, self.node_of)
+        #: The exchange on caller sockets, when every node offers them.
+        self._lanes = LaneExchange(service, self._executor, self._call) if (
+            service.uses_lanes) else None
         service.on_failure = self._on_failure
         service.status = self._status
         orchestrator.on_node_lost = self._on_node_lost
@@ -137,7 +141,11 @@ class NodeLink:
             self._flush_abort()
             raise
 
-    def _explain_timeout(self, op: GlobalOp, exc: CollectiveTimeout) -> CollectiveTimeout:
+    def _explain_timeout(self, op: GlobalOp, exc: CollectiveTimeout) -> CollectiveError:
+        mismatch = self._lanes.waiting_mismatch(op) if self._lanes is not None else None
+        if mismatch is not None:
+            self.abort(mismatch)
+            return mismatch
         others = [n.index for n in self.nodes if n.index != self.node_index]
         try:
             statuses = self._io.submit(self._service.query_status(others, 0.5)).result(2.0)
@@ -186,6 +194,9 @@ class NodeLink:
         """The exchange, from the calling peer thread: it sends its message itself where the
         connection allows (no event-loop wake-up before the bytes leave), then the loop sends
         the rest, collects the other nodes' messages and reduces."""
+        if channel == 0 and self._lanes is not None:
+            self._lanes.all_reduce(op, buf, out)
+            return
         service = self._service
         parts = exchange_parts(service, op, buf, channel)
         sent_to: frozenset[int] = frozenset()
@@ -395,7 +406,8 @@ async def _join(service: DataService, orch: OrchestratorClient, config: Collecti
             service.host, service.port, tuple(local_peer_ids), config.global_fingerprint(),
             pid=os.getpid(),
             meta={"local_ring": isinstance(config.strategy("local_all_reduce_strategy"), Ring),
-                  "host": host_identity() if config.shared_memory else ""},
+                  "host": host_identity() if config.shared_memory else "",
+                  "lanes": config.uses_lanes},
         ), deadline)
         # Without a token, member connections authenticate with the session's own secret
         # (from the orchestrator's table): a stranger cannot pose as a member.

@@ -40,9 +40,14 @@ class Hello:
     KIND: ClassVar[str] = "hello"
     node: int
     session: int
+    #: The connection is to be the two nodes' caller socket (:mod:`burncoll.node.lanes`).
+    lane: bool = False
 
     def to_json(self) -> JsonObject:
-        return {"type": self.KIND, "node": self.node, "session": self.session}
+        message: JsonObject = {"type": self.KIND, "node": self.node, "session": self.session}
+        if self.lane:
+            message["lane"] = True
+        return message
 
     @classmethod
     def from_json(cls, message: Mapping[str, object]) -> Hello:
@@ -53,8 +58,11 @@ class Hello:
             raise MalformedMessage(f"hello from node {node} without its session")
         if not is_int(session, 0, MAX_SESSION):
             raise MalformedMessage(f"hello from node {node} of another session ({session!r})")
+        lane = message.get("lane", False)
+        if not isinstance(lane, bool):
+            raise MalformedMessage(f"hello from node {node} with a lane flag {lane!r}")
         assert isinstance(node, int) and isinstance(session, int)
-        return cls(node, session)
+        return cls(node, session, lane)
 
 
 @dataclass(frozen=True, slots=True)

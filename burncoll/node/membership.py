@@ -45,6 +45,8 @@ class NodeInfo:
     #: Its host, as :func:`burncoll.transport.shm.host_identity` names it (``""``: unknown, or
     #: shared memory turned off): nodes of one host exchange large messages through a ring.
     host_id: str = ""
+    #: It offers caller sockets (:mod:`burncoll.node.lanes`).
+    lanes: bool = False
 
     def describe(self) -> str:
         return f"node {self.index} (peers {list(self.peer_ids)}, {self.host}:{self.port})"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import socket
 from collections import deque
 from collections.abc import Callable
 
@@ -356,6 +357,24 @@ class StreamProtocol(StreamSending, asyncio.BufferedProtocol):
         self._direct = None
         if self.transport is not None:
             self.transport.abort()
+
+    def detach(self) -> socket.socket:
+        """The connection's socket, taken out of the event loop (a duplicate; the transport is
+        aborted, the TCP connection lives on in the socket returned, non-blocking): for a
+        plain connection whose every received message was taken and every written byte sent.
+        :class:`~burncoll.ProtocolError` when the other end sent more than was asked for;
+        :class:`~burncoll.TransportError` over TLS or once the connection is gone."""
+        transport, writer = self.transport, self._writer
+        if transport is None or self.error is not None or writer is None:
+            raise TransportError(f"the connection to {self.remote} is gone or encrypted")
+        if self._messages or self._start != self._end or self._direct is not None:
+            raise ProtocolError(f"{self.remote} sent more than was asked for")
+        if writer.pending_bytes:  # pragma: no cover - the caller waited for its sends
+            raise TransportError(f"the connection to {self.remote} is still sending")
+        sock: socket.socket = transport.get_extra_info("socket").dup()
+        sock.setblocking(False)
+        transport.abort()
+        return sock
 
     # -- used by the connection -------------------------------------------------------------------
     async def next_message(self) -> Buffer | Placed:

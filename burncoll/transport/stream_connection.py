@@ -9,6 +9,7 @@ memory their receiver chose (:meth:`StreamConnection.place_with`).
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Sequence
 
 from burncoll.errors import TransportError
@@ -45,6 +46,18 @@ class StreamConnection(Connection):
         if total > JOIN_BYTES:
             return False  # a large message waits on the loop until it is sent
         return writer.write_now(b"".join([protocol.frame_header(total), *views]))
+
+    def pause_reading(self) -> None:
+        """Read nothing more from the socket until it is :meth:`detach`-ed (or closed)."""
+        transport = self._protocol.transport
+        if transport is not None:
+            transport.pause_reading()
+
+    def detach(self) -> socket.socket:
+        """The socket, out of the event loop (see :meth:`StreamProtocol.detach`); the
+        connection is closed."""
+        self._closing = True
+        return self._protocol.detach()
 
     def place_with(self, placer: Placer) -> None:
         """Let ``placer`` choose where each large incoming payload is received (see

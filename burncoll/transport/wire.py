@@ -52,10 +52,13 @@ __all__ = [
     "LENGTH_PREFIX_BYTES",
     "MAX_NDIM",
     "WIRE_VERSION",
+    "announced_lengths",
     "decode",
     "decode_control",
+    "decode_data_head",
     "encode_control",
     "encode_data_header",
+    "restamped",
 ]
 
 MAGIC = b"BC"
@@ -200,6 +203,18 @@ def encode_data_header(h: DataHeader, payload_len: int) -> bytes:
     return fixed + struct.pack(f"<{len(h.shape)}Q", *h.shape)
 
 
+_SEQ_AT, _SRC_AT = 12, 32  # where a header's seq (u64) and src (i32) sit (see above)
+
+
+def restamped(header: bytes, seq: int, src: int) -> bytes:
+    """An encoded DATA header (:func:`encode_data_header`) with another ``seq`` and
+    ``src``: every other byte stays."""
+    out = bytearray(header)
+    struct.pack_into("<Q", out, _SEQ_AT, seq)
+    struct.pack_into("<i", out, _SRC_AT, src)
+    return bytes(out)
+
+
 def encode_control(message: dict[str, Any], session: int = 0) -> bytes:
     """A whole CONTROL frame carrying ``message`` as JSON."""
     body = json.dumps(message, separators=(",", ":")).encode()
@@ -223,16 +238,8 @@ def decode(message: bytes | bytearray | memoryview | Placed) -> Frame:
 
 def _decode(view: memoryview, placed: memoryview | None, lent: bool = False) -> Frame:
     """``view``: the whole message, or only its header when the payload is ``placed``."""
-    if len(view) < FIXED_HEADER_BYTES:
-        raise ProtocolError(f"frame of {len(view)} bytes is shorter than the header")
-    (magic, version, frame_type, session, seq, op_kind, reduce_op, dtype, ndim, root, src,
-     round_, channel, chunk, offset, chunk_bytes, payload_len) = _FIXED.unpack_from(view)
-    if magic != MAGIC:
-        raise ProtocolError(f"bad magic {bytes(magic)!r}: not a burncoll frame")
-    if version != WIRE_VERSION:
-        raise ProtocolError(f"wire version {version} is not supported (this is {WIRE_VERSION})")
-    if ndim > MAX_NDIM:
-        raise ProtocolError(f"ndim {ndim} exceeds {MAX_NDIM}")
+    fields = _fixed_fields(view)
+    frame_type, ndim, payload_len = fields[2], fields[8], fields[16]
     header_len = FIXED_HEADER_BYTES + 8 * ndim
     size = len(view) + (len(placed) if placed is not None else 0)
     if size != header_len + payload_len or (placed is not None and len(view) != header_len):
@@ -244,6 +251,51 @@ def _decode(view: memoryview, placed: memoryview | None, lent: bool = False) -> 
         return Frame(FrameType.CONTROL, None, payload, decode_control(payload), False, lent)
     if frame_type != FrameType.DATA:
         raise ProtocolError(f"unknown frame type {frame_type}")
+    return Frame(FrameType.DATA, _data_header(view, fields), payload, None,
+                 placed is not None, lent)
+
+
+def announced_lengths(first: memoryview) -> tuple[int, int]:
+    """The header length and the whole length that a frame's first
+    :data:`FIXED_HEADER_BYTES` bytes announce, unchecked (shape entries beyond
+    :data:`MAX_NDIM` are not counted in the header's length)."""
+    fields = _FIXED.unpack_from(first)
+    ndim, payload_len = fields[8], fields[16]
+    header = FIXED_HEADER_BYTES + 8 * ndim
+    return (header if ndim <= MAX_NDIM else FIXED_HEADER_BYTES), header + payload_len
+
+
+def decode_data_head(head: memoryview) -> tuple[DataHeader, int]:
+    """The DATA header at the start of ``head`` (which holds at least the whole header; the
+    payload need not be there) and the payload length it announces. Raises
+    :class:`ProtocolError` saying what is wrong."""
+    fields = _fixed_fields(head)
+    if fields[2] != FrameType.DATA:
+        raise ProtocolError(f"expected a DATA frame, got frame type {fields[2]}")
+    if len(head) < FIXED_HEADER_BYTES + 8 * fields[8]:
+        raise ProtocolError("a DATA frame's header was cut short")
+    return _data_header(head, fields), int(fields[16])
+
+
+def _fixed_fields(view: memoryview) -> tuple[Any, ...]:
+    """The fixed header's fields, once magic, version and ``ndim`` are checked."""
+    if len(view) < FIXED_HEADER_BYTES:
+        raise ProtocolError(f"frame of {len(view)} bytes is shorter than the header")
+    fields = _FIXED.unpack_from(view)
+    magic, version, ndim = fields[0], fields[1], fields[8]
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}: not a burncoll frame")
+    if version != WIRE_VERSION:
+        raise ProtocolError(f"wire version {version} is not supported (this is {WIRE_VERSION})")
+    if ndim > MAX_NDIM:
+        raise ProtocolError(f"ndim {ndim} exceeds {MAX_NDIM}")
+    return fields
+
+
+def _data_header(view: memoryview, fields: tuple[Any, ...]) -> DataHeader:
+    """The DATA header of ``fields`` (:func:`_fixed_fields`) with its shape from ``view``."""
+    (_magic, _version, _type, session, seq, op_kind, reduce_op, dtype, ndim, root, src,
+     round_, channel, chunk, offset, chunk_bytes, payload_len) = fields
     if op_kind not in _OP_KINDS:
         raise ProtocolError(f"unknown operation code {op_kind}")
     if reduce_op != 0 and reduce_op not in _REDUCE_OPS:
@@ -255,7 +307,7 @@ def _decode(view: memoryview, placed: memoryview | None, lent: bool = False) -> 
             f"part at offset {offset} of {payload_len} bytes overruns its chunk of {chunk_bytes}"
         )
     shape = struct.unpack_from(f"<{ndim}Q", view, FIXED_HEADER_BYTES)
-    header = DataHeader(
+    return DataHeader(
         session=session,
         seq=seq,
         op_kind=OpKind(op_kind),
@@ -270,7 +322,6 @@ def _decode(view: memoryview, placed: memoryview | None, lent: bool = False) -> 
         offset=offset,
         chunk_bytes=chunk_bytes,
     )
-    return Frame(FrameType.DATA, header, payload, None, placed is not None, lent)
 
 
 def decode_control(payload: memoryview) -> dict[str, Any]:

@@ -270,13 +270,15 @@ def _expected(k: int, count: int, op: str, dtype: str, layout: list[int]
 
 
 def _count_exchanges() -> list[int]:
-    """Count this process's exchanges (the returned list's first item): each builds its
-    message once, whether the calling thread or the event loop then completes it; and (the
-    second) those the calling thread completed itself. The wrappers only observe: they call
-    the real functions."""
+    """Count this process's exchanges through the event loop's path (the returned list's
+    first item): each builds its message once, whether the calling thread or the event loop
+    then completes it; (the second) those the calling thread completed itself; and (the
+    third) those on the caller sockets, each reduced once. The wrappers only observe: they
+    call the real functions."""
+    import burncoll.node.lane_exchange as lane_module
     import burncoll.node.link as link_module
 
-    count = [0, 0]
+    count = [0, 0, 0]
 
     def counting(*args: Any, **kwargs: Any) -> list[bytes | memoryview]:
         count[0] += 1
@@ -286,8 +288,13 @@ def _count_exchanges() -> list[int]:
         count[1] += 1  # the calling thread got every frame itself (burncoll.node.watch)
         reduce_in_node_order(*args, **kwargs)
 
+    def reducing_on_lanes(*args: Any, **kwargs: Any) -> None:
+        count[2] += 1  # the calling thread exchanged on its caller sockets (node.lanes)
+        reduce_in_node_order(*args, **kwargs)
+
     link_module.exchange_parts = counting  # type: ignore[attr-defined]
     link_module.reduce_in_node_order = reducing_in_caller  # type: ignore[attr-defined]
+    lane_module.reduce_in_node_order = reducing_on_lanes  # type: ignore[attr-defined]
     return count
 
 
@@ -411,13 +418,13 @@ def _node_main(argv: list[str]) -> None:
     for t in threads:
         t.join()
     for record in records:
-        print(json.dumps({**record, "exchanges": exchanges[0], "watched": exchanges[1]}),
-              flush=True)
+        print(json.dumps({**record, "exchanges": exchanges[0], "watched": exchanges[1],
+                          "laned": exchanges[2]}), flush=True)
 
 
 def _run_nodes(layout: list[int], local_s: str, transport: str, scenario: str,
-               timeout: float = 20.0) -> list[dict[str, Any]]:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+               timeout: float = 20.0, lanes: bool = True) -> list[dict[str, Any]]:
+    env = dict(os.environ, PYTHONPATH=str(REPO), BURNCOLL_CALLER_SOCKETS=str(int(lanes)))
     with burncoll.start_orchestrator(transport=transport) as orch:
         procs = [
             subprocess.Popen(
@@ -442,22 +449,25 @@ def _run_nodes(layout: list[int], local_s: str, transport: str, scenario: str,
     return records
 
 
-@pytest.mark.parametrize(("layout", "local_s", "transport"), [
-    ([1, 1], "tree", "tcp"),  # one device per node, out= straight into the network result
-    ([1, 1], "auto", "websocket"),  # the inline path around the global all-reduce
-    ([1, 1, 1], "auto", "tcp"),
-    ([1, 1, 1], "ring", "websocket"),  # the sharded composition (one shard per node)
-    ([1, 1, 1, 1], "auto", "tcp"),  # 4 nodes of one host: the exchange up to 512 KiB
-    ([2, 2], "auto", "websocket"),
-    ([2, 2], "tree", "tcp"),
-    ([2, 2], "ring", "tcp"),  # sharded: each peer all-reduces its shard on its own channel
-    ([1, 2], "auto", "tcp"),  # a single peer beside a node that reduces two first
-    ([1, 1, 1], "tree", "quic"),
-], ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v)))
+@pytest.mark.parametrize(("layout", "local_s", "transport", "lanes"), [
+    ([1, 1], "tree", "tcp", True),  # one device per node, out= straight into the result
+    ([1, 1], "tree", "tcp", False),  # without caller sockets: the event loop's exchange
+    ([1, 1], "auto", "websocket", True),  # the inline path around the global all-reduce
+    ([1, 1, 1], "auto", "tcp", True),
+    ([1, 1, 1], "auto", "websocket", False),
+    ([1, 1, 1], "ring", "websocket", True),  # the sharded composition (one shard per node)
+    ([1, 1, 1, 1], "auto", "tcp", True),  # 4 nodes of one host: the exchange up to 512 KiB
+    ([2, 2], "auto", "websocket", True),
+    ([2, 2], "tree", "tcp", True),
+    ([2, 2], "ring", "tcp", True),  # sharded: each peer all-reduces a shard on its channel
+    ([1, 2], "auto", "tcp", True),  # a single peer beside a node that reduces two first
+    ([1, 1, 1], "tree", "quic", True),  # QUIC has no caller sockets
+], ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v)) if isinstance(
+    v, list) else ("lanes" if v else "loop"))
 def test_small_all_reduces_exchange_and_larger_ones_do_not(
-    layout: list[int], local_s: str, transport: str,
+    layout: list[int], local_s: str, transport: str, lanes: bool,
 ) -> None:
-    records = _run_nodes(layout, local_s, transport, "cases")
+    records = _run_nodes(layout, local_s, transport, "cases", lanes=lanes)
     assert len(records) == sum(layout), records
     nodes = len(layout)
     shards = layout[0] if local_s == "ring" and layout[0] > 1 else 1
@@ -471,9 +481,14 @@ def test_small_all_reduces_exchange_and_larger_ones_do_not(
         assert r["ok"], r
         assert not r["problems"], r["problems"]
         assert r["digests"] == records[0]["digests"], f"peer {r['peer']} got different bits"
-        assert r["exchanges"] == exchanged, r["exchanges"]  # one per operation on each node
-        if transport != "quic":  # QUIC sends from the event loop: the loop completes them
-            assert r["watched"] > 0, r  # the calling thread sent, waited and reduced itself
+        # one per operation on each node, on the caller sockets or not
+        assert r["exchanges"] + r["laned"] == exchanged, r
+        if transport == "quic":  # QUIC sends from the event loop: the loop completes them
+            assert r["laned"] == 0, r
+        elif lanes:  # the calling thread exchanged on its own sockets (channel 0)
+            assert r["laned"] > 0 and (shards > 1 or r["watched"] == 0), r
+        else:  # the calling thread sent, waited and reduced itself
+            assert r["watched"] > 0 and r["laned"] == 0, r
 
 
 @pytest.mark.parametrize("local_s", ["auto", "ring"])

@@ -57,7 +57,10 @@ class NodeProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=ENV,
+            # the frame faults are a test double around the member connections: the small
+            # operations' frames must travel there, not on the caller sockets (whose own
+            # hostile messages tests/node/test_lanes.py sends)
+            env=dict(ENV, BURNCOLL_CALLER_SOCKETS="0") if spec.get("frames") else ENV,
         )
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.records: list[dict[str, Any]] = []

@@ -1,0 +1,178 @@
+"""The one-round exchange over the caller sockets (:mod:`burncoll.node.lanes`), run by the
+calling peer thread from start to end: it sends its message on every lane, reads every other
+node's, checks them and reduces in node order (:func:`~burncoll.node.exchange.reduce_in_node_order`,
+the same bits as the event loop's exchange).
+
+The operation still starts its lane in the mailbox (``Mailbox.start_watched``, with a watch
+of no frames): a frame of this operation that arrives on a member connection -- another
+node's different call -- is then checked against this call and reported as before. Every
+failure becomes the error the event loop's exchange raises, through the event loop where it
+must be reported there (``call``): the session's own failure, a timeout with its explanation,
+a lost node (after the grace an explanation is given), a mismatch or a malformed message that
+fails the session on every node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import numpy as np
+
+from burncoll.dtypes import dtype_from_name
+from burncoll.errors import CollectiveError, PeerLost, ProtocolError
+from burncoll.levels import GlobalOp, HostArray
+from burncoll.node.checks import Check, order_mismatch, protocol_error
+from burncoll.node.exchange import exchange_parts, exchange_receives, reduce_in_node_order
+from burncoll.node.lanes import LaneClosed, LaneOdd, LaneTimeout, LaneWoken
+from burncoll.node.receives import Receives
+from burncoll.node.watch import Watch
+from burncoll.transport.wire import (
+    FIXED_HEADER_BYTES,
+    MAX_NDIM,
+    DataHeader,
+    decode_data_head,
+    restamped,
+)
+
+if TYPE_CHECKING:
+    from burncoll.node.data_service import DataService
+    from burncoll.node.executor import GlobalExecutor
+
+__all__ = ["LaneExchange"]
+
+#: Runs a coroutine on the node's event loop for ``op`` and returns or raises its outcome.
+Call = Callable[[GlobalOp, Coroutine[Any, Any, None]], None]
+
+
+#: Message headers kept per operation signature (past that, the cache starts over).
+_HEADERS_KEPT = 64
+
+
+class LaneExchange:
+    """The exchange of one node on its lanes; ``call`` is the link's way onto the loop."""
+
+    def __init__(self, service: DataService, executor: GlobalExecutor, call: Call) -> None:
+        self.service = service
+        self.executor = executor
+        self.call = call
+        #: Starts the operation's lane in the mailbox; it takes no frames.
+        self._started = Watch(())
+        self._headers: dict[tuple[object, ...], bytes] = {}
+
+    def all_reduce(self, op: GlobalOp, buf: HostArray, out: HostArray) -> None:
+        """``out = x0 op x1 op ...`` over every node's ``buf`` (``buf`` is only read)."""
+        service, mailbox = self.service, self.service.mailbox
+        check = self.executor.checker(op)
+        receives = exchange_receives(service, op, buf, 0)
+        started = self._started
+        started.started = False
+        if not mailbox.start_watched(check, receives, started):
+            self.call(op, self._start(check, receives, started))  # the loop has work first
+        try:
+            header = self._header(op, buf)
+            message = header + buf.tobytes()
+            try:
+                received = service.lanes.exchange(message, len(message), op.deadline)
+            except (LaneWoken, LaneTimeout, LaneClosed, LaneOdd) as stop:
+                self._raise(op, self._stopped(op, check, buf, stop))
+            arrays, dtype = {}, dtype_from_name(op.dtype or "uint8")
+            for node, data in received.items():
+                if not data.startswith(restamped(header, op.seq, node)):
+                    self._raise(op, self._fail(self._wrong(op, check, node, data, buf)))
+                arrays[node] = np.frombuffer(data, dtype, offset=len(header))
+            reduce_in_node_order(op, service.node_index, len(service.nodes), buf, arrays, out)
+        finally:
+            if started.started:
+                mailbox.done(op.seq)
+
+    def _header(self, op: GlobalOp, buf: HostArray) -> bytes:
+        """This node's message header for ``op``: the exchange's (:func:`exchange_parts`),
+        built once per signature and restamped with the operation's number."""
+        key = (op.fingerprint(), buf.nbytes, self.service.session)
+        template = self._headers.get(key)
+        if template is None:
+            if len(self._headers) >= _HEADERS_KEPT:
+                self._headers.clear()
+            template = self._headers[key] = bytes(exchange_parts(self.service, op, buf, 0)[0])
+        return restamped(template, op.seq, self.service.node_index)
+
+    def _wrong(self, op: GlobalOp, check: Check, node: int, data: bytearray,
+               buf: HostArray) -> CollectiveError:
+        """Why node ``node``'s message ``data`` (of the expected length, but not the expected
+        header) is not this operation's."""
+        try:
+            h, payload_len = decode_data_head(memoryview(data))
+        except ProtocolError as exc:
+            return ProtocolError(f"{op.label}: {self.executor.describe(node)} sent a "
+                                 f"malformed message on its caller socket: {exc}")
+        return self._error_of(op, check, node, h, payload_len, buf) or protocol_error(
+            op, self.executor.describe, h, "a header that differs from this operation's")
+
+    def _raise(self, op: GlobalOp, coro: Coroutine[Any, Any, None]) -> NoReturn:
+        """Run ``coro`` on the loop; it raises the operation's error."""
+        self.call(op, coro)
+        raise AssertionError("unreachable: the coroutine raises")  # pragma: no cover
+
+    async def _start(self, check: Check, receives: Receives, started: Watch) -> None:
+        mailbox = self.service.mailbox
+        mailbox.start_watched(check, receives, started, on_loop=True)
+        if mailbox.error is not None:
+            raise mailbox.error
+
+    def _error_of(self, op: GlobalOp, check: Check, node: int, h: DataHeader,
+                  payload_len: int, buf: HostArray) -> CollectiveError | None:
+        """Why node ``node``'s message ``h`` is not this operation's, or ``None``."""
+        describe = self.executor.describe
+        if h.src != node or h.session != (self.service.session or 0):
+            return ProtocolError(f"{op.label}: {describe(node)} sent a frame that names "
+                                 f"node {h.src} of session {h.session}")
+        if h.seq != op.seq:
+            return order_mismatch(op, self.service.node_index, describe, h)
+        if h.channel or h.round or h.chunk:
+            return protocol_error(op, describe, h, "a part of another round, channel or "
+                                  "chunk on its caller socket")
+        error = check(h)
+        if error is not None:
+            return error
+        if h.offset or h.chunk_bytes != buf.nbytes or payload_len != buf.nbytes:
+            return protocol_error(op, describe, h, "a buffer of the wrong size")
+        return None
+
+    async def _fail(self, error: CollectiveError) -> None:
+        self.service.fail(error)
+        raise self.service.mailbox.error or error
+
+    async def _stopped(self, op: GlobalOp, check: Check, buf: HostArray,
+                       stop: Exception) -> None:
+        """Raise what ended the exchange early, as the event loop's exchange would."""
+        service = self.service
+        if isinstance(stop, LaneTimeout):
+            raise self.executor.timeout_error(op, stop.node, 0)
+        if isinstance(stop, LaneClosed):
+            describe = self.executor.describe(stop.node)
+            await service.await_explanation()
+            service.fail(PeerLost(f"{describe} is unreachable: its caller socket: "
+                                  f"{stop.reason}"))
+        elif isinstance(stop, LaneOdd):
+            await self._fail(self._wrong(op, check, stop.node, bytearray(stop.head), buf))
+        raise service.mailbox.error or PeerLost("the session was closed")
+
+
+    def waiting_mismatch(self, op: GlobalOp) -> CollectiveError | None:
+        """For an operation without the exchange that timed out: a message of this or an
+        earlier operation waiting on a lane means that node called an exchange in its place
+        (a mismatch, reported as such); ``None`` when no lane holds one."""
+        for node, head in self.service.lanes.peek(FIXED_HEADER_BYTES + 8 * MAX_NDIM).items():
+            try:
+                h, _ = decode_data_head(memoryview(head))
+            except ProtocolError:
+                continue  # not even a header yet: nothing to tell
+            if h.src != node or h.seq > op.seq:
+                continue  # a node ahead: its next exchange waits for this node
+            if h.seq < op.seq:  # an earlier exchange this node never ran
+                return order_mismatch(op, self.service.node_index, self.executor.describe, h)
+            error = self.executor.checker(op)(h)
+            if error is not None:
+                return error
+        return None

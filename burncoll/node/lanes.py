@@ -1,0 +1,227 @@
+"""Caller sockets: one connection between every two nodes that the calling thread itself
+writes and reads, for the one-round exchange of small operations.
+
+**Why.** Through the event loop a small all-reduce costs two thread wake-ups per message (the
+loop's, then the waiting peer thread's) and the two threads contend for the GIL; on two busy
+CPUs that is most of the operation (two processes exchanging 40 bytes over TCP loopback:
+9-11 us per round when the calling thread reads the socket itself, 59-68 us when a loop
+thread reads it and wakes the caller). A lane takes the loop off that path.
+
+**Setup.** At session start, once the member connections are up, the higher-indexed node of
+every pair dials the lower one's data service once more, authenticated as every member
+connection (challenge-response on the token or the session's secret), with a hello that says
+``lane``. Both ends take the socket out of the event loop
+(:meth:`~burncoll.transport.stream_connection.StreamConnection.detach`); the accepting end
+then writes one byte, :data:`READY`, and the dialer counts the lane open only once it has read
+it, so no byte of an exchange can reach a socket that the event loop still reads. A session
+starts only with every lane open.
+
+**When.** Every node says in the orchestrator's table whether it uses lanes (config
+``caller_sockets``, on a plain stream transport: tcp or websocket, without TLS or integrity
+tags, which need the event loop's codec); they are used only when every node does, and then
+for exactly the operations that take the one-round exchange on channel 0 (an all-reduce up to
+the exchange limit; a barrier): every node decides alike from the same call, and a node's
+channel-0 operations run one after the other, so a lane carries one message per operation
+and direction, in operation order.
+
+**What is read.** Exactly the length this node's own call gives the other node's message
+(header and payload), into a buffer of that size allocated before a byte is read: what a
+sender announces allocates nothing. The header is then decoded and checked as the mailbox
+checks a frame (session, operation number, channel, round, sender, chunk, offset, size,
+fingerprint). A message that announces another length is read only as far as its header
+(at most :data:`~burncoll.transport.wire.MAX_NDIM` shape entries) and reported from it.
+
+**Failures.** Every wait ends at the operation's deadline. A failure of the session (another
+node's abort, a broken member connection, a wrong frame found by the mailbox) wakes the
+waiting thread through a pipe (:meth:`Lanes.wake`). A lane that closes or breaks is the loss
+of that node. The link (:class:`~burncoll.node.link.NodeLink`) turns each outcome into the
+error the event loop's path raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import socket
+import threading
+import time
+
+from burncoll.transport.wire import FIXED_HEADER_BYTES, announced_lengths
+
+__all__ = ["READY", "LaneClosed", "LaneOdd", "LaneTimeout", "LaneWoken", "Lanes"]
+
+#: The byte an accepting node writes once its end of a lane is out of the event loop.
+READY = b"\x01"
+
+_IN = select.POLLIN
+_OUT = select.POLLOUT
+
+
+class LaneTimeout(Exception):
+    """The operation's deadline passed before ``node``'s message was in."""
+
+    def __init__(self, node: int) -> None:
+        super().__init__(node)
+        self.node = node
+
+
+class LaneClosed(Exception):
+    """``node``'s lane closed or broke (``reason``)."""
+
+    def __init__(self, node: int, reason: str) -> None:
+        super().__init__(node, reason)
+        self.node = node
+        self.reason = reason
+
+
+class LaneWoken(Exception):
+    """The session failed while the exchange waited (:meth:`Lanes.wake`)."""
+
+
+class LaneOdd(Exception):
+    """``node``'s message announces another length than this node's call gives it;
+    ``head`` holds its first bytes (its whole header, when that was well-formed)."""
+
+    def __init__(self, node: int, head: bytes) -> None:
+        super().__init__(node)
+        self.node = node
+        self.head = head
+
+
+class Lanes:
+    """This node's lanes by node index; empty until the session's are all open."""
+
+    def __init__(self) -> None:
+        self.socks: dict[int, socket.socket] = {}
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def add(self, node: int, sock: socket.socket) -> bool:
+        """``node``'s lane; ``False`` (the socket closed) when it already has one."""
+        if node in self.socks or self._closed:
+            sock.close()
+            return False
+        sock.setblocking(False)
+        self.socks[node] = sock
+        return True
+
+    def wake(self) -> None:
+        """The session failed: an exchange waiting on the lanes raises :class:`LaneWoken`
+        (now or whenever one starts). From any thread."""
+        with contextlib.suppress(OSError):  # full (already woken) or closed
+            os.write(self._wake_write, b"!")
+
+    def peek(self, size: int) -> dict[int, bytes]:
+        """Up to ``size`` bytes waiting on each lane, left there (for error reports)."""
+        waiting = {}
+        for node, sock in list(self.socks.items()):
+            try:
+                head = sock.recv(size, socket.MSG_PEEK)
+            except OSError:  # nothing there (or closed)
+                continue
+            if head:
+                waiting[node] = head
+        return waiting
+
+    def close(self) -> None:
+        """Close every lane and the wake-up pipe."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for sock in self.socks.values():
+                sock.close()
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+
+    def exchange(self, message: bytes, expected: int, deadline: float) -> dict[int, bytearray]:
+        """Send ``message`` to every other node and receive exactly ``expected`` bytes of
+        one message from each, by ``deadline``; raises :class:`LaneTimeout`,
+        :class:`LaneClosed`, :class:`LaneWoken` or :class:`LaneOdd`."""
+        with self._lock:
+            if self._closed:
+                raise LaneWoken()
+            return _Exchange(self.socks, self._wake_read, message, expected).run(deadline)
+
+
+class _Exchange:
+    """One exchange's state: what is left to send to, and to receive from, each node."""
+
+    def __init__(self, socks: dict[int, socket.socket], wake: int, message: bytes,
+                 expected: int) -> None:
+        self.socks = socks
+        self.wake = wake
+        self.expected = expected
+        self.unsent = {n: memoryview(message) for n in socks}
+        self.bufs = {n: bytearray(expected) for n in socks}
+        self.have = dict.fromkeys(socks, 0)
+        self.want = dict.fromkeys(socks, expected)
+        self.odd: set[int] = set()
+        self.node_of = {s.fileno(): n for n, s in socks.items()}
+
+    def run(self, deadline: float) -> dict[int, bytearray]:
+        for node in list(self.unsent):
+            self._send(node)
+        waiting = {n for n in self.socks if self.want[n]}
+        while waiting or self.unsent:
+            poller = select.poll()
+            poller.register(self.wake, _IN)
+            for node in waiting | set(self.unsent):
+                events = (_IN if node in waiting else 0) | (_OUT if node in self.unsent else 0)
+                poller.register(self.socks[node], events)
+            left = deadline - time.monotonic()
+            ready = poller.poll(max(int(left * 1000) + 1, 0)) if left > 0 else []
+            if not ready:
+                raise LaneTimeout(min(waiting or self.unsent))
+            for fd, events in ready:
+                if fd == self.wake:
+                    raise LaneWoken()
+                node = self.node_of[fd]
+                if node in self.unsent and events & (_OUT | select.POLLERR | select.POLLHUP):
+                    self._send(node)
+                if node in waiting and events & ~_OUT and self._receive(node):
+                    waiting.discard(node)
+        return self.bufs
+
+    def _send(self, node: int) -> None:
+        view = self.unsent[node]
+        try:
+            sent = self.socks[node].send(view)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            raise LaneClosed(node, f"sending failed: {exc}") from None
+        if sent == len(view):
+            del self.unsent[node]
+        else:
+            self.unsent[node] = view[sent:]
+
+    def _receive(self, node: int) -> bool:
+        """Read what is there of ``node``'s message; whether it is complete."""
+        have, want, buf = self.have[node], self.want[node], self.bufs[node]
+        try:
+            got = self.socks[node].recv_into(memoryview(buf)[have:want])
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            raise LaneClosed(node, str(exc)) from None
+        if got == 0:
+            raise LaneClosed(node, "it closed the connection")
+        have += got
+        self.have[node] = have
+        if have >= FIXED_HEADER_BYTES and node not in self.odd:
+            header, whole = announced_lengths(memoryview(buf)[:FIXED_HEADER_BYTES])
+            if whole != self.expected:  # read no further than its header
+                self.odd.add(node)
+                self.want[node] = want = max(header, have)
+                if want > len(buf):
+                    buf.extend(bytes(want - len(buf)))
+        if have < self.want[node]:
+            return False
+        if node in self.odd:
+            raise LaneOdd(node, bytes(buf[:have]))
+        return True

@@ -1,0 +1,363 @@
+"""Caller sockets (``burncoll.node.lanes``): the calling thread's own connection per node pair.
+
+Two levels. The exchange engine alone, on real connected sockets between real threads: every
+message arrives whole, one larger than the sockets' buffers does not deadlock, a silent node
+times out at the deadline, a closed one is reported, a session failure wakes the wait, and a
+message that announces another length is read no further than its header (nothing is
+allocated on its word). Then real nodes through a real orchestrator, where a member holding
+the token (a test double inside its process) writes on its lane what an honest node never
+would -- a huge size, another operation's number, another dtype, bytes that are no frame --
+or closes it: every node fails with an error that says what was wrong and names that node;
+mismatched calls between an exchange and another operation are reported as mismatches; lanes
+are used only when every node offers them, and a second lane, or one dialed the wrong way, is
+dropped without harming the session. Results are checked against NumPy float64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import burncoll
+from burncoll.node.lanes import LaneClosed, LaneOdd, Lanes, LaneTimeout, LaneWoken
+from burncoll.transport.wire import FIXED_HEADER_BYTES, decode_data_head, encode_data_header
+from tests.harness import run_nodes
+
+# -- the engine, on socket pairs ------------------------------------------------------------
+
+
+def _pair() -> tuple[Lanes, Lanes]:
+    """Node 0's and node 1's lanes, joined by one real connected socket pair."""
+    a, b = socket.socketpair()
+    zero, one = Lanes(), Lanes()
+    zero.add(1, a)
+    one.add(0, b)
+    return zero, one
+
+
+def _frame(payload: bytes, **fields: Any) -> bytes:
+    from burncoll.ops import OpKind, ReduceOp
+    from burncoll.transport.wire import DataHeader
+
+    h = DataHeader(session=7, seq=3, op_kind=OpKind.ALL_REDUCE, reduce_op=ReduceOp.SUM,
+                   dtype="uint8", shape=(len(payload),), root=-1, src=0, round=0, channel=0,
+                   chunk=0, offset=0, chunk_bytes=len(payload))
+    h = dataclasses.replace(h, **fields)
+    return encode_data_header(h, fields.get("chunk_bytes", len(payload))) + payload
+
+
+def _both(zero: Lanes, one: Lanes, m0: bytes, m1: bytes, seconds: float = 10.0
+          ) -> tuple[Any, Any]:
+    """Both exchanges at once, each on its own thread; each one's result or error."""
+    out: list[Any] = [None, None]
+
+    def run(i: int, lanes: Lanes, message: bytes, expected: int) -> None:
+        try:
+            out[i] = lanes.exchange(message, expected, time.monotonic() + seconds)
+        except Exception as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(0, zero, m0, len(m1))),
+               threading.Thread(target=run, args=(1, one, m1, len(m0)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 10)
+    assert not any(t.is_alive() for t in threads)
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("size", [0, 1, 4096, 8 << 20])  # 8 MiB: over both socket buffers
+def test_each_node_receives_the_others_message_whole(size: int) -> None:
+    zero, one = _pair()
+    m0 = _frame(np.random.default_rng(0).bytes(size))
+    m1 = _frame(np.random.default_rng(1).bytes(size), src=1)
+    try:
+        got0, got1 = _both(zero, one, m0, m1)
+        assert bytes(got0[1]) == m1 and bytes(got1[0]) == m0
+        got0, got1 = _both(zero, one, m1, m0)  # and again: nothing of the first is left
+        assert bytes(got0[1]) == m0 and bytes(got1[0]) == m1
+    finally:
+        zero.close()
+        one.close()
+
+
+def test_a_silent_node_times_out_at_the_deadline() -> None:
+    zero, one = _pair()
+    try:
+        start = time.monotonic()
+        with pytest.raises(LaneTimeout) as caught:
+            zero.exchange(_frame(b"x"), len(_frame(b"x")), start + 0.3)
+        assert caught.value.node == 1
+        assert 0.25 <= time.monotonic() - start < 5
+    finally:
+        zero.close()
+        one.close()
+
+
+def test_a_closed_lane_is_reported_with_its_node() -> None:
+    zero, one = _pair()
+    one.socks[0].close()
+    try:
+        with pytest.raises(LaneClosed) as caught:
+            zero.exchange(_frame(b"x"), len(_frame(b"x")), time.monotonic() + 5)
+        assert caught.value.node == 1
+    finally:
+        zero.close()
+
+
+def test_a_failure_of_the_session_wakes_the_waiting_thread() -> None:
+    zero, one = _pair()
+    try:
+        threading.Timer(0.2, zero.wake).start()
+        start = time.monotonic()
+        with pytest.raises(LaneWoken):
+            zero.exchange(_frame(b"x"), len(_frame(b"x")), start + 30)
+        assert time.monotonic() - start < 10
+        with pytest.raises(LaneWoken):  # and every later exchange at once
+            zero.exchange(_frame(b"x"), len(_frame(b"x")), time.monotonic() + 30)
+    finally:
+        zero.close()
+        one.close()
+
+
+@pytest.mark.parametrize(("shape", "announced"), [
+    ((64,), 2**40),  # a huge size: nothing is allocated for it
+    ((64,), 3),
+    ((1,) * 32, 2**40),  # a header longer than this call's whole message
+])
+def test_another_length_is_read_no_further_than_this_call_or_its_header(
+        shape: tuple[int, ...], announced: int) -> None:
+    zero, one = _pair()
+    expected = len(_frame(bytes(64)))
+    odd = _frame(bytes(64), shape=shape, chunk_bytes=announced) + bytes(1000)
+    one.socks[0].sendall(odd)
+    try:
+        with pytest.raises(LaneOdd) as caught:
+            zero.exchange(_frame(bytes(64)), expected, time.monotonic() + 5)
+        h, payload_len = decode_data_head(memoryview(caught.value.head))
+        assert payload_len == announced and h.chunk_bytes == announced and h.shape == shape
+        read = max(expected, FIXED_HEADER_BYTES + 8 * len(shape))
+        assert len(caught.value.head) == read
+        assert len(zero.peek(1 << 16)[1]) == len(odd) - read  # the rest is left unread
+    finally:
+        zero.close()
+        one.close()
+
+
+def test_peek_leaves_what_waits_in_the_socket() -> None:
+    zero, one = _pair()
+    try:
+        one.socks[0].sendall(b"abc")
+        select.select([zero.socks[1]], [], [], 5)
+        assert zero.peek(10) == {1: b"abc"} == zero.peek(10)
+    finally:
+        zero.close()
+        one.close()
+
+
+# -- real nodes ---------------------------------------------------------------------------
+
+
+def _lanes_of(comm: burncoll.Communicator) -> Lanes:
+    """The node's lanes (internal: a test double reaches them to inject a fault)."""
+    lanes: Lanes = comm._server.link._service.lanes  # type: ignore[attr-defined]
+    return lanes
+
+
+def _two_nodes(fn: Callable[[burncoll.Communicator], Any], transport: str = "tcp",
+               timeout: float | list[float] = 10.0, **config: Any) -> dict[int, Any]:
+    with burncoll.start_orchestrator(transport=transport) as orch:
+        return run_nodes(orch.address, 2, 1, fn, transport=transport, timeout=timeout,
+                         **config)
+
+
+def _next_message_from_zero(comm: burncoll.Communicator) -> bytes:
+    """(Node 1.) Wait for node 0's next message on the lane; leave it there."""
+    sock = _lanes_of(comm).socks[0]
+    assert select.select([sock], [], [], 10)[0], "node 0 sent nothing"
+    return sock.recv(1 << 16, socket.MSG_PEEK)
+
+
+def _tamper(message: bytes, kind: str) -> bytes:
+    """Node 0's message as node 1 (hostile) sends it back instead of its own."""
+    h, size = decode_data_head(memoryview(message))
+    payload = message[len(message) - size:]
+    h = dataclasses.replace(h, src=1)
+    if kind == "huge_size":
+        return encode_data_header(dataclasses.replace(h, chunk_bytes=2**40), 2**40) + payload
+    if kind == "another_operation":
+        return encode_data_header(dataclasses.replace(h, seq=h.seq + 5), size) + payload
+    if kind == "another_dtype":
+        return encode_data_header(dataclasses.replace(h, dtype="int32"), size) + payload
+    if kind == "another_session":
+        return encode_data_header(dataclasses.replace(h, session=h.session + 1), size) + payload
+    assert kind == "no_frame"
+    return b"\xff" * len(message)
+
+
+#: What node 0's error must say, by kind.
+WHY = {
+    "huge_size": ("ProtocolError", "a buffer of the wrong size"),
+    "another_operation": ("MismatchError", "different sequences of operations"),
+    "another_dtype": ("MismatchError", "different arguments"),
+    "another_session": ("ProtocolError", "of session"),
+    "no_frame": ("ProtocolError", "malformed message on its caller socket"),
+}
+
+
+@pytest.mark.parametrize("kind", list(WHY))
+def test_a_hostile_lane_message_fails_every_node_naming_its_sender(kind: str) -> None:
+    x = np.arange(16, dtype=np.float32)
+
+    def fn(comm: burncoll.Communicator) -> Any:
+        first = comm.all_reduce(x.copy())  # honest: the exchange works
+        np.testing.assert_array_equal(first, (x.astype(np.float64) * 2).astype(np.float32))
+        if comm.peer_id == 1:
+            _lanes_of(comm).socks[0].sendall(_tamper(_next_message_from_zero(comm), kind))
+            comm.all_reduce(x.copy())  # its honest message too: node 1 finds nothing wrong
+            for _ in range(3):  # and learns of node 0's failure by its next operations
+                comm.barrier()
+            return "node 1 never failed"
+        return comm.all_reduce(x.copy())
+
+    out = _two_nodes(fn)
+    error, why = WHY[kind]
+    zero = out[0]
+    assert isinstance(zero, burncoll.CollectiveError), out
+    assert type(zero).__name__ == error and why in str(zero) and "node 1" in str(zero), out
+    assert isinstance(out[1], burncoll.CollectiveError), out
+
+
+def test_a_closed_lane_is_the_loss_of_that_node() -> None:
+    def fn(comm: burncoll.Communicator) -> Any:
+        comm.all_reduce(np.ones(4))
+        if comm.peer_id == 1:
+            _lanes_of(comm).socks[0].shutdown(socket.SHUT_RDWR)
+            time.sleep(0.5)
+        return comm.all_reduce(np.ones(4))
+
+    out = _two_nodes(fn)
+    assert isinstance(out[0], burncoll.PeerLost) and "node 1" in str(out[0]), out
+    assert "caller socket" in str(out[0]), out
+    assert isinstance(out[1], burncoll.CollectiveError), out
+
+
+def test_an_exchange_against_another_operation_is_a_mismatch_on_every_node() -> None:
+    """Node 0 all-reduces (an exchange on the lanes), node 1 waits for a broadcast from it:
+    neither sends what the other waits for. Node 1's wait ends at its (shorter) deadline,
+    finds node 0's message waiting on its lane, and reports the mismatch to every node."""
+    def fn(comm: burncoll.Communicator) -> Any:
+        if comm.peer_id == 0:
+            return comm.all_reduce(np.ones(4, np.float32))
+        return comm.broadcast(np.ones(4, np.float32), root=0)
+
+    out = _two_nodes(fn, timeout=[20.0, 2.0])
+    for rank in (0, 1):
+        assert isinstance(out[rank], burncoll.MismatchError), out
+        assert "all_reduce" in str(out[rank]) and "broadcast" in str(out[rank]), out
+
+
+def test_another_operation_sent_to_an_exchange_is_found_at_once() -> None:
+    """Node 1, a broadcast's root, sends its frame on the member connection while node 0
+    runs the exchange: node 0's mailbox compares it with the exchange's call at once."""
+    def fn(comm: burncoll.Communicator) -> Any:
+        if comm.peer_id == 1:  # the root only sends: its broadcast returns
+            return comm.broadcast(np.ones(4, np.float32), root=1)
+        start = time.monotonic()
+        try:
+            return comm.all_reduce(np.ones(4, np.float32))
+        except burncoll.MismatchError as exc:
+            return exc, time.monotonic() - start
+
+    out = _two_nodes(fn, timeout=20.0)
+    error, seconds = out[0]
+    assert "all_reduce" in str(error) and "broadcast" in str(error), out
+    assert seconds < 10, f"found only after {seconds:.1f} s (the timeout is 20 s)"
+
+
+def _uses_lanes(comm: burncoll.Communicator) -> bool:
+    return comm._server.link._lanes is not None  # type: ignore[attr-defined, no-any-return]
+
+
+@pytest.mark.parametrize(("transport", "config", "lanes"), [
+    ("tcp", {}, True),
+    ("websocket", {}, True),
+    ("websocket", {"tls": True}, False),  # TLS: the event loop's codec
+    ("tcp", {"integrity": True, "auth_token": "t" * 32}, False),  # tags: the same
+    ("quic", {}, False),
+])
+def test_lanes_are_used_where_the_transport_sends_plain_bytes(
+        transport: str, config: dict[str, Any], lanes: bool) -> None:
+    xs = [np.random.default_rng(r).standard_normal(300) for r in range(2)]
+    want = xs[0].astype(np.float64) + xs[1]
+
+    def fn(comm: burncoll.Communicator) -> Any:
+        got = [comm.all_reduce(xs[comm.peer_id].copy(), op=op) for op in ("sum", "max")]
+        comm.barrier()
+        return _uses_lanes(comm), got
+
+    with burncoll.start_orchestrator(transport=transport, **config) as orch:
+        out = run_nodes(orch.address, 2, 1, fn, transport=transport, **config)
+    for rank in (0, 1):
+        assert not isinstance(out[rank], BaseException), out
+        used, (total, biggest) = out[rank]
+        assert used is lanes
+        np.testing.assert_allclose(total, want, rtol=1e-12)
+        np.testing.assert_array_equal(biggest, np.maximum(xs[0], xs[1]))
+
+
+def test_lanes_are_used_only_when_every_node_offers_them(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    x = np.arange(8.0)
+    with burncoll.start_orchestrator(transport="tcp") as orch:
+        out: dict[int, Any] = {}
+
+        def node(rank: int, lanes: bool) -> None:
+            cfg = burncoll.CollectiveConfig(num_nodes=2, node_rank=rank, num_devices=1,
+                                            global_address=orch.address, transport="tcp",
+                                            timeout=10, caller_sockets=lanes)
+            comm = burncoll.register(rank, 0, cfg)
+            try:
+                out[rank] = (_uses_lanes(comm), comm.all_reduce(x.copy()))
+            finally:
+                comm.finish()
+
+        threads = [threading.Thread(target=node, args=(0, True)),
+                   threading.Thread(target=node, args=(1, False))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert out[0][0] is False and out[1][0] is False, out
+    for rank in (0, 1):
+        np.testing.assert_array_equal(out[rank][1], 2 * x)
+
+
+@pytest.mark.parametrize("who", [1, 0])  # 1: a second lane; 0: a lane dialed the wrong way
+def test_a_lane_the_node_did_not_expect_is_dropped_and_the_session_goes_on(who: int) -> None:
+    x = np.arange(8.0)
+
+    def fn(comm: burncoll.Communicator) -> Any:
+        comm.all_reduce(x.copy())
+        if comm.peer_id == who:
+            link = comm._server.link  # type: ignore[attr-defined]
+            service = link._service
+            other = service.nodes[1 - who]
+            conn = link._io.submit(service.dialing.dial(other, time.monotonic() + 5,
+                                                        lane=True)).result(10)
+            time.sleep(0.3)  # the other node drops it
+            link._io.submit(conn.close()).result(10)
+        return comm.all_reduce(x.copy())
+
+    out = _two_nodes(fn)
+    for rank in (0, 1):
+        np.testing.assert_array_equal(out[rank], 2 * x)
