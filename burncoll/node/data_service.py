@@ -60,7 +60,7 @@ class DataService:
     """Listener plus connections of one node; lives on the node's event loop."""
 
     def __init__(self, transport: Transport, host: str, port: int, token: str | None,
-                 timeout: float, *, integrity: bool = False) -> None:
+                 timeout: float, *, integrity: bool = False, lanes: bool = False) -> None:
         self.transport = transport
         self.host = host
         self.requested_port = port
@@ -70,6 +70,7 @@ class DataService:
         self.connections = MemberConnections()
         #: The caller sockets (:mod:`burncoll.node.lanes`); open only when :attr:`uses_lanes`.
         self.lanes = Lanes()
+        self._offers_lanes = lanes
         self._lanes_open = asyncio.Event()
         self.mailbox = Mailbox(self.membership.describe)
         self.mailbox.on_error = self.fail
@@ -106,7 +107,7 @@ class DataService:
     def uses_lanes(self) -> bool:
         """Whether every node of the session offers caller sockets: they are then used."""
         nodes = self.membership.nodes
-        return len(nodes) > 1 and all(n.lanes for n in nodes)
+        return self._offers_lanes and len(nodes) > 1 and all(n.lanes for n in nodes)
 
     @property
     def port(self) -> int:

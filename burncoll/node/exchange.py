@@ -24,6 +24,7 @@ import numpy as np
 
 from burncoll.backends.numpy import host_ufunc
 from burncoll.dtypes import dtype_from_name
+from burncoll.errors import UsageError
 from burncoll.levels import GlobalOp, HostArray
 from burncoll.node.checks import Check
 from burncoll.node.receives import FrameKey, Receives
@@ -40,6 +41,7 @@ __all__ = [
     "exchange_parts",
     "exchange_receives",
     "reduce_in_node_order",
+    "require_separate_out",
     "watched_arrays",
 ]
 
@@ -155,3 +157,15 @@ async def _receive_all(executor: GlobalExecutor, op: GlobalOp, buf: HostArray, c
             raise executor.fail_protocol(op, h, "a buffer of the wrong size")
         received[src] = np.frombuffer(frame.payload, dtype=dtype)
     return received
+
+
+def require_separate_out(buf: HostArray, out: HostArray) -> None:
+    """``out`` must be a separate flat array like ``buf``: the executor writes chunk views of
+    it while still reading the same chunks of ``buf``."""
+    if out.dtype != buf.dtype or out.shape != buf.shape or buf.ndim != 1:
+        raise UsageError(f"all_reduce: out {out.dtype}{list(out.shape)} does not match the "
+                         f"flat input {buf.dtype}{list(buf.shape)}")
+    if not (out.flags.c_contiguous and out.flags.writeable):
+        raise UsageError("all_reduce: out must be C-contiguous and writable")
+    if np.may_share_memory(buf, out):
+        raise UsageError("all_reduce: out must not overlap the input")

@@ -14,8 +14,9 @@ fails the session on every node.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import numpy as np
 
@@ -47,15 +48,23 @@ Call = Callable[[GlobalOp, Coroutine[Any, Any, None]], None]
 
 #: Message headers kept per operation signature (past that, the cache starts over).
 _HEADERS_KEPT = 64
+#: Seconds after which an operation without the exchange looks at the lanes (the last one
+#: repeats until it ends).
+PEEKS = (0.01, 0.05, 0.25, 1.0)
+T = TypeVar("T")
 
 
 class LaneExchange:
     """The exchange of one node on its lanes; ``call`` is the link's way onto the loop."""
 
-    def __init__(self, service: DataService, executor: GlobalExecutor, call: Call) -> None:
+    def __init__(self, service: DataService, executor: GlobalExecutor, call: Call,
+                 fail_soon: Callable[[BaseException], object]) -> None:
         self.service = service
         self.executor = executor
         self.call = call
+        #: Fails the session from this thread, without waiting (``DataService.fail`` on
+        #: the loop).
+        self.fail_soon = fail_soon
         #: Starts the operation's lane in the mailbox; it takes no frames.
         self._started = Watch(())
         self._headers: dict[tuple[object, ...], bytes] = {}
@@ -67,9 +76,9 @@ class LaneExchange:
         receives = exchange_receives(service, op, buf, 0)
         started = self._started
         started.started = False
-        if not mailbox.start_watched(check, receives, started):
-            self.call(op, self._start(check, receives, started))  # the loop has work first
         try:
+            if not mailbox.start_watched(check, receives, started):
+                self.call(op, self._start(check, receives, started))  # the loop works first
             header = self._header(op, buf)
             message = header + buf.tobytes()
             try:
@@ -82,6 +91,13 @@ class LaneExchange:
                     self._raise(op, self._fail(self._wrong(op, check, node, data, buf)))
                 arrays[node] = np.frombuffer(data, dtype, offset=len(header))
             reduce_in_node_order(op, service.node_index, len(service.nodes), buf, arrays, out)
+        except CollectiveError:
+            raise
+        except BaseException as exc:  # an interrupt: the lanes are shut (Lanes.exchange)
+            self.fail_soon(CollectiveError(
+                f"{op.label} was interrupted on {self.executor.describe(service.node_index)} "
+                f"({type(exc).__name__}); the session cannot go on: register again"))
+            raise
         finally:
             if started.started:
                 mailbox.done(op.seq)
@@ -158,6 +174,30 @@ class LaneExchange:
             await self._fail(self._wrong(op, check, stop.node, bytearray(stop.head), buf))
         raise service.mailbox.error or PeerLost("the session was closed")
 
+
+    async def watched(self, op: GlobalOp, coro: Coroutine[Any, Any, T]) -> T:
+        """(Event loop.) Run ``coro``, an operation without the exchange (or the loop's part
+        of one), and look at the lanes now and then meanwhile (:data:`PEEKS`): a message of
+        this or an earlier operation waiting there means its sender called an exchange in
+        this operation's place, which would wait on its lane for this node while this node
+        waits for it. That mismatch fails the session at once, naming both calls."""
+        loop = asyncio.get_running_loop()
+        delays = iter(PEEKS)
+
+        handles: list[asyncio.TimerHandle] = []
+
+        def look() -> None:
+            error = self.waiting_mismatch(op)
+            if error is not None:
+                self.service.fail(error)
+                return
+            handles[0] = loop.call_later(next(delays, PEEKS[-1]), look)
+
+        handles.append(loop.call_later(next(delays), look))
+        try:
+            return await coro
+        finally:
+            handles[0].cancel()
 
     def waiting_mismatch(self, op: GlobalOp) -> CollectiveError | None:
         """For an operation without the exchange that timed out: a message of this or an

@@ -90,62 +90,108 @@ class LaneOdd(Exception):
 
 
 class Lanes:
-    """This node's lanes by node index; empty until the session's are all open."""
+    """This node's lanes by node index; empty until the session's are all open.
+
+    Two locks: ``_using`` is held by the one exchange running (the lanes' only reader and
+    writer); ``_state`` guards the flags and the wake-up pipe, so that :meth:`wake` and
+    :meth:`close` never wait for an exchange. A lane closed while an exchange runs is closed
+    by that exchange as it ends."""
 
     def __init__(self) -> None:
         self.socks: dict[int, socket.socket] = {}
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_read, False)
-        os.set_blocking(self._wake_write, False)
-        self._lock = threading.Lock()
+        self._using = threading.Lock()
+        self._state = threading.Lock()
+        self._pipe: tuple[int, int] | None = None  # made with the first lane
+        self._woken = False
         self._closed = False
 
     def add(self, node: int, sock: socket.socket) -> bool:
         """``node``'s lane; ``False`` (the socket closed) when it already has one."""
-        if node in self.socks or self._closed:
-            sock.close()
-            return False
-        sock.setblocking(False)
-        self.socks[node] = sock
-        return True
+        with self._state:
+            if node in self.socks or self._closed:
+                sock.close()
+                return False
+            if self._pipe is None:
+                self._pipe = os.pipe()
+                for fd in self._pipe:
+                    os.set_blocking(fd, False)
+            sock.setblocking(False)
+            self.socks[node] = sock
+            return True
 
     def wake(self) -> None:
-        """The session failed: an exchange waiting on the lanes raises :class:`LaneWoken`
-        (now or whenever one starts). From any thread."""
-        with contextlib.suppress(OSError):  # full (already woken) or closed
-            os.write(self._wake_write, b"!")
+        """The session failed: an exchange waiting on the lanes raises :class:`LaneWoken`,
+        now or whenever one starts. From any thread."""
+        with self._state:
+            self._woken = True
+            if self._pipe is not None and not self._closed:
+                with contextlib.suppress(OSError):  # full: already woken
+                    os.write(self._pipe[1], b"!")
 
     def peek(self, size: int) -> dict[int, bytes]:
         """Up to ``size`` bytes waiting on each lane, left there (for error reports)."""
         waiting = {}
-        for node, sock in list(self.socks.items()):
-            try:
-                head = sock.recv(size, socket.MSG_PEEK)
-            except OSError:  # nothing there (or closed)
-                continue
-            if head:
-                waiting[node] = head
+        with self._state:
+            socks = [] if self._closed else list(self.socks.items())
+            for node, sock in socks:
+                try:
+                    head = sock.recv(size, socket.MSG_PEEK)
+                except OSError:  # nothing there (or closed)
+                    continue
+                if head:
+                    waiting[node] = head
         return waiting
 
     def close(self) -> None:
-        """Close every lane and the wake-up pipe."""
-        with self._lock:
-            if self._closed:
-                return
+        """Close every lane and the wake-up pipe (at once, or as the running exchange
+        ends: it is woken first)."""
+        self.wake()
+        with self._state:
             self._closed = True
+        if self._using.acquire(blocking=False):
+            try:
+                self._release()
+            finally:
+                self._using.release()
+
+    def _release(self) -> None:
+        """(Holding ``_using``, once closed.) Close the sockets and the pipe."""
+        with self._state:
+            socks, pipe = list(self.socks.values()), self._pipe
+            self.socks, self._pipe = {}, None
+        for sock in socks:
+            sock.close()
+        for fd in pipe or ():
+            os.close(fd)
+
+    def _break(self) -> None:
+        """An exchange stopped half-way for a reason of this node's own (an interrupt, no
+        memory): the other nodes must not read what is left as a message, so every lane is
+        shut down (they see it closed) and no exchange runs again."""
+        with self._state:
+            self._woken = True
             for sock in self.socks.values():
-                sock.close()
-            os.close(self._wake_read)
-            os.close(self._wake_write)
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
 
     def exchange(self, message: bytes, expected: int, deadline: float) -> dict[int, bytearray]:
         """Send ``message`` to every other node and receive exactly ``expected`` bytes of
         one message from each, by ``deadline``; raises :class:`LaneTimeout`,
-        :class:`LaneClosed`, :class:`LaneWoken` or :class:`LaneOdd`."""
-        with self._lock:
-            if self._closed:
-                raise LaneWoken()
-            return _Exchange(self.socks, self._wake_read, message, expected).run(deadline)
+        :class:`LaneClosed`, :class:`LaneWoken` or :class:`LaneOdd`. Anything else that
+        stops it (``KeyboardInterrupt``) shuts every lane down first."""
+        with self._using:
+            try:
+                if self._woken or self._closed or self._pipe is None:
+                    raise LaneWoken()
+                return _Exchange(self.socks, self._pipe[0], message, expected).run(deadline)
+            except (LaneWoken, LaneTimeout, LaneClosed, LaneOdd):
+                raise
+            except BaseException:
+                self._break()
+                raise
+            finally:
+                if self._closed:
+                    self._release()
 
 
 class _Exchange:

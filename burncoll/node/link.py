@@ -22,7 +22,7 @@ import numpy as np
 
 from burncoll.config import CollectiveConfig
 from burncoll.config_values import parse_host_port
-from burncoll.errors import CollectiveError, CollectiveTimeout, PeerLost, UsageError
+from burncoll.errors import CollectiveError, CollectiveTimeout, PeerLost
 from burncoll.ioloop import IoLoop
 from burncoll.levels import Exchange, GlobalOp, GlobalPath, HostArray, LocalPeers
 from burncoll.node.checks import Check
@@ -34,6 +34,7 @@ from burncoll.node.exchange import (
     exchange_parts,
     exchange_receives,
     reduce_in_node_order,
+    require_separate_out,
     watched_arrays,
 )
 from burncoll.node.executor import GlobalExecutor
@@ -78,8 +79,10 @@ class NodeLink:
         self._closed = False
         self._p2p = NodePointToPoint(io, service, self.peer_ids, self.node_of)
         #: The exchange on caller sockets, when every node offers them.
-        self._lanes = LaneExchange(service, self._executor, self._call) if (
-            service.uses_lanes) else None
+        self._lanes = LaneExchange(
+            service, self._executor, self._call,
+            lambda error: io.loop.call_soon_threadsafe(service.fail, error),
+        ) if service.uses_lanes else None
         service.on_failure = self._on_failure
         service.status = self._status
         orchestrator.on_node_lost = self._on_node_lost
@@ -130,6 +133,8 @@ class NodeLink:
 
     # -- running schedules ----------------------------------------------------------------
     def _call(self, op: GlobalOp, coro: Coroutine[Any, Any, T]) -> T:
+        if self._lanes is not None:  # another node's exchange may wait on a lane instead
+            coro = self._lanes.watched(op, coro)
         try:
             return self._io.run(coro, op.deadline, op.label)
         except CollectiveTimeout as exc:
@@ -253,7 +258,7 @@ class NodeLink:
                    out: HostArray | None = None, *, path: GlobalPath) -> None:
         if isinstance(path, Exchange):
             if out is not None:
-                _require_separate_out(buf, out)
+                require_separate_out(buf, out)
             result = np.empty_like(buf) if out is None else out
             self._exchange(op, buf, result, channel)
             if out is None:
@@ -264,7 +269,7 @@ class NodeLink:
         chunks: list[HostArray | None] = [buf[a:b] for a, b in layout]
         outs: list[HostArray | None] | None = None
         if out is not None:
-            _require_separate_out(buf, out)
+            require_separate_out(buf, out)
             outs = [out[a:b] for a, b in layout]
         self._call(op, self._run(op, schedule, chunks, channel, outs))
 
@@ -365,18 +370,6 @@ class NodeLink:
         await self._orch.close()
 
 
-def _require_separate_out(buf: HostArray, out: HostArray) -> None:
-    """``out`` must be a separate flat array like ``buf``: the executor writes chunk views of
-    it while still reading the same chunks of ``buf``."""
-    if out.dtype != buf.dtype or out.shape != buf.shape or buf.ndim != 1:
-        raise UsageError(f"all_reduce: out {out.dtype}{list(out.shape)} does not match the "
-                         f"flat input {buf.dtype}{list(buf.shape)}")
-    if not (out.flags.c_contiguous and out.flags.writeable):
-        raise UsageError("all_reduce: out must be C-contiguous and writable")
-    if np.may_share_memory(buf, out):
-        raise UsageError("all_reduce: out must not overlap the input")
-
-
 def join_collective(config: CollectiveConfig, local_peer_ids: Sequence[int]) -> NodeLink:
     """Join the multi-node collective of ``config`` with this node's peers (blocking)."""
     deadline = time.monotonic() + config.timeout
@@ -388,7 +381,7 @@ def join_collective(config: CollectiveConfig, local_peer_ids: Sequence[int]) -> 
     io = IoLoop(f"burncoll-node-{min(local_peer_ids)}")
     try:
         service = DataService(transport, node_host, port, config.auth_token, config.timeout,
-                              integrity=config.integrity)
+                              integrity=config.integrity, lanes=config.uses_lanes)
         orch = OrchestratorClient(transport, orch_host, orch_port, config.auth_token,
                                   config.timeout, integrity=config.integrity)
         io.run(_join(service, orch, config, local_peer_ids, deadline), deadline, "register")

@@ -371,7 +371,11 @@ class StreamProtocol(StreamSending, asyncio.BufferedProtocol):
             raise ProtocolError(f"{self.remote} sent more than was asked for")
         if writer.pending_bytes:  # pragma: no cover - the caller waited for its sends
             raise TransportError(f"the connection to {self.remote} is still sending")
-        sock: socket.socket = transport.get_extra_info("socket").dup()
+        try:
+            sock: socket.socket = transport.get_extra_info("socket").dup()
+        except OSError as exc:  # no descriptor left
+            raise TransportError(f"the connection to {self.remote} cannot be taken over: "
+                                 f"{exc}") from exc
         sock.setblocking(False)
         transport.abort()
         return sock

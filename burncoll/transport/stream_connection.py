@@ -56,8 +56,9 @@ class StreamConnection(Connection):
     def detach(self) -> socket.socket:
         """The socket, out of the event loop (see :meth:`StreamProtocol.detach`); the
         connection is closed."""
+        sock = self._protocol.detach()
         self._closing = True
-        return self._protocol.detach()
+        return sock
 
     def place_with(self, placer: Placer) -> None:
         """Let ``placer`` choose where each large incoming payload is received (see

@@ -31,8 +31,8 @@ import burncoll.node.executor as executor_module
 from burncoll.dtypes import dtype_from_name
 from burncoll.errors import ProtocolError
 from burncoll.levels import GlobalOp
+from burncoll.node.exchange import require_separate_out
 from burncoll.node.executor import PART_BYTES, GlobalExecutor
-from burncoll.node.link import _require_separate_out
 from burncoll.node.mailbox import Mailbox
 from burncoll.node.membership import NodeInfo
 from burncoll.ops import OpKind, ReduceOp
@@ -154,15 +154,15 @@ def test_executor_copies_the_chunks_a_node_never_writes(
 
 def test_out_must_be_a_separate_writable_array_like_the_input() -> None:
     buf = np.zeros(8, np.float32)
-    _require_separate_out(buf, np.empty(8, np.float32))
+    require_separate_out(buf, np.empty(8, np.float32))
     for bad in (np.empty(8, np.float64), np.empty(7, np.float32), np.empty((2, 4), np.float32),
                 np.empty(16, np.float32)[::2], buf, buf.view()):
         with pytest.raises(ValueError):
-            _require_separate_out(buf, bad)
+            require_separate_out(buf, bad)
     frozen = np.empty(8, np.float32)
     frozen.flags.writeable = False
     with pytest.raises(ValueError):
-        _require_separate_out(buf, frozen)
+        require_separate_out(buf, frozen)
 
 
 # -- real node processes --------------------------------------------------------------------
