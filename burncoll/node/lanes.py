@@ -148,11 +148,17 @@ class Lanes:
         self.wake()
         with self._state:
             self._closed = True
-        if self._using.acquire(blocking=False):
-            try:
-                self._release()
-            finally:
-                self._using.release()
+        self._release_if_closed()
+
+    def _release_if_closed(self) -> None:
+        """Close the sockets and the pipe once closed, unless an exchange runs: it calls this
+        again as it ends (whichever of the two comes second finds the lock free)."""
+        if not self._closed or not self._using.acquire(blocking=False):
+            return
+        try:
+            self._release()
+        finally:
+            self._using.release()
 
     def _release(self) -> None:
         """(Holding ``_using``, once closed.) Close the sockets and the pipe."""
@@ -179,19 +185,19 @@ class Lanes:
         one message from each, by ``deadline``; raises :class:`LaneTimeout`,
         :class:`LaneClosed`, :class:`LaneWoken` or :class:`LaneOdd`. Anything else that
         stops it (``KeyboardInterrupt``) shuts every lane down first."""
-        with self._using:
-            try:
+        try:
+            with self._using:
                 if self._woken or self._closed or self._pipe is None:
                     raise LaneWoken()
-                return _Exchange(self.socks, self._pipe[0], message, expected).run(deadline)
-            except (LaneWoken, LaneTimeout, LaneClosed, LaneOdd):
-                raise
-            except BaseException:
-                self._break()
-                raise
-            finally:
-                if self._closed:
-                    self._release()
+                try:
+                    return _Exchange(self.socks, self._pipe[0], message, expected).run(deadline)
+                except (LaneWoken, LaneTimeout, LaneClosed, LaneOdd):
+                    raise
+                except BaseException:
+                    self._break()
+                    raise
+        finally:
+            self._release_if_closed()
 
 
 class _Exchange:
