@@ -391,7 +391,10 @@ class Node:
                 comm.all_reduce(np.ones(size + (self.node == 1)))
                 rec[f"mismatch_{round_}"] = "none"
             except burncoll.CollectiveError as exc:
-                rec[f"mismatch_{round_}"] = type(exc).__name__
+                # a peer that calls only after its node learnt of the mismatch from another
+                # node raises the CollectiveAborted that every later call raises, caused by it
+                cause = exc.__cause__ if isinstance(exc, burncoll.CollectiveAborted) else exc
+                rec[f"mismatch_{round_}"] = type(cause).__name__
             try:
                 comm.all_reduce(np.ones(size))
                 rec[f"after_{round_}"] = "ok"
