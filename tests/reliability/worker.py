@@ -30,7 +30,7 @@ import numpy as np
 import burncoll
 from burncoll.transport import get_transport as real_get_transport
 from burncoll.transport.base import Buffer, Connection, Handler, Listener, Transport
-from burncoll.transport.wire import FrameType, decode
+from burncoll.transport.wire import FrameType, Placed, decode
 
 _print_lock = threading.Lock()
 
@@ -87,7 +87,7 @@ class FaultyConnection(Connection):
                     await self.inner.close()
         await self.inner.send(parts)
 
-    async def recv(self) -> Buffer:
+    async def recv(self) -> Buffer | Placed:
         return await self.inner.recv()
 
     async def close(self) -> None:
