@@ -143,11 +143,16 @@ def _same_rows(op: GlobalOp, h: DataHeader) -> bool:
     return (h.dtype, h.shape[1:]) == (op.dtype, op.shape)
 
 
-def _mismatch(op: GlobalOp, me: int, describe: Callable[[int], str],
-              h: DataHeader) -> MismatchError:
+def _calls(op: GlobalOp, h: DataHeader) -> tuple[str, str]:
+    """This node's call ``op`` and the call the sender of ``h`` made, in the words of errors."""
     shape = h.shape[1:] if h.op_kind in ROW_KINDS and h.shape else h.shape
     mine = describe_fingerprint(op.kind, op.reduce_op, op.dtype, op.shape, op.root)
-    theirs = describe_fingerprint(h.op_kind, h.reduce_op, h.dtype, shape, h.root)
+    return mine, describe_fingerprint(h.op_kind, h.reduce_op, h.dtype, shape, h.root)
+
+
+def _mismatch(op: GlobalOp, me: int, describe: Callable[[int], str],
+              h: DataHeader) -> MismatchError:
+    mine, theirs = _calls(op, h)
     return MismatchError(
         f"{op.label}: peers called it with different arguments: "
         f"{describe(me)} called {mine}; {describe(h.src)} called {theirs}"
@@ -158,9 +163,7 @@ def order_mismatch(op: GlobalOp, me: int, describe: Callable[[int], str],
                    h: DataHeader) -> MismatchError:
     """Node ``h.src`` sent ``h`` as its operation ``h.seq`` where this node runs ``op``
     (another number): the peers called different sequences of operations."""
-    shape = h.shape[1:] if h.op_kind in ROW_KINDS and h.shape else h.shape
-    mine = describe_fingerprint(op.kind, op.reduce_op, op.dtype, op.shape, op.root)
-    theirs = describe_fingerprint(h.op_kind, h.reduce_op, h.dtype, shape, h.root)
+    mine, theirs = _calls(op, h)
     return MismatchError(
         f"{op.label}: peers called different sequences of operations: {describe(me)} called "
         f"{mine} as its operation #{op.seq}; {describe(h.src)} called {theirs} as its "
