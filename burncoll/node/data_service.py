@@ -179,6 +179,9 @@ class DataService:
             sock.close()
             raise TransportError(f"{node.describe()} did not open its end of the caller "
                                  f"socket within {self.timeout:g} s") from exc
+        except BaseException:  # cancelled: the register failed elsewhere
+            sock.close()
+            raise
         if ready != READY:
             sock.close()
             raise TransportError(f"{node.describe()} did not open its end of the caller "

@@ -93,10 +93,10 @@ class LaneExchange:
             reduce_in_node_order(op, service.node_index, len(service.nodes), buf, arrays, out)
         except CollectiveError:
             raise
-        except BaseException as exc:  # an interrupt: the lanes are shut (Lanes.exchange)
+        except BaseException as exc:  # an interrupt, an error of NumPy's: lanes are shut
             self.fail_soon(CollectiveError(
-                f"{op.label} was interrupted on {self.executor.describe(service.node_index)} "
-                f"({type(exc).__name__}); the session cannot go on: register again"))
+                f"{op.label} stopped on {self.executor.describe(service.node_index)} "
+                f"({type(exc).__name__}: {exc}); the session cannot go on: register again"))
             raise
         finally:
             if started.started:

@@ -55,6 +55,9 @@ __all__ = ["READY", "LaneClosed", "LaneOdd", "LaneTimeout", "LaneWoken", "Lanes"
 READY = b"\x01"
 
 _IN = select.POLLIN
+#: The longest single wait of ``poll`` (its millisecond argument is a C int); a longer
+#: timeout polls again.
+_POLL_MAX_MS = 2**31 - 1
 _OUT = select.POLLOUT
 
 
@@ -112,7 +115,11 @@ class Lanes:
                 sock.close()
                 return False
             if self._pipe is None:
-                self._pipe = os.pipe()
+                try:
+                    self._pipe = os.pipe()
+                except OSError:  # no descriptor left
+                    sock.close()
+                    raise
                 for fd in self._pipe:
                     os.set_blocking(fd, False)
             sock.setblocking(False)
@@ -130,7 +137,9 @@ class Lanes:
 
     def peek(self, size: int) -> dict[int, bytes]:
         """Up to ``size`` bytes waiting on each lane, left there (for error reports)."""
-        waiting = {}
+        waiting: dict[int, bytes] = {}
+        if self._using.locked():  # an exchange reads them (and checks what it reads)
+            return waiting
         with self._state:
             socks = [] if self._closed else list(self.socks.items())
             for node, sock in socks:
@@ -225,9 +234,9 @@ class _Exchange:
             for node in waiting | set(self.unsent):
                 events = (_IN if node in waiting else 0) | (_OUT if node in self.unsent else 0)
                 poller.register(self.socks[node], events)
-            left = deadline - time.monotonic()
-            ready = poller.poll(max(int(left * 1000) + 1, 0)) if left > 0 else []
-            if not ready:
+            left = deadline - time.monotonic()  # past it: what is there already still counts
+            ready = poller.poll(min(max(int(left * 1000) + 1, 0), _POLL_MAX_MS))
+            if not ready and time.monotonic() >= deadline:
                 raise LaneTimeout(min(waiting or self.unsent))
             for fd, events in ready:
                 if fd == self.wake:

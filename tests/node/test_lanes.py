@@ -104,6 +104,20 @@ def test_a_silent_node_times_out_at_the_deadline() -> None:
         one.close()
 
 
+@pytest.mark.parametrize("seconds", [-1.0, 30 * 86400.0])  # past; longer than poll can wait
+def test_a_message_already_there_counts_whatever_the_deadline(seconds: float) -> None:
+    zero, one = _pair()
+    m1 = _frame(b"abc", src=1)
+    one.socks[0].sendall(m1)
+    select.select([zero.socks[1]], [], [], 5)
+    try:
+        got = zero.exchange(_frame(b"xyz"), len(m1), time.monotonic() + seconds)
+        assert bytes(got[1]) == m1
+    finally:
+        zero.close()
+        one.close()
+
+
 def test_a_closed_lane_is_reported_with_its_node() -> None:
     zero, one = _pair()
     one.socks[0].close()
