@@ -40,6 +40,7 @@ __all__ = [
     "exchange_keys",
     "exchange_parts",
     "exchange_receives",
+    "payload_bytes",
     "reduce_in_node_order",
     "require_separate_out",
     "watched_arrays",
@@ -48,13 +49,18 @@ __all__ = [
 def exchange_parts(service: Ports, op: GlobalOp, buf: HostArray,
                    channel: int) -> list[bytes | memoryview]:
     """The message this node sends every other node: a DATA header and ``buf``'s bytes."""
-    raw = memoryview(np.ascontiguousarray(buf).view(np.uint8))  # type: ignore[arg-type]
+    raw = payload_bytes(buf)
     header = encode_data_header(DataHeader(
         session=service.session or 0, seq=op.seq, op_kind=op.kind, reduce_op=op.reduce_op,
         dtype=op.dtype, shape=op.shape, root=op.root, src=service.node_index, round=0,
         channel=channel, chunk=0, offset=0, chunk_bytes=raw.nbytes,
     ), raw.nbytes)
     return [header, raw]
+
+
+def payload_bytes(buf: HostArray) -> memoryview:
+    """``buf``'s bytes as a flat view (a copy only when ``buf`` is not contiguous)."""
+    return memoryview(np.ascontiguousarray(buf).view(np.uint8))  # type: ignore[arg-type]
 
 
 def exchange_receives(service: Ports, op: GlobalOp, buf: HostArray,

@@ -24,7 +24,12 @@ from burncoll.dtypes import dtype_from_name
 from burncoll.errors import CollectiveError, PeerLost, ProtocolError
 from burncoll.levels import GlobalOp, HostArray
 from burncoll.node.checks import Check, order_mismatch, protocol_error
-from burncoll.node.exchange import exchange_parts, exchange_receives, reduce_in_node_order
+from burncoll.node.exchange import (
+    exchange_parts,
+    exchange_receives,
+    payload_bytes,
+    reduce_in_node_order,
+)
 from burncoll.node.lanes import LaneClosed, LaneOdd, LaneTimeout, LaneWoken
 from burncoll.node.receives import Receives
 from burncoll.node.watch import Watch
@@ -80,7 +85,7 @@ class LaneExchange:
             if not mailbox.start_watched(check, receives, started):
                 self.call(op, self._start(check, receives, started))  # the loop works first
             header = self._header(op, buf)
-            message = header + buf.tobytes()
+            message = b"".join((header, payload_bytes(buf)))  # the array's one copy
             try:
                 received = service.lanes.exchange(message, len(message), op.deadline)
             except (LaneWoken, LaneTimeout, LaneClosed, LaneOdd) as stop:

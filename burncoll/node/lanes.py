@@ -227,7 +227,7 @@ class _Exchange:
     def run(self, deadline: float) -> dict[int, bytearray]:
         for node in list(self.unsent):
             self._send(node)
-        waiting = {n for n in self.socks if self.want[n]}
+        waiting = set(self.socks)
         while waiting or self.unsent:
             poller = select.poll()
             poller.register(self.wake, _IN)
@@ -274,7 +274,7 @@ class _Exchange:
             raise LaneClosed(node, "it closed the connection")
         have += got
         self.have[node] = have
-        if have >= FIXED_HEADER_BYTES and node not in self.odd:
+        if have - got < FIXED_HEADER_BYTES <= have:  # the fixed header just came in
             header, whole = announced_lengths(memoryview(buf)[:FIXED_HEADER_BYTES])
             if whole != self.expected:  # read no further than its header
                 self.odd.add(node)
