@@ -59,7 +59,7 @@ class NodeProcess:
             text=True,
             # the frame faults are a test double around the member connections: the small
             # operations' frames must travel there, not on the caller sockets (whose own
-            # hostile messages tests/node/test_lanes.py sends)
+            # hostile messages tests/security/test_hostile_lanes.py sends)
             env=dict(ENV, BURNCOLL_CALLER_SOCKETS="0") if spec.get("frames") else ENV,
         )
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
