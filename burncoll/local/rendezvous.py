@@ -116,6 +116,8 @@ class Rendezvous:
         self._active = 0
         #: Point-to-point messages between this node's peers (a timeout there fails all).
         self.post = PostOffice(self.fail)
+        #: The plans of the operations seen here, by signature (``plans.choose.prepare``).
+        self.plans: dict[tuple[object, ...], object] = {}
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -199,7 +201,7 @@ class Rendezvous:
             state.calls[index] = call
             state.arrived += 1
             last = state.arrived == self.size
-            if last:
+            if last and self.size > 1:  # (one call agrees with itself)
                 mismatch = find_mismatch(state.complete_calls())
                 if mismatch is not None:
                     state.error = MismatchError(f"{call.kind.label} #{seq}: {mismatch}")

@@ -26,7 +26,6 @@ from burncoll.levels import GlobalOp, HostArray
 from burncoll.node.checks import Check, order_mismatch, protocol_error
 from burncoll.node.exchange import (
     exchange_parts,
-    exchange_receives,
     payload_bytes,
     reduce_in_node_order,
 )
@@ -72,25 +71,29 @@ class LaneExchange:
         self.fail_soon = fail_soon
         #: Starts the operation's lane in the mailbox; it takes no frames.
         self._started = Watch(())
-        self._headers: dict[tuple[object, ...], bytes] = {}
+        self._headers: dict[tuple[object, ...], tuple[bytes, np.dtype[Any]]] = {}
+        #: The other nodes (the session's table does not change).
+        self._others = tuple(n.index for n in service.nodes if n.index != service.node_index)
 
     def all_reduce(self, op: GlobalOp, buf: HostArray, out: HostArray) -> None:
         """``out = x0 op x1 op ...`` over every node's ``buf`` (``buf`` is only read)."""
         service, mailbox = self.service, self.service.mailbox
         check = self.executor.checker(op)
-        receives = exchange_receives(service, op, buf, 0)
+        seq, nbytes = op.seq, buf.nbytes  # what exchange_receives says, from the nodes kept
+        receives = Receives(seq, 0, {(seq, 0, 0, n, 0): nbytes for n in self._others},
+                            part_bytes=max(nbytes, 1))
         started = self._started
         started.started = False
         try:
             if not mailbox.start_watched(check, receives, started):
                 self.call(op, self._start(check, receives, started))  # the loop works first
-            header = self._header(op, buf)
+            header, dtype = self._header(op, buf)
             message = b"".join((header, payload_bytes(buf)))  # the array's one copy
             try:
                 received = service.lanes.exchange(message, len(message), op.deadline)
             except (LaneWoken, LaneTimeout, LaneClosed, LaneOdd) as stop:
                 self._raise(op, self._stopped(op, check, buf, stop))
-            arrays, dtype = {}, dtype_from_name(op.dtype or "uint8")
+            arrays = {}
             for node, data in received.items():
                 if not data.startswith(restamped(header, op.seq, node)):
                     self._raise(op, self._fail(self._wrong(op, check, node, data, buf)))
@@ -107,16 +110,18 @@ class LaneExchange:
             if started.started:
                 mailbox.done(op.seq)
 
-    def _header(self, op: GlobalOp, buf: HostArray) -> bytes:
-        """This node's message header for ``op``: the exchange's (:func:`exchange_parts`),
-        built once per signature and restamped with the operation's number."""
+    def _header(self, op: GlobalOp, buf: HostArray) -> tuple[bytes, np.dtype[Any]]:
+        """This node's message header for ``op`` -- the exchange's (:func:`exchange_parts`),
+        built once per signature and restamped with the operation's number -- and the dtype
+        of the messages' payloads."""
         key = (op.fingerprint(), buf.nbytes, self.service.session)
-        template = self._headers.get(key)
-        if template is None:
+        kept = self._headers.get(key)
+        if kept is None:
             if len(self._headers) >= _HEADERS_KEPT:
                 self._headers.clear()
-            template = self._headers[key] = bytes(exchange_parts(self.service, op, buf, 0)[0])
-        return restamped(template, op.seq, self.service.node_index)
+            kept = self._headers[key] = (bytes(exchange_parts(self.service, op, buf, 0)[0]),
+                                         dtype_from_name(op.dtype or "uint8"))
+        return restamped(kept[0], op.seq, self.service.node_index), kept[1]
 
     def _wrong(self, op: GlobalOp, check: Check, node: int, data: bytearray,
                buf: HostArray) -> CollectiveError:

@@ -17,6 +17,7 @@ reduce and a reduce-scatter, and 0 bytes for a barrier, a broadcast and an all-g
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,7 @@ from burncoll.backends.base import Backend
 from burncoll.levels import Exchange
 from burncoll.local.calls import Call
 from burncoll.local.plans.barrier import LocalBarrier
-from burncoll.local.plans.choose import OpPlan, choose
+from burncoll.local.plans.choose import OpPlan, _plan_key, choose
 from burncoll.local.plans.fused import Fused
 from burncoll.local.plans.global_all_gather import GlobalAllGather
 from burncoll.local.plans.global_barrier import GlobalBarrier
@@ -155,32 +156,33 @@ CASES: list[tuple[str, Case, World, OpPlan]] = [
      one_node(2), LocalSchedule(AG, C)),
     ("barrier", Case(BAR), one_node(4), LocalBarrier()),
     ("barrier, local ring", Case(BAR, strategies=RING), one_node(4), LocalBarrier()),
-    # -- several nodes: only the all-reduce is inline; the exchange up to exchange_limit, then
-    #    the global all-reduce strategy (auto: tree:2 up to 64 KiB, ring past it)
+    # -- several nodes: only the all-reduce is inline (and never with one local peer: its
+    #    array goes out as it is); the exchange up to exchange_limit, then the global
+    #    all-reduce strategy (auto: tree:2 up to 64 KiB, ring past it)
     ("2x2 small all_reduce", Case(AR), nodes([2, 2]), Inline(X)),
     ("2x2 small all_reduce, global ring", Case(AR, strategies=GLOBAL_RING), nodes([2, 2]),
      Inline(R)),
-    ("3 nodes, 256 KiB all_reduce", Case(AR, 256 * KiB), nodes([1, 1, 1]), Inline(X)),
+    ("3 nodes, 256 KiB all_reduce", Case(AR, 256 * KiB), nodes([1, 1, 1]), OutOfPlace(X)),
     ("3 nodes, 256 KiB + 4 all_reduce", Case(AR, 256 * KiB + 4), nodes([1, 1, 1]),
-     Inline(R)),
-    ("4 nodes, past the 4-node limit", Case(AR, 128 * KiB + 4), nodes([1] * 4), Inline(R)),
+     OutOfPlace(R)),
+    ("4 nodes, past the 4-node limit", Case(AR, 128 * KiB + 4), nodes([1] * 4), OutOfPlace(R)),
     ("4 nodes of one host, 512 KiB: the exchange", Case(AR, 512 * KiB),
-     nodes([1] * 4, one_host=True), Inline(X)),
+     nodes([1] * 4, one_host=True), OutOfPlace(X)),
     ("4 nodes of one host, past 512 KiB", Case(AR, 512 * KiB + 4),
-     nodes([1] * 4, 3, one_host=True), Inline(R)),
+     nodes([1] * 4, 3, one_host=True), OutOfPlace(R)),
     ("3 nodes of one host keep the 3-node limit", Case(AR, 256 * KiB + 4),
-     nodes([1] * 3, one_host=True), Inline(R)),
-    ("5 nodes use the 4-node limit", Case(AR, 128 * KiB), nodes([1] * 5), Inline(X)),
+     nodes([1] * 3, one_host=True), OutOfPlace(R)),
+    ("5 nodes use the 4-node limit", Case(AR, 128 * KiB), nodes([1] * 5), OutOfPlace(X)),
     ("5 nodes, past the 4-node limit", Case(AR, 128 * KiB + 8, "float64"), nodes([1] * 5),
-     Inline(R)),
-    ("9 nodes use the 8-node limit", Case(AR, 32 * KiB), nodes([1] * 9, 4), Inline(X)),
+     OutOfPlace(R)),
+    ("9 nodes use the 8-node limit", Case(AR, 32 * KiB), nodes([1] * 9, 4), OutOfPlace(X)),
     ("9 nodes, past the 8-node limit: a tree up to 64 KiB", Case(AR, 32 * KiB + 2, "int16"),
-     nodes([1] * 9), Inline(T)),
+     nodes([1] * 9), OutOfPlace(T)),
     ("9 nodes, exactly 64 KiB: still the tree", Case(AR, 64 * KiB), nodes([1] * 9, 8),
-     Inline(T)),
-    ("9 nodes, past 64 KiB: the ring", Case(AR, 64 * KiB + 4), nodes([1] * 9), Inline(R)),
+     OutOfPlace(T)),
+    ("9 nodes, past 64 KiB: the ring", Case(AR, 64 * KiB + 4), nodes([1] * 9), OutOfPlace(R)),
     ("9 nodes, global tree:3", Case(AR, 32 * KiB, strategies={
-        "global_all_reduce_strategy": "tree:3"}), nodes([1] * 9), Inline(T3)),
+        "global_all_reduce_strategy": "tree:3"}), nodes([1] * 9), OutOfPlace(T3)),
     ("2x2 large all_reduce within the exchange", Case(AR, 2 * MiB), nodes([2, 2]),
      ReduceGlobalBroadcast(C, C, 0, X)),
     ("2x2 all_reduce past the exchange", Case(AR, 2 * MiB + 4), nodes([2, 2], 1),
@@ -200,6 +202,7 @@ CASES: list[tuple[str, Case, World, OpPlan]] = [
     ("2x2 large all_reduce, JAX", Case(AR, 4 * MiB, backend="jax"), nodes([2, 2]),
      ReduceGlobalBroadcast(C, C, 0, R)),
     # -- a single local peer: its input is the node's reduction, read in place
+    ("1+1 small all_reduce: not inline", Case(AR), nodes([1, 1]), OutOfPlace(X)),
     ("1+1 large all_reduce", Case(AR, 2 * MiB), nodes([1, 1]), OutOfPlace(X)),
     ("1+1 all_reduce past the exchange", Case(AR, 2 * MiB + 4), nodes([1, 1]),
      OutOfPlace(R)),
@@ -305,6 +308,24 @@ def test_the_decision_picks_the_plan(case: Case, world: World, expected: OpPlan)
     if case.backend != "numpy":
         calls = [_on(_backend(case.backend), c) for c in calls]
     assert choose(calls, world, _backend(case.backend), case.config()) == expected
+
+
+def test_the_plan_cache_never_joins_calls_the_decision_tells_apart() -> None:
+    """``prepare`` keeps each node's plans by ``_plan_key`` (the node's world, backend and
+    config never change): two calls on one node that ``choose`` plans differently must never
+    share a key. Every case above, grouped by node, checks it."""
+    planned: dict[tuple[object, ...], tuple[str, OpPlan]] = {}
+    for name, case, world, expected in CASES:
+        if case.backend != "numpy":
+            continue
+        node = (repr(world), case.backend, repr(sorted(case.strategies.items())))
+        key = (*node, tuple(map(_plan_key, case.calls(world))))
+        if key in planned:
+            other, plan = planned[key]
+            assert plan == expected, f"{name!r} would take the cached plan of {other!r}"
+        planned[key] = (name, expected)
+    keys_per_node = Counter(key[:3] for key in planned)
+    assert max(keys_per_node.values()) > 1  # the cases do share nodes
 
 
 def _on(backend: Backend, call: Call) -> Call:

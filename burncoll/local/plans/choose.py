@@ -11,12 +11,13 @@ schedule (``auto``'s tree or ring by size). The node then only executes that pat
 The plan kinds, by when they are chosen (first match):
 
 - :class:`Inline` -- ``auto`` and at most ``INLINE_BYTES``: on one node any operation but a
-  barrier, across nodes an all-reduce.
+  barrier, across nodes an all-reduce of a node with several local peers.
 - :class:`Fused` -- a one-node all-reduce of NumPy arrays under ``auto``, 2+ local peers, not
   the mean of integers.
 - :class:`LocalBarrier` / :class:`GlobalBarrier` -- a barrier on one node / across nodes.
 - :class:`LocalSchedule` -- any other operation on one node.
-- :class:`OutOfPlace` -- an all-reduce across nodes of a node with a single local peer.
+- :class:`OutOfPlace` -- an all-reduce across nodes of a node with a single local peer (of
+  any size: its array is the node's reduction already, and goes out as it is).
 - :class:`HierarchicalRing` -- an all-reduce across nodes that all run a local ring over as
   many devices (sharded).
 - :class:`ReduceGlobalBroadcast` -- any other all-reduce across nodes.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 
@@ -89,10 +91,30 @@ _GLOBAL_FIELD = {
 }
 
 
+#: Plans kept per node (past that, the cache starts over).
+_PLANS_KEPT = 64
+
+
 def prepare(rv: Rendezvous, state: OpState) -> Prepared:
-    """Choose the plan of ``state``'s operation and prepare it (in the last peer to arrive)."""
-    plan = choose(state.complete_calls(), rv.world, rv.backend, rv.config)
+    """Choose the plan of ``state``'s operation and prepare it (in the last peer to arrive).
+
+    A training loop repeats a few operations: the plan of a signature already seen on this
+    node is taken from ``rv.plans`` (the world, backend and config never change there)."""
+    calls = state.complete_calls()
+    key = tuple(map(_plan_key, calls))
+    plan = cast("OpPlan | None", rv.plans.get(key))
+    if plan is None:
+        plan = choose(calls, rv.world, rv.backend, rv.config)
+        if len(rv.plans) >= _PLANS_KEPT:
+            rv.plans.clear()
+        rv.plans[key] = plan
     return plan.prepare(rv, state)
+
+
+def _plan_key(call: Call) -> tuple[object, ...]:
+    """Everything of ``call`` that :func:`choose` looks at (its array only by type)."""
+    return (call.kind, call.reduce_op, call.root, call.dtype, call.shape, call.counts,
+            call.compression, type(call.array))
 
 
 def choose(calls: Sequence[Call], world: World, backend: Backend,
@@ -133,8 +155,8 @@ def _inline(call: Call, world: World, config: CollectiveConfig, nbytes: int) -> 
     field = _LOCAL_FIELD.get(call.kind)
     if field is None or not isinstance(config.strategy(field), Auto):
         return False
-    if world.multi_node and call.kind is not OpKind.ALL_REDUCE:
-        return False
+    if world.multi_node and (call.kind is not OpKind.ALL_REDUCE or world.size == 1):
+        return False  # one peer: OutOfPlace sends its array as it is, with no local copy
     return nbytes <= INLINE_BYTES
 
 
