@@ -31,6 +31,7 @@ from burncoll.node.exchange import (
 )
 from burncoll.node.lanes import LaneClosed, LaneOdd, LaneTimeout, LaneWoken
 from burncoll.node.receives import Receives
+from burncoll.node.spinning import usable_cpus
 from burncoll.node.watch import Watch
 from burncoll.transport.wire import (
     FIXED_HEADER_BYTES,
@@ -74,6 +75,10 @@ class LaneExchange:
         self._headers: dict[tuple[object, ...], tuple[bytes, np.dtype[Any]]] = {}
         #: The other nodes (the session's table does not change).
         self._others = tuple(n.index for n in service.nodes if n.index != service.node_index)
+        hosts = [n.host_id for n in service.nodes]
+        mine = hosts[service.node_index]
+        # spinning while another node of this host waits for a CPU would only delay it
+        service.lanes.spinning.allowed = usable_cpus() >= (hosts.count(mine) if mine else 1)
 
     def all_reduce(self, op: GlobalOp, buf: HostArray, out: HostArray) -> None:
         """``out = x0 op x1 op ...`` over every node's ``buf`` (``buf`` is only read)."""

@@ -31,6 +31,9 @@ checks a frame (session, operation number, channel, round, sender, chunk, offset
 fingerprint). A message that announces another length is read only as far as its header
 (at most :data:`~burncoll.transport.wire.MAX_NDIM` shape entries) and reported from it.
 
+**Waiting.** Once its message is out, the thread reads without sleeping for a short while
+where that pays (:mod:`burncoll.node.spinning`), then sleeps in ``poll``.
+
 **Failures.** Every wait ends at the operation's deadline. A failure of the session (another
 node's abort, a broken member connection, a wrong frame found by the mailbox) wakes the
 waiting thread through a pipe (:meth:`Lanes.wake`). A lane that closes or breaks is the loss
@@ -47,6 +50,7 @@ import socket
 import threading
 import time
 
+from burncoll.node.spinning import Spinning
 from burncoll.transport.wire import FIXED_HEADER_BYTES, announced_lengths
 
 __all__ = ["READY", "LaneClosed", "LaneOdd", "LaneTimeout", "LaneWoken", "Lanes"]
@@ -107,6 +111,8 @@ class Lanes:
         self._pipe: tuple[int, int] | None = None  # made with the first lane
         self._woken = False
         self._closed = False
+        #: How long an exchange reads without sleeping first (the link allows it).
+        self.spinning = Spinning()
 
     def add(self, node: int, sock: socket.socket) -> bool:
         """``node``'s lane; ``False`` (the socket closed) when it already has one."""
@@ -199,7 +205,8 @@ class Lanes:
                 if self._woken or self._closed or self._pipe is None:
                     raise LaneWoken()
                 try:
-                    return _Exchange(self.socks, self._pipe[0], message, expected).run(deadline)
+                    return _Exchange(self.socks, self._pipe[0], message, expected).run(
+                        deadline, self.spinning)
                 except (LaneWoken, LaneTimeout, LaneClosed, LaneOdd):
                     raise
                 except BaseException:
@@ -224,10 +231,13 @@ class _Exchange:
         self.odd: set[int] = set()
         self.node_of = {s.fileno(): n for n, s in socks.items()}
 
-    def run(self, deadline: float) -> dict[int, bytearray]:
+    def run(self, deadline: float, spinning: Spinning) -> dict[int, bytearray]:
         for node in list(self.unsent):
             self._send(node)
         waiting = set(self.socks)
+        began = time.perf_counter()
+        if not self.unsent:
+            self._spin(waiting, began + spinning.budget())
         while waiting or self.unsent:
             poller = select.poll()
             poller.register(self.wake, _IN)
@@ -246,7 +256,15 @@ class _Exchange:
                     self._send(node)
                 if node in waiting and events & ~_OUT and self._receive(node):
                     waiting.discard(node)
+        spinning.waited(time.perf_counter() - began)
         return self.bufs
+
+    def _spin(self, waiting: set[int], until: float) -> None:
+        """Read what has come in without sleeping, until ``until`` or until all is in."""
+        while waiting and time.perf_counter() < until:
+            for node in list(waiting):
+                if self._receive(node):
+                    waiting.discard(node)
 
     def _send(self, node: int) -> None:
         view = self.unsent[node]

@@ -76,9 +76,11 @@ def _both(zero: Lanes, one: Lanes, m0: bytes, m1: bytes, seconds: float = 10.0
     return out[0], out[1]
 
 
+@pytest.mark.parametrize("spin", [False, True], ids=["sleeping", "spinning"])
 @pytest.mark.parametrize("size", [0, 1, 4096, 8 << 20])  # 8 MiB: over both socket buffers
-def test_each_node_receives_the_others_message_whole(size: int) -> None:
+def test_each_node_receives_the_others_message_whole(size: int, spin: bool) -> None:
     zero, one = _pair()
+    zero.spinning.allowed = one.spinning.allowed = spin
     m0 = _frame(np.random.default_rng(0).bytes(size))
     m1 = _frame(np.random.default_rng(1).bytes(size), src=1)
     try:
@@ -86,13 +88,16 @@ def test_each_node_receives_the_others_message_whole(size: int) -> None:
         assert bytes(got0[1]) == m1 and bytes(got1[0]) == m0
         got0, got1 = _both(zero, one, m1, m0)  # and again: nothing of the first is left
         assert bytes(got0[1]) == m0 and bytes(got1[0]) == m1
+        assert zero.spinning.average > 0 and one.spinning.average > 0  # the waits counted
     finally:
         zero.close()
         one.close()
 
 
-def test_a_silent_node_times_out_at_the_deadline() -> None:
+@pytest.mark.parametrize("spin", [False, True], ids=["sleeping", "spinning"])
+def test_a_silent_node_times_out_at_the_deadline(spin: bool) -> None:
     zero, one = _pair()
+    zero.spinning.allowed = spin
     try:
         start = time.monotonic()
         with pytest.raises(LaneTimeout) as caught:
@@ -129,8 +134,10 @@ def test_a_closed_lane_is_reported_with_its_node() -> None:
         zero.close()
 
 
-def test_a_failure_of_the_session_wakes_the_waiting_thread() -> None:
+@pytest.mark.parametrize("spin", [False, True], ids=["sleeping", "spinning"])
+def test_a_failure_of_the_session_wakes_the_waiting_thread(spin: bool) -> None:
     zero, one = _pair()
+    zero.spinning.allowed = spin
     try:
         threading.Timer(0.2, zero.wake).start()
         start = time.monotonic()

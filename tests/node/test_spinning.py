@@ -1,0 +1,39 @@
+"""The spinning policy of the caller sockets (``burncoll.node.spinning``): a node spins only
+where its host has a CPU for it and while the waits it sees are short; long waits (a busy
+host) stop it, and short ones start it again. The engine itself spins and sleeps on real
+sockets in ``tests/node/test_lanes.py``."""
+
+from __future__ import annotations
+
+import burncoll.node.spinning as spinning
+from burncoll.node.spinning import LONGEST, PAYS_BELOW, Spinning, usable_cpus
+
+
+def test_a_node_spins_only_where_its_host_has_the_cpus() -> None:
+    assert Spinning(allowed=False).budget() == 0.0
+    assert Spinning(allowed=True).budget() == LONGEST
+    assert 0 < LONGEST < PAYS_BELOW
+
+
+def test_long_waits_stop_the_spinning_and_short_ones_start_it_again() -> None:
+    policy = Spinning(allowed=True)
+    for _ in range(40):  # a busy host: the other node's messages come late
+        policy.waited(10 * PAYS_BELOW)
+    assert policy.budget() == 0.0
+    assert policy.average > PAYS_BELOW
+    for _ in range(40):  # quiet again
+        policy.waited(PAYS_BELOW / 10)
+    assert policy.budget() == LONGEST
+    assert policy.average < PAYS_BELOW
+
+
+def test_one_late_message_among_short_waits_does_not_stop_it() -> None:
+    policy = Spinning(allowed=True)
+    for _ in range(20):
+        policy.waited(PAYS_BELOW / 10)
+    policy.waited(3 * PAYS_BELOW)
+    assert policy.budget() == LONGEST
+
+
+def test_the_cpus_counted_are_those_this_process_may_use() -> None:
+    assert 1 <= usable_cpus() <= (spinning.os.cpu_count() or 1)
