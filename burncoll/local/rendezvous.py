@@ -158,7 +158,8 @@ class Rendezvous:
         finally:
             with self._cond:
                 self._active -= 1
-                self._cond.notify_all()
+                if self._closed:  # finish() waits for the peers still inside
+                    self._cond.notify_all()
 
     def _run(
         self,
@@ -217,7 +218,8 @@ class Rendezvous:
                         f"{call.peer_id}: {type(exc).__name__}: {exc}")
             with self._cond:
                 state.ready = True
-                self._cond.notify_all()
+                if self.size > 1:  # (the other local peers wait for it)
+                    self._cond.notify_all()
             if state.error is not None:
                 self.fail(state.error)
                 raise copy_error(state.error)

@@ -78,6 +78,8 @@ __all__ = [
 HELD_FRAMES = 1024
 #: Most payload bytes held for lanes this node has not started (plus one part per connection).
 HELD_BYTES = 64 << 20
+#: Checks a frame's header against this node's own call: an error, or ``None``.
+_Check = Callable[[DataHeader], CollectiveError | None]
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -107,7 +109,7 @@ class Mailbox:
         self._watches: dict[FrameKey, Watch] = {}
         self._error: BaseException | None = None
         #: Checks a frame against the receiver's own call of ``seq``; returns an error or None.
-        self._checks: dict[int, Callable[[DataHeader], CollectiveError | None]] = {}
+        self._checks: dict[int, _Check] = {}
         #: Called with a mismatch found while checking frames (the data service fails the
         #: whole session with it); defaults to failing only this mailbox.
         self.on_error: Callable[[BaseException], None] = self.fail
@@ -163,16 +165,16 @@ class Mailbox:
 
     # -- operations ---------------------------------------------------------------------------
     @_locked
-    def expect(self, check: Callable[[DataHeader], CollectiveError | None],
-               receives: Receives) -> None:
+    def expect(self, check: _Check, receives: Receives) -> None:
         """Start lane ``(receives.seq, receives.channel)``: from now on its frames are checked
         against ``check`` (the fingerprint) and ``receives`` (keys and sizes); the frames
-        already here are checked now, and stop counting against the held budget.
+        already here are checked now, and stop counting against the held budget. Starting
+        ``seq`` means every earlier operation is over on this node: what is left of them is
+        forgotten, and their frames are refused from now on. A frame found wrong here fails
+        the session (``on_error``), naming its sender."""
+        self._expect(check, receives)
 
-        Starting ``seq`` means every earlier operation is over on this node: what is left of
-        them is forgotten, and their frames are refused from now on. A frame found wrong here
-        fails the session (``on_error``), naming its sender.
-        """
+    def _expect(self, check: _Check, receives: Receives) -> None:
         seq, lane = receives.seq, (receives.seq, receives.channel)
         if seq > self.current:
             self.current, self.current_started = seq, self.clock()
@@ -204,12 +206,10 @@ class Mailbox:
         """Every operation before ``seq`` is over here: drop what is left of it."""
         for lane in [lane for lane in self._held if lane[0] < seq]:
             self._release(lane)
-        for lane in [lane for lane in self._started if lane[0] < seq]:
-            del self._started[lane]
-        for key in [k for k in self._streams if k[0] < seq]:
-            del self._streams[key]
-        for key in [k for k in self._frames if k[0] < seq]:  # frames no lane took
-            del self._frames[key]
+        tables: tuple[dict[Any, Any], ...] = (self._started, self._streams, self._frames)
+        for table in tables:  # (the frames no lane took too)
+            for key in [k for k in table if k[0] < seq] if table else ():
+                del table[key]
 
     def _release(self, lane: Lane) -> None:
         """The frames of ``lane`` stop counting against the held budget."""
@@ -357,8 +357,8 @@ class Mailbox:
                 watch.take(key, frame)
 
     @_locked
-    def start_watched(self, check: Callable[[DataHeader], CollectiveError | None],
-                      receives: Receives, watch: Watch, *, on_loop: bool = False) -> bool:
+    def start_watched(self, check: _Check, receives: Receives, watch: Watch, *,
+                      on_loop: bool = False) -> bool:
         """:meth:`expect` (unless the session failed; ``watch.started`` then says it ran) and
         :meth:`watch` at once. From a calling thread (not ``on_loop``) only when that needs
         nothing of the event loop: no failure yet, no reader paused to wake (not
@@ -373,12 +373,12 @@ class Mailbox:
             return False
         if self._error is None:
             watch.started = True  # set first: whatever happens next, ``done`` ends the lane
-            self.expect(check, receives)
-        self.watch(watch)
+            self._expect(check, receives)
+        if watch.keys or self._error is not None:
+            self.watch(watch)
         return True
 
-    def _would_pass(self, check: Callable[[DataHeader], CollectiveError | None],
-                    receives: Receives) -> bool:
+    def _would_pass(self, check: _Check, receives: Receives) -> bool:
         """Whether :meth:`expect` would find every frame held for the lane right."""
         lane, streams = (receives.seq, receives.channel), dict[FrameKey, Stream]()
         for key, frames in self._frames.items():
