@@ -273,7 +273,7 @@ class Communicator(RootedOps, Groups, PointToPoint):
         if x is not None or not allow_none:
             x = self._accept(kind, x)
             dtype = self._backend.dtype_name(x)
-            if op is not None:  # refused here, before this peer joins the operation
+            if op is not None and op.bitwise:  # refused here, before this peer joins it
                 check_reduce_dtype(op, dtype, kind.label)
             shape = tuple(self._backend.shape(x))
         call = Call(self.peer_id, kind, op, root, x, dtype, shape, out, counts, compression)

@@ -231,6 +231,8 @@ class OpQueue:
         Raises :class:`~burncoll.UsageError` on the worker thread (from a done callback),
         where waiting for the queue would wait for itself.
         """
+        if self._worker is None and not self._pending:  # nothing in flight: go (only an
+            return fn()  # issuing thread starts a worker, so this thread's reading is current)
         if self.on_worker():
             raise UsageError(f"{label}: a blocking operation cannot be issued from a done "
                              "callback (the communicator's worker thread); use async_op=True "

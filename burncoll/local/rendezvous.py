@@ -105,7 +105,10 @@ class Rendezvous:
         self.world_peer_ids = self.world.all_peer_ids
         self.world_size = len(self.world_peer_ids)
         self.rank_of = {pid: r for r, pid in enumerate(self.world_peer_ids)}
-        self._cond = threading.Condition()
+        #: Guards the state below; hot paths take the lock itself (a ``with`` on the
+        #: condition is a Python call more), waits and notifications use the condition.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._ops: dict[int, OpState] = {}
         self._next_seq = [0] * self.size
         self._barrier = threading.Barrier(self.size)
@@ -148,15 +151,14 @@ class Rendezvous:
     ) -> Array | None:
         """Arrive with ``call``, then run this peer's part of the operation as the last peer
         to arrive prepared it with ``prepare``; the result or an error."""
-        self.check_usable(index)
-        started = time.monotonic()
+        started = time.monotonic()  # (usable? checked on arrival)
         deadline = started + self.config.timeout
-        with self._cond:
+        with self._lock:
             self._active += 1
         try:
             return self._run(index, call, started, deadline, prepare)
         finally:
-            with self._cond:
+            with self._lock:
                 self._active -= 1
                 if self._closed:  # finish() waits for the peers still inside
                     self._cond.notify_all()
@@ -183,15 +185,9 @@ class Rendezvous:
         finally:
             self._leave(state)
 
-    def _arrive(
-        self,
-        index: int,
-        call: Call,
-        started: float,
-        deadline: float,
-        prepare: Callable[[Rendezvous, OpState], Prepared],
-    ) -> OpState:
-        with self._cond:
+    def _arrive(self, index: int, call: Call, started: float, deadline: float,
+                prepare: Callable[[Rendezvous, OpState], Prepared]) -> OpState:
+        with self._lock:
             self.check_usable(index)
             seq = self._next_seq[index]
             self._next_seq[index] += 1
@@ -216,7 +212,7 @@ class Rendezvous:
                     state.error = CollectiveError(
                         f"{call.kind.label} #{seq} could not be prepared on peer "
                         f"{call.peer_id}: {type(exc).__name__}: {exc}")
-            with self._cond:
+            with self._lock:
                 state.ready = True
                 if self.size > 1:  # (the other local peers wait for it)
                     self._cond.notify_all()
@@ -257,7 +253,7 @@ class Rendezvous:
         )
 
     def _leave(self, state: OpState) -> None:
-        with self._cond:
+        with self._lock:
             state.left += 1
             if state.left == self.size:
                 self._ops.pop(state.seq, None)

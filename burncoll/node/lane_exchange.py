@@ -73,8 +73,9 @@ class LaneExchange:
         #: Starts the operation's lane in the mailbox; it takes no frames.
         self._started = Watch(())
         self._headers: dict[tuple[object, ...], tuple[bytes, np.dtype[Any]]] = {}
-        #: The other nodes (the session's table does not change).
-        self._others = tuple(n.index for n in service.nodes if n.index != service.node_index)
+        #: This node and the others (the session's table does not change).
+        self._me = service.node_index
+        self._others = tuple(n.index for n in service.nodes if n.index != self._me)
         hosts = [n.host_id for n in service.nodes]
         mine = hosts[service.node_index]
         # spinning while another node of this host waits for a CPU would only delay it
@@ -103,7 +104,7 @@ class LaneExchange:
                 if not data.startswith(restamped(header, op.seq, node)):
                     self._raise(op, self._fail(self._wrong(op, check, node, data, buf)))
                 arrays[node] = np.frombuffer(data, dtype, offset=len(header))
-            reduce_in_node_order(op, service.node_index, len(service.nodes), buf, arrays, out)
+            reduce_in_node_order(op, self._me, len(self._others) + 1, buf, arrays, out)
         except CollectiveError:
             raise
         except BaseException as exc:  # an interrupt, an error of NumPy's: lanes are shut
@@ -126,7 +127,7 @@ class LaneExchange:
                 self._headers.clear()
             kept = self._headers[key] = (bytes(exchange_parts(self.service, op, buf, 0)[0]),
                                          dtype_from_name(op.dtype or "uint8"))
-        return restamped(kept[0], op.seq, self.service.node_index), kept[1]
+        return restamped(kept[0], op.seq, self._me), kept[1]
 
     def _wrong(self, op: GlobalOp, check: Check, node: int, data: bytearray,
                buf: HostArray) -> CollectiveError:
