@@ -215,6 +215,13 @@ def _run_peer(pid: int, local: int, world: int, cfg: burncoll.CollectiveConfig
             if pid == 0:  # the others' digests must match this one's
                 _check_result(r, world, size, op, dtype)
             digests.append(hashlib.sha256(np.ascontiguousarray(r).tobytes()).hexdigest())
+        # a subclass whose reshape keeps two dimensions, with and without out=
+        m = np.asmatrix(np.arange(6.0).reshape(2, 3) * (pid + 1))
+        want = np.arange(6.0).reshape(2, 3) * sum(range(1, world + 1))
+        out = np.asmatrix(np.zeros((2, 3)))
+        for r in (comm.all_reduce(m), comm.all_reduce(m, out=out)):
+            if not np.array_equal(np.asarray(r), want):
+                raise AssertionError(f"np.matrix all-reduce: {r} instead of {want}")
     finally:
         comm.finish()
     return {"peer": pid, "ok": True, "sharded": link is not None and link.sharded,
@@ -296,6 +303,8 @@ def _run_nodes(devices: list[int], local_s: str, global_s: str, transport: str
     ([1, 1], "tree", "centralized", "tcp"),
     ([1, 1, 1], "tree", "centralized", "quic"),
     ([1, 2], "tree", "ring", "tcp"),  # beside a node that reduces two local peers first
+    ([1, 1], "auto", "auto", "tcp"),  # small ones too: a single peer never runs inline
+    ([1, 2], "auto", "auto", "tcp"),  # beside a node that runs them inline
 ])
 def test_a_single_local_device_all_reduces_its_input_without_copying_it(
     devices: list[int], local_s: str, global_s: str, transport: str,

@@ -45,10 +45,10 @@ class OutOfPlaceRun:
     def run(self, index: int, deadline: float) -> Array:
         rv, call = self.rv, peer_call(self.state, index)
         gop = global_op(self.state, deadline)
-        x = call.array
-        if isinstance(x, np.ndarray):  # host memory already (NumPy): no backend round trip
+        if isinstance(call.array, np.ndarray):  # host memory (NumPy): no backend round trip
             if isinstance(call.out, np.ndarray):
-                return self._into(call, gop, x, call.out)
+                return self._into(call, gop, call.array, call.out)
+            x = np.asarray(call.array)  # (a subclass's reshape may keep its dimensions)
             flat = x.reshape(-1)
             out = fresh(flat.size, flat.dtype)
             link_of(rv).all_reduce(gop, flat, out=out, path=self.plan.global_path)
@@ -66,11 +66,11 @@ class OutOfPlaceRun:
         """The caller's ``out=`` on host memory: the network result goes straight into it (in
         place when ``out`` is ``x``); a mean is divided there too (``out`` is a float array)."""
         link, path = link_of(self.rv), self.plan.global_path
-        flat_out = out.reshape(-1)
+        flat_out = np.asarray(out).reshape(-1)  # (np.matrix: reshape keeps two dimensions)
         if out is x:
             link.all_reduce(gop, flat_out, path=path)
         else:
-            link.all_reduce(gop, x.reshape(-1), out=flat_out, path=path)
+            link.all_reduce(gop, np.asarray(x).reshape(-1), out=flat_out, path=path)
         if call.reduce_op is ReduceOp.MEAN:
             np.divide(flat_out, self.rv.world_size, out=flat_out)
         return out
