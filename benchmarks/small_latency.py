@@ -5,17 +5,26 @@ this one times back-to-back calls on node 0 (as a training loop issues them), wh
 spread (10th percentile, median) that a barrier hides. ``--load N`` runs N CPU-bound
 processes beside it, as ``burncoll bench --load`` does.
 
+``--count-calls`` counts instead the Python and C function calls of one operation on node 0
+(``sys.setprofile``), and ``--top N`` lists the N functions called most. Times on a shared
+machine move by half from one minute to the next; the number of calls does not, and on this
+path it is most of the time: a count that goes down is a path that got shorter.
+
     python benchmarks/small_latency.py [--nodes 2] [--bytes 8] [--iters 2000] [--runs 3] [--load 2]
+    python benchmarks/small_latency.py --count-calls [--top 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import subprocess
 import sys
 import time
+from types import FrameType
+from typing import Any
 
 import numpy as np
 
@@ -23,36 +32,66 @@ import burncoll
 from burncoll.bench.load import cpu_load
 
 
-def node(index: int, nodes: int, address: str, transport: str, nbytes: int, iters: int) -> None:
-    config = burncoll.CollectiveConfig(num_devices=1, num_nodes=nodes, global_address=address,
-                                       node_address="127.0.0.1", transport=transport,
-                                       timeout=30)
+def node(index: int, args: argparse.Namespace) -> None:
+    config = burncoll.CollectiveConfig(num_devices=1, num_nodes=args.nodes,
+                                       global_address=args.address, node_address="127.0.0.1",
+                                       transport=args.transport, timeout=30)
     comm = burncoll.register(index, 0, config)
-    x = np.ones(max(nbytes // 4, 1), np.float32)
+    x = np.ones(max(args.bytes // 4, 1), np.float32)
     for _ in range(200):
         comm.all_reduce(x)
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        comm.all_reduce(x)
-        times.append(time.perf_counter() - start)
+    if args.count_calls:
+        result = count_calls(comm, x, args.iters, args.top, index == 0)
+    else:
+        times = []
+        for _ in range(args.iters):
+            start = time.perf_counter()
+            comm.all_reduce(x)
+            times.append(time.perf_counter() - start)
+        times.sort()
+        result = {"p10": times[len(times) // 10] * 1e6, "median": times[len(times) // 2] * 1e6}
     comm.finish()
     if index == 0:
-        times.sort()
-        print(json.dumps({"p10": times[len(times) // 10] * 1e6,
-                          "median": times[len(times) // 2] * 1e6}))
+        print(json.dumps(result))
 
 
-def one_run(args: argparse.Namespace) -> dict[str, float]:
+def count_calls(comm: burncoll.Communicator, x: np.ndarray, ops: int, top: int, counting: bool
+                ) -> dict[str, Any]:
+    """Python and C calls per all-reduce of ``x`` (counted where ``counting``), checked."""
+    calls: collections.Counter[str] = collections.Counter()
+
+    def count(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call":
+            code = frame.f_code
+            calls["python"] += 1
+            calls[f"{code.co_qualname} ({code.co_filename.rsplit('/', 1)[-1]})"] += 1
+        elif event == "c_call":
+            calls["C"] += 1
+
+    if counting:
+        sys.setprofile(count)
+    for _ in range(ops):
+        result = comm.all_reduce(x)
+    sys.setprofile(None)
+    if not np.array_equal(result, np.full_like(x, comm.world_size)):
+        raise SystemExit(f"wrong result: {result}")
+    return {"python": calls.pop("python", 0) / ops, "C": calls.pop("C", 0) / ops,
+            "top": [(name, n / ops) for name, n in calls.most_common(top)]}
+
+
+def one_run(args: argparse.Namespace) -> dict[str, Any]:
     with burncoll.start_orchestrator(transport=args.transport) as orch:
         procs = [subprocess.Popen(
             [sys.executable, __file__, "--node", str(i), "--address", orch.address,
              "--transport", args.transport, "--bytes", str(args.bytes),
-             "--iters", str(args.iters), "--nodes", str(args.nodes)],
+             "--iters", str(args.iters), "--nodes", str(args.nodes), "--top", str(args.top)]
+            + (["--count-calls"] if args.count_calls else []),
             stdout=subprocess.PIPE, text=True)
             for i in range(args.nodes)]
         out = [p.communicate(timeout=600)[0] for p in procs]
-    result: dict[str, float] = json.loads(out[0].strip().splitlines()[-1])
+    if any(p.returncode for p in procs):
+        raise SystemExit("a node failed")
+    result: dict[str, Any] = json.loads(out[0].strip().splitlines()[-1])
     return result
 
 
@@ -64,11 +103,22 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--load", type=int, default=0)
     parser.add_argument("--transport", default="tcp")
+    parser.add_argument("--count-calls", action="store_true",
+                        help="count the calls of one operation on node 0 instead of timing")
+    parser.add_argument("--top", type=int, default=0, help="with --count-calls: list the N "
+                        "functions called most")
     parser.add_argument("--node", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--address", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.node is not None:
-        node(args.node, args.nodes, args.address, args.transport, args.bytes, args.iters)
+        node(args.node, args)
+        return
+    if args.count_calls:
+        counted = one_run(args)
+        print(f"per {args.bytes} B all-reduce, {args.nodes} nodes: {counted['python']:.0f} "
+              f"Python calls, {counted['C']:.0f} C calls")
+        for name, n in counted["top"]:
+            print(f"  {n:5.1f}  {name}")
         return
     with cpu_load(args.load):
         runs = [one_run(args) for _ in range(args.runs)]
