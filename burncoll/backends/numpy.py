@@ -180,10 +180,13 @@ class NumpyBackend:
 
 
 def _array(x: Any) -> NDArray:
-    """``x`` typed as a NumPy array (for mypy); :class:`UsageError` when it is not one."""
+    """``x`` typed as a NumPy array (for mypy; a subclass such as ``np.matrix`` as a plain
+    view of the same memory); :class:`UsageError` when it is not one."""
+    if type(x) is np.ndarray:
+        return x
     if not isinstance(x, np.ndarray):
         raise UsageError(f"the numpy backend needs a numpy.ndarray, got {type(x).__name__}")
-    return x
+    return np.asarray(x)  # a subclass (np.matrix) as a plain view: its reshape keeps 2 dims
 
 
 def _flat(x: Any) -> NDArray:
