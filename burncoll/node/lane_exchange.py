@@ -77,7 +77,7 @@ class LaneExchange:
         self._me = service.node_index
         self._others = tuple(n.index for n in service.nodes if n.index != self._me)
         hosts = [n.host_id for n in service.nodes]
-        mine = hosts[service.node_index]
+        mine = hosts[self._me]
         # spinning while another node of this host waits for a CPU would only delay it
         service.lanes.spinning.allowed = usable_cpus() >= (hosts.count(mine) if mine else 1)
 
