@@ -28,6 +28,7 @@ from burncoll.strategies import Schedule, Strategy
 
 __all__ = [
     "MAX_TAG", "Exchange", "GlobalLink", "GlobalOp", "GlobalPath", "HostArray", "LocalPeers",
+    "SharedSegments",
 ]
 
 HostArray = np.ndarray[Any, Any]
@@ -42,9 +43,16 @@ class Exchange:
     them all itself (``auto``'s path for small all-reduces and for barriers)."""
 
 
-#: How the nodes run a global all-reduce or barrier: the exchange, or a concrete strategy's
-#: schedule (never :class:`~burncoll.strategies.Auto`).
-GlobalPath = Exchange | Strategy
+@dataclass(frozen=True, slots=True)
+class SharedSegments:
+    """Every node of one host writes its array into shared memory, reduces a chunk of all
+    of them and copies the result out (:mod:`burncoll.node.segments`; ``auto``'s path for
+    all-reduces past the exchange among node processes of one host, on channel 0)."""
+
+
+#: How the nodes run a global all-reduce or barrier: the exchange, the shared segments (an
+#: all-reduce), or a concrete strategy's schedule (never :class:`~burncoll.strategies.Auto`).
+GlobalPath = Exchange | SharedSegments | Strategy
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,14 +97,18 @@ class GlobalLink(Protocol):
     sharded: bool
     #: Every node runs on this node's host and shares memory with it (same host identity).
     one_host: bool
+    #: All-reduces can go through shared segments (:class:`SharedSegments`): one host, and
+    #: every node uses caller sockets.
+    host_segments: bool
 
     def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0,
                    out: HostArray | None = None, *, path: GlobalPath) -> None:
         """Reduce the flat ``buf`` over all nodes, bitwise identical everywhere.
 
         ``path``: the one-round :class:`Exchange` (every node sends ``buf`` to every other node
-        and reduces them all itself), or the strategy whose all-reduce schedule runs. Every
-        node must pass the same path for the same operation.
+        and reduces them all itself), :class:`SharedSegments` (channel 0; where the segments
+        cannot be set up, the ring runs), or the strategy whose all-reduce schedule runs.
+        Every node must pass the same path for the same operation.
 
         In place by default. With ``out`` (same dtype and size as ``buf``, C-contiguous,
         writable, not overlapping it) ``buf`` is only read -- it may be read-only, e.g. the

@@ -26,6 +26,8 @@ class World:
     sharded: bool
     #: Every node runs on one host and shares memory (exchanges pay off up to larger sizes).
     one_host: bool = False
+    #: All-reduces can go through the host's shared segments (``levels.SharedSegments``).
+    host_segments: bool = False
 
     @classmethod
     def of(cls, peer_ids: Sequence[int], link: GlobalLink | None) -> World:
@@ -34,7 +36,7 @@ class World:
         if link is None:
             return cls(mine, mine, 1, 0, dict.fromkeys(mine, 0), False)
         return cls(mine, link.peer_ids, link.num_nodes, link.node_index, link.node_of,
-                   link.sharded, link.one_host)
+                   link.sharded, link.one_host, link.host_segments)
 
     @property
     def size(self) -> int:

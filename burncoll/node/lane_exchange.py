@@ -33,6 +33,7 @@ from burncoll.node.lanes import LaneClosed, LaneOdd, LaneTimeout, LaneWoken
 from burncoll.node.receives import Receives
 from burncoll.node.spinning import usable_cpus
 from burncoll.node.watch import Watch
+from burncoll.transport.base import Buffer
 from burncoll.transport.wire import (
     FIXED_HEADER_BYTES,
     MAX_NDIM,
@@ -83,9 +84,25 @@ class LaneExchange:
 
     def all_reduce(self, op: GlobalOp, buf: HostArray, out: HostArray) -> None:
         """``out = x0 op x1 op ...`` over every node's ``buf`` (``buf`` is only read)."""
+        self.run(op, buf.nbytes, lambda check: self.exchange_into(op, check, buf, out))
+
+    def exchange_into(self, op: GlobalOp, check: Check, buf: HostArray, out: HostArray
+                      ) -> None:
+        """The exchange of ``buf`` into ``out`` (separate arrays) inside :meth:`run`."""
+        header, dtype = self._header(op, buf)
+        received = self.trade(op, check, header, payload_bytes(buf))
+        arrays = {node: np.frombuffer(data, dtype, offset=len(header))
+                  for node, data in received.items()}
+        reduce_in_node_order(op, self._me, len(self._others) + 1, buf, arrays, out)
+
+    def run(self, op: GlobalOp, nbytes: int, body: Callable[[Check], T]) -> T:
+        """Run ``body`` -- operation ``op``'s rounds on the lanes (:meth:`trade`), each
+        message from another node ``nbytes`` long at most -- with the operation's lane started
+        in the mailbox, so that a frame of ``op`` arriving on a member connection (another
+        node's different call) is checked against it and reported."""
         service, mailbox = self.service, self.service.mailbox
         check = self.executor.checker(op)
-        seq, nbytes = op.seq, buf.nbytes  # what exchange_receives says, from the nodes kept
+        seq = op.seq  # what exchange_receives says, from the nodes kept
         receives = Receives(seq, 0, {(seq, 0, 0, n, 0): nbytes for n in self._others},
                             part_bytes=max(nbytes, 1))
         started = self._started
@@ -93,18 +110,7 @@ class LaneExchange:
         try:
             if not mailbox.start_watched(check, receives, started):
                 self.call(op, self._start(check, receives, started))  # the loop works first
-            header, dtype = self._header(op, buf)
-            message = b"".join((header, payload_bytes(buf)))  # the array's one copy
-            try:
-                received = service.lanes.exchange(message, len(message), op.deadline)
-            except (LaneWoken, LaneTimeout, LaneClosed, LaneOdd) as stop:
-                self._raise(op, self._stopped(op, check, buf, stop))
-            arrays = {}
-            for node, data in received.items():
-                if not data.startswith(restamped(header, op.seq, node)):
-                    self._raise(op, self._fail(self._wrong(op, check, node, data, buf)))
-                arrays[node] = np.frombuffer(data, dtype, offset=len(header))
-            reduce_in_node_order(op, self._me, len(self._others) + 1, buf, arrays, out)
+            return body(check)
         except CollectiveError:
             raise
         except BaseException as exc:  # an interrupt, an error of NumPy's: lanes are shut
@@ -115,6 +121,25 @@ class LaneExchange:
         finally:
             if started.started:
                 mailbox.done(op.seq)
+
+    def trade(self, op: GlobalOp, check: Check, header: bytes, payload: Buffer,
+              ) -> dict[int, bytearray]:
+        """One round: send ``header`` (this node's, for ``op``) and ``payload`` on every lane,
+        and read every other node's message of the same length, which must start with the
+        same header from that node; its bytes by node (the payload after the header)."""
+        message = b"".join((header, payload))  # the payload's one copy
+        try:
+            received = self.service.lanes.exchange(message, len(message), op.deadline)
+        except (LaneWoken, LaneTimeout, LaneClosed, LaneOdd) as stop:
+            self._raise(op, self._stopped(op, check, header, stop))
+        for node, data in received.items():
+            if not data.startswith(restamped(header, op.seq, node)):
+                self._raise(op, self._fail(self._wrong(op, check, node, data, header)))
+        return received
+
+    def refuse(self, op: GlobalOp, error: CollectiveError) -> NoReturn:
+        """Fail the session with ``error`` (found in ``op``) on every node, and raise it."""
+        self._raise(op, self._fail(error))
 
     def _header(self, op: GlobalOp, buf: HostArray) -> tuple[bytes, np.dtype[Any]]:
         """This node's message header for ``op`` -- the exchange's (:func:`exchange_parts`),
@@ -130,7 +155,7 @@ class LaneExchange:
         return restamped(kept[0], op.seq, self._me), kept[1]
 
     def _wrong(self, op: GlobalOp, check: Check, node: int, data: bytearray,
-               buf: HostArray) -> CollectiveError:
+               header: bytes) -> CollectiveError:
         """Why node ``node``'s message ``data`` (of the expected length, but not the expected
         header) is not this operation's."""
         try:
@@ -138,7 +163,7 @@ class LaneExchange:
         except ProtocolError as exc:
             return ProtocolError(f"{op.label}: {self.executor.describe(node)} sent a "
                                  f"malformed message on its caller socket: {exc}")
-        return self._error_of(op, check, node, h, payload_len, buf) or protocol_error(
+        return self._error_of(op, check, node, h, payload_len, header) or protocol_error(
             op, self.executor.describe, h, "a header that differs from this operation's")
 
     def _raise(self, op: GlobalOp, coro: Coroutine[Any, Any, None]) -> NoReturn:
@@ -153,7 +178,7 @@ class LaneExchange:
             raise mailbox.error
 
     def _error_of(self, op: GlobalOp, check: Check, node: int, h: DataHeader,
-                  payload_len: int, buf: HostArray) -> CollectiveError | None:
+                  payload_len: int, header: bytes) -> CollectiveError | None:
         """Why node ``node``'s message ``h`` is not this operation's, or ``None``."""
         describe = self.executor.describe
         if h.src != node or h.session != (self.service.session or 0):
@@ -161,13 +186,14 @@ class LaneExchange:
                                  f"node {h.src} of session {h.session}")
         if h.seq != op.seq:
             return order_mismatch(op, self.service.node_index, describe, h)
-        if h.channel or h.round or h.chunk:
-            return protocol_error(op, describe, h, "a part of another round, channel or "
-                                  "chunk on its caller socket")
         error = check(h)
         if error is not None:
             return error
-        if h.offset or h.chunk_bytes != buf.nbytes or payload_len != buf.nbytes:
+        mine, size = decode_data_head(memoryview(header))
+        if (h.channel, h.round, h.chunk) != (mine.channel, mine.round, mine.chunk):
+            return protocol_error(op, describe, h, "a part of another round, channel or "
+                                  "chunk on its caller socket")
+        if h.offset or h.chunk_bytes != mine.chunk_bytes or payload_len != size:
             return protocol_error(op, describe, h, "a buffer of the wrong size")
         return None
 
@@ -175,7 +201,7 @@ class LaneExchange:
         self.service.fail(error)
         raise self.service.mailbox.error or error
 
-    async def _stopped(self, op: GlobalOp, check: Check, buf: HostArray,
+    async def _stopped(self, op: GlobalOp, check: Check, header: bytes,
                        stop: Exception) -> None:
         """Raise what ended the exchange early, as the event loop's exchange would."""
         service = self.service
@@ -187,7 +213,7 @@ class LaneExchange:
             service.fail(PeerLost(f"{describe} is unreachable: its caller socket: "
                                   f"{stop.reason}"))
         elif isinstance(stop, LaneOdd):
-            await self._fail(self._wrong(op, check, stop.node, bytearray(stop.head), buf))
+            await self._fail(self._wrong(op, check, stop.node, bytearray(stop.head), header))
         raise service.mailbox.error or PeerLost("the session was closed")
 
 

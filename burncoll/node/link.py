@@ -22,9 +22,10 @@ import numpy as np
 
 from burncoll.config import CollectiveConfig
 from burncoll.config_values import parse_host_port
+from burncoll.dtypes import dtype_from_name
 from burncoll.errors import CollectiveError, CollectiveTimeout, PeerLost
 from burncoll.ioloop import IoLoop
-from burncoll.levels import Exchange, GlobalOp, GlobalPath, HostArray, LocalPeers
+from burncoll.levels import Exchange, GlobalOp, GlobalPath, HostArray, LocalPeers, SharedSegments
 from burncoll.node.checks import Check
 from burncoll.node.control import Join
 from burncoll.node.data_service import DataService
@@ -42,6 +43,7 @@ from burncoll.node.lane_exchange import LaneExchange
 from burncoll.node.orchestrator_client import OrchestratorClient
 from burncoll.node.p2p_link import NodePointToPoint
 from burncoll.node.receives import Receives
+from burncoll.node.segments import HostSegments
 from burncoll.node.watch import Watch
 from burncoll.strategies import Ring, Schedule, Strategy
 from burncoll.strategies.layout import even_layout
@@ -83,6 +85,9 @@ class NodeLink:
             service, self._executor, self._call,
             lambda error: io.loop.call_soon_threadsafe(service.fail, error),
         ) if service.uses_lanes else None
+        #: The shared segments of one host's node processes (set up at first use).
+        self._segments = HostSegments(self._lanes) if self._lanes and self.one_host else None
+        self.host_segments = self._segments is not None
         service.on_failure = self._on_failure
         service.status = self._status
         orchestrator.on_node_lost = self._on_node_lost
@@ -256,6 +261,10 @@ class NodeLink:
 
     def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0,
                    out: HostArray | None = None, *, path: GlobalPath) -> None:
+        if isinstance(path, SharedSegments):  # (unusable on every node alike: the ring)
+            if self._segments and self._segments.all_reduce(op, buf, channel, out):
+                return
+            path = Ring()
         if isinstance(path, Exchange):
             if out is not None:
                 require_separate_out(buf, out)
@@ -294,8 +303,6 @@ class NodeLink:
         parts = [c for c in chunks if c is not None]
         if len(parts) != schedule.num_chunks:  # pragma: no cover - the schedule guarantees it
             raise CollectiveError(f"{op.label}: broadcast did not deliver every chunk")
-        from burncoll.dtypes import dtype_from_name
-
         flat = np.concatenate(parts) if parts else np.empty(0, dtype_from_name(dtype or "uint8"))
         return flat.view(dtype_from_name(dtype or "uint8")).reshape(shape)
 
@@ -319,9 +326,8 @@ class NodeLink:
         return chunks
 
     def barrier(self, op: GlobalOp, *, path: GlobalPath) -> None:
-        if isinstance(path, Exchange):  # one round, every node leaves at about the same time
-            empty = np.empty(0, np.uint8)
-            self._exchange(op, empty, np.empty(0, np.uint8), 0)
+        if isinstance(path, Exchange | SharedSegments):  # one round, all leave together
+            self._exchange(op, np.empty(0, np.uint8), np.empty(0, np.uint8), 0)
             return
         schedule = path.all_reduce(self.num_nodes)
         chunks: list[HostArray | None] = [
@@ -366,6 +372,8 @@ class NodeLink:
             raise error
 
     async def _shutdown(self) -> None:
+        if self._segments is not None:
+            self._segments.close()
         await self._service.close()
         await self._orch.close()
 

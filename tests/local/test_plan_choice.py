@@ -27,7 +27,7 @@ import pytest
 import burncoll
 from burncoll.backends import get_backend
 from burncoll.backends.base import Backend
-from burncoll.levels import Exchange
+from burncoll.levels import Exchange, SharedSegments
 from burncoll.local.calls import Call
 from burncoll.local.plans.barrier import LocalBarrier
 from burncoll.local.plans.choose import OpPlan, _plan_key, choose
@@ -48,7 +48,7 @@ from burncoll.strategies import Centralized, Ring, Tree
 
 MiB = 1 << 20
 KiB = 1 << 10
-C, R, T, T3, X = Centralized(), Ring(), Tree(2), Tree(3), Exchange()
+C, R, T, T3, X, S = Centralized(), Ring(), Tree(2), Tree(3), Exchange(), SharedSegments()
 AR, RED, BC, RS, AG, BAR = (OpKind.ALL_REDUCE, OpKind.REDUCE, OpKind.BROADCAST,
                             OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.BARRIER)
 
@@ -58,14 +58,15 @@ def one_node(devices: int) -> World:
 
 
 def nodes(layout: list[int], node: int = 0, sharded: bool = False,
-          one_host: bool = False) -> World:
+          one_host: bool = False, segments: bool = False) -> World:
     """Node ``node`` of nodes with ``layout[n]`` local peers each (peer ids in node order),
-    on hosts of their own unless ``one_host``."""
+    on hosts of their own unless ``one_host`` (``segments``: one host, and its shared
+    segments usable)."""
     ids = [list(range(sum(layout[:n]), sum(layout[:n + 1]))) for n in range(len(layout))]
     return World(peer_ids=tuple(ids[node]), all_peer_ids=tuple(range(sum(layout))),
                  num_nodes=len(layout), node_index=node,
                  node_of={p: n for n, peers in enumerate(ids) for p in peers}, sharded=sharded,
-                 one_host=one_host)
+                 one_host=one_host or segments, host_segments=segments)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class Case:
     rows: tuple[int, ...] | None = None
     strategies: dict[str, Any] = field(default_factory=dict)
     backend: str = "numpy"
+    compression: str | None = None
 
     def calls(self, world: World) -> list[Call]:
         itemsize = np.dtype(self.dtype).itemsize
@@ -96,7 +98,8 @@ class Case:
             op = self.op if self.op is not None or self.kind not in (AR, RED, RS) else (
                 ReduceOp.SUM)
             calls.append(Call(pid, self.kind, op, self.root, array,
-                              None if shape is None else self.dtype, shape))
+                              None if shape is None else self.dtype, shape,
+                              compression=self.compression))
         return calls
 
     def config(self) -> burncoll.CollectiveConfig:
@@ -172,6 +175,26 @@ CASES: list[tuple[str, Case, World, OpPlan]] = [
      nodes([1] * 4, 3, one_host=True), OutOfPlace(R)),
     ("3 nodes of one host keep the 3-node limit", Case(AR, 256 * KiB + 4),
      nodes([1] * 3, one_host=True), OutOfPlace(R)),
+    # -- node processes of one host sharing segments: past the exchange, the segments (on
+    #    channel 0, under a global auto, uncompressed); never for a barrier
+    ("4 nodes sharing segments, 512 KiB: the exchange", Case(AR, 512 * KiB),
+     nodes([1] * 4, segments=True), OutOfPlace(X)),
+    ("4 nodes sharing segments, past 512 KiB", Case(AR, 512 * KiB + 4),
+     nodes([1] * 4, 2, segments=True), OutOfPlace(S)),
+    ("2 nodes sharing segments, past 2 MiB", Case(AR, 2 * MiB + 8, "float64"),
+     nodes([1, 1], segments=True), OutOfPlace(S)),
+    ("sharing segments, compressed: the schedule", Case(AR, 4 * MiB, compression="bf16"),
+     nodes([1] * 3, segments=True), OutOfPlace(R)),
+    ("sharing segments, global ring: the ring", Case(AR, 4 * MiB, strategies=GLOBAL_RING),
+     nodes([1] * 3, segments=True), OutOfPlace(R)),
+    ("2x2 sharing segments, past the exchange", Case(AR, 2 * MiB + 4),
+     nodes([2, 2], 1, segments=True), ReduceGlobalBroadcast(C, C, 0, S)),
+    ("2x2 sharing segments, small: inline, exchanged", Case(AR), nodes([2, 2], segments=True),
+     Inline(X)),
+    ("sharded sharing segments: only channel 0", Case(AR, 8 * MiB, strategies=RING),
+     nodes([2, 2], sharded=True, segments=True), HierarchicalRing(R, (S, R))),
+    ("3 nodes sharing segments, barrier", Case(BAR), nodes([1] * 3, segments=True),
+     GlobalBarrier(X)),
     ("5 nodes use the 4-node limit", Case(AR, 128 * KiB), nodes([1] * 5), OutOfPlace(X)),
     ("5 nodes, past the 4-node limit", Case(AR, 128 * KiB + 8, "float64"), nodes([1] * 5),
      OutOfPlace(R)),

@@ -42,7 +42,7 @@ from burncoll.backends.numpy import NumpyBackend
 from burncoll.config import CollectiveConfig
 from burncoll.dtypes import ITEMSIZES, is_inexact
 from burncoll.errors import UsageError
-from burncoll.levels import Exchange, GlobalPath
+from burncoll.levels import Exchange, GlobalPath, SharedSegments
 from burncoll.local.calls import Call
 from burncoll.local.plans.barrier import LocalBarrier
 from burncoll.local.plans.fused import Fused
@@ -195,12 +195,17 @@ def _global(config: CollectiveConfig, kind: OpKind, nbytes: int, world: World) -
 
 
 def _all_reduce_path(config: CollectiveConfig, world: World, nbytes: int,
-                     compressed: bool = False) -> GlobalPath:
-    """The exchange, or the global all-reduce schedule's strategy, for ``nbytes`` per node
-    (a barrier is a 0-byte all-reduce). A compressed all-reduce always takes a schedule (its
-    16-bit wire format is the walk's)."""
+                     compressed: bool = False, channel: int = 0) -> GlobalPath:
+    """The exchange, the shared segments, or the global all-reduce schedule's strategy, for
+    ``nbytes`` per node (a barrier is a 0-byte all-reduce) on ``channel``. A compressed
+    all-reduce always takes a schedule (its 16-bit wire format is the walk's); the segments
+    serve ``auto``'s all-reduces past the exchange on channel 0 among node processes of one
+    host (no wire: nothing to compress)."""
     if not compressed and _exchanges(config, world, nbytes):
         return Exchange()
+    if (world.host_segments and not compressed and channel == 0
+            and isinstance(config.strategy("global_all_reduce_strategy"), Auto)):
+        return SharedSegments()
     return _global(config, OpKind.ALL_REDUCE, nbytes, world)
 
 
@@ -248,7 +253,7 @@ def _all_reduce_across_nodes(call: Call, world: World, config: CollectiveConfig,
         itemsize = ITEMSIZES[call.dtype or "uint8"]
         shards = even_layout(math.prod(call.shape or ()), world.size)
         return HierarchicalRing(local, tuple(_all_reduce_path(config, world, (b - a) * itemsize,
-                                                              compressed)
-                                             for a, b in shards))
+                                                              compressed, channel)
+                                             for channel, (a, b) in enumerate(shards)))
     return ReduceGlobalBroadcast(local, _local(config, "local_broadcast_strategy", nbytes, world),
                                  0, _all_reduce_path(config, world, nbytes, compressed))

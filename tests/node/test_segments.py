@@ -1,0 +1,256 @@
+"""All-reduces through shared segments among node processes of one host
+(:mod:`burncoll.node.segments`).
+
+Real node processes through a real orchestrator (this file, run as a script, is one node):
+every reduce op and dtype, arrays of several pieces with an uneven last one, fresh results,
+``out=`` and in place, each result compared with NumPy in float64 and bitwise identical on
+every node; the segments were used; and a node process that dies in the middle of the
+session is reported by every survivor, naming it. Then nodes as threads of this process (one
+host too): a node that cannot make its segment (a test double) leaves every node on the ring,
+with correct results; a node that offers a file that is not a segment (not sealed) fails the
+session on every node, named; a node that never calls times out the others by their deadline;
+different sizes are a mismatch; and a node of two devices with a local ring shares shard 0
+through the segments and shard 1 on the ring.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import mmap
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import burncoll
+import burncoll.node.segments as segments_module
+from tests.harness import run_nodes
+
+REPO = Path(__file__).resolve().parents[2]
+#: Each call: (dtype, elements, reduce op, how the result is asked for).
+CALLS = [("float32", 2_500_003, "sum", "fresh"),  # 10 MiB: two pieces, the last uneven
+         ("float64", 300_001, "max", "out"),
+         ("int64", 300_000, "prod", "in place"),
+         ("float32", 1 << 20, "mean", "fresh"),
+         ("float64", 400_000, "min", "fresh")]
+
+
+def _input(node: int, call: int) -> np.ndarray:
+    dtype, n, op, _ = CALLS[call]
+    rng = np.random.default_rng(1000 * call + node)
+    if op == "prod":
+        return rng.choice(np.array([-1, 1, 2], dtype), n)
+    return rng.standard_normal(n).astype(dtype)
+
+
+def _reference(nodes: int, call: int) -> np.ndarray:
+    xs = np.stack([_input(n, call).astype(np.float64) for n in range(nodes)])
+    op = CALLS[call][2]
+    return {"sum": xs.sum(0), "mean": xs.mean(0), "max": xs.max(0), "min": xs.min(0),
+            "prod": xs.prod(0)}[op]
+
+
+def _segments_used(comm: burncoll.Communicator) -> bool | None:
+    segments = comm._server.link._segments  # type: ignore[attr-defined]
+    return None if segments is None else segments.usable
+
+
+def _call(comm: burncoll.Communicator, node: int, call: int) -> np.ndarray:
+    x = _input(node, call)
+    op, how = CALLS[call][2], CALLS[call][3]
+    if how == "out":
+        out = np.empty_like(x)
+        assert comm.all_reduce(x, op, out=out) is out
+        return out
+    if how == "in place":
+        comm.all_reduce(x, op, out=x)
+        return x
+    return np.asarray(comm.all_reduce(x, op))
+
+
+def _node_main(argv: list[str]) -> None:
+    """``NODE NODES ORCH_ADDRESS TRANSPORT DIES`` (``DIES``: the node that exits after the
+    first call, or -1): print one JSON record."""
+    node, nodes, address, transport, dies = int(argv[0]), int(argv[1]), argv[2], argv[3], \
+        int(argv[4])
+    cfg = burncoll.CollectiveConfig(num_devices=1, num_nodes=nodes, global_address=address,
+                                    node_address="127.0.0.1", transport=transport,
+                                    timeout=20.0)
+    comm = burncoll.register(node, 0, cfg)
+    record: dict[str, Any] = {"node": node, "results": []}
+    try:
+        for call in range(len(CALLS)):
+            if call == 1 and node == dies:
+                os._exit(3)  # a process that dies: its sockets close with it
+            got = _call(comm, node, call)
+            record["results"].append({
+                "sha": hashlib.sha256(got.tobytes()).hexdigest(),
+                "error": float(np.max(np.abs(got.astype(np.float64) - _reference(nodes, call))
+                                      / (1.0 + np.abs(_reference(nodes, call)))))})
+            record["segments"] = _segments_used(comm)
+        comm.finish()
+    except burncoll.CollectiveError as exc:
+        record["raised"] = f"{type(exc).__name__}: {exc}"
+    print(json.dumps(record), flush=True)
+
+
+def _run_processes(nodes: int, transport: str, dies: int = -1) -> list[dict[str, Any]]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    with burncoll.start_orchestrator(transport=transport) as orch:
+        procs = [subprocess.Popen(
+            [sys.executable, __file__, str(n), str(nodes), orch.address, transport, str(dies)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            for n in range(nodes)]
+        records = []
+        for n, p in enumerate(procs):
+            stdout, stderr = p.communicate(timeout=120)
+            if n == dies:
+                assert p.returncode == 3, stderr[-2000:]
+                continue
+            assert p.returncode == 0, stderr[-2000:]
+            records.extend(json.loads(line) for line in stdout.splitlines()
+                           if line.startswith("{"))
+    return records
+
+
+@pytest.mark.parametrize(("nodes", "transport"), [(3, "tcp"), (2, "websocket")])
+def test_node_processes_of_one_host_all_reduce_through_their_segments(
+        nodes: int, transport: str) -> None:
+    records = _run_processes(nodes, transport)
+    assert len(records) == nodes
+    for record in records:
+        assert "raised" not in record, record
+        assert record["segments"] is True, record
+        for call, result in enumerate(record["results"]):
+            tolerance = 1e-5 if CALLS[call][0] == "float32" else 1e-12
+            assert result["error"] <= tolerance, (call, result)
+    for call in range(len(CALLS)):  # the same bits on every node
+        assert len({r["results"][call]["sha"] for r in records}) == 1, call
+
+
+def test_a_node_process_that_dies_is_named_by_every_survivor() -> None:
+    records = _run_processes(3, "tcp", dies=2)
+    assert len(records) == 2
+    for record in records:
+        assert len(record["results"]) == 1, record
+        assert record["raised"].startswith(("PeerLost", "CollectiveAborted")), record
+        assert "node 2" in record["raised"], record
+
+
+# -- nodes as threads of this process -----------------------------------------------------
+
+def _threads(nodes: int, fn: Any, timeout: float = 20.0, devices: int = 1,
+             **config: Any) -> dict[int, Any]:
+    with burncoll.start_orchestrator(transport="tcp") as orch:
+        return run_nodes(orch.address, nodes, devices, fn, transport="tcp", timeout=timeout,
+                         **config)
+
+
+def _first_call_only(double: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replace ``new_ring`` in the segments module with ``double`` for its first caller."""
+    real, lock, taken = segments_module.new_ring, threading.Lock(), []
+
+    def new_ring(token: str, size: int) -> tuple[int, mmap.mmap]:
+        with lock:
+            first = not taken
+            taken.append(token)
+        return double(token, size) if first else real(token, size)
+
+    monkeypatch.setattr(segments_module, "new_ring", new_ring)
+
+
+def test_a_node_without_its_segment_leaves_every_node_on_the_ring(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_memory(token: str, size: int) -> tuple[int, mmap.mmap]:
+        raise OSError(12, "Cannot allocate memory (a test double)")
+
+    _first_call_only(no_memory, monkeypatch)
+
+    def fn(comm: burncoll.Communicator) -> Any:
+        got = [_call(comm, comm.rank, call) for call in (0, 1)]
+        return got, _segments_used(comm)
+
+    out = _threads(3, fn)
+    for rank in range(3):
+        assert not isinstance(out[rank], BaseException), out[rank]
+        got, used = out[rank]
+        assert used is False
+        for call, result in zip((0, 1), got, strict=True):
+            np.testing.assert_allclose(result, _reference(3, call), rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(result, out[0][0][call])
+
+
+def test_a_node_offering_a_file_that_is_not_a_segment_is_named_by_the_others(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def unsealed(token: str, size: int) -> tuple[int, mmap.mmap]:
+        fd = os.memfd_create(f"burncoll-{token}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, size)  # ... and no seals: it could shrink under a reader's mapping
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) == 0
+        return fd, mmap.mmap(fd, size)
+
+    _first_call_only(unsealed, monkeypatch)
+    out = _threads(3, lambda comm: _call(comm, comm.rank, 0))
+    named = set()
+    for rank in range(3):
+        error = out[rank]
+        assert isinstance(error, burncoll.CollectiveError), error
+        if "could still be resized" in str(error):
+            named.add(str(error).split("node ")[1].split()[0])
+    assert len(named) == 1, out  # every node that checked it names the same node
+
+
+def test_a_node_that_never_calls_times_out_the_others() -> None:
+    def fn(comm: burncoll.Communicator) -> Any:
+        if comm.rank == 2:
+            time.sleep(5.0)
+            return None
+        started = time.monotonic()
+        try:
+            _call(comm, comm.rank, 0)
+        except burncoll.CollectiveTimeout as exc:
+            return exc, time.monotonic() - started
+        raise AssertionError("the all-reduce returned without node 2")
+
+    out = _threads(3, fn, timeout=2.0)
+    for rank in (0, 1):
+        error, waited = out[rank]
+        assert "node 2" in str(error) or "[2]" in str(error), error
+        assert waited < 2.0 + 3.0, waited
+
+
+def test_different_sizes_are_a_mismatch() -> None:
+    def fn(comm: burncoll.Communicator) -> Any:
+        return comm.all_reduce(np.ones(600_000 + 1000 * (comm.rank == 1), np.float32))
+
+    out = _threads(3, fn)
+    for rank in range(3):
+        assert isinstance(out[rank], burncoll.MismatchError), out[rank]
+        assert "600000" in str(out[rank]) and "601000" in str(out[rank]), out[rank]
+
+
+def test_a_local_ring_shares_its_first_shard_through_the_segments() -> None:
+    xs = {r: np.random.default_rng(r).standard_normal(3_000_001) for r in range(4)}
+    want = sum(x for x in xs.values())
+
+    def fn(comm: burncoll.Communicator) -> Any:
+        return comm.all_reduce(xs[comm.rank]), _segments_used(comm)
+
+    out = _threads(2, fn, devices=2, local_all_reduce_strategy="ring")
+    for rank in range(4):
+        assert not isinstance(out[rank], BaseException), out[rank]
+        got, used = out[rank]
+        assert used is True
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+        np.testing.assert_array_equal(got, out[0][0])
+
+
+if __name__ == "__main__":
+    _node_main(sys.argv[1:])
