@@ -20,8 +20,8 @@ from burncoll.strategies.ring import Ring
 from burncoll.strategies.schedule import Schedule
 from burncoll.strategies.tree import Tree
 
-__all__ = ["CROSSOVERS", "EXCHANGE_BYTES", "EXCHANGE_BYTES_ONE_HOST", "INLINE_BYTES", "Auto",
-           "exchange_limit", "resolve"]
+__all__ = ["CROSSOVERS", "EXCHANGE_BYTES", "EXCHANGE_BYTES_ONE_HOST", "INLINE_BYTES",
+           "SEGMENT_NODES", "Auto", "exchange_limit", "resolve"]
 
 #: Local operations of at most this many bytes run inline in one thread under ``auto``.
 INLINE_BYTES = 1 << 20
@@ -34,6 +34,9 @@ EXCHANGE_BYTES: dict[int, int] = {2: 2 << 20, 3: 256 << 10, 4: 128 << 10, 8: 32 
 #: where sending the whole array to every node costs copies, not link time): 4 node processes
 #: of one host exchanged 256-512 KiB in 0.6-0.9x the ring's time (docs/performance.md).
 EXCHANGE_BYTES_ONE_HOST: dict[int, int] = {**EXCHANGE_BYTES, 4: 512 << 10}
+#: Past the exchange, node processes of one host all-reduce through shared segments from
+#: this many nodes (``levels.SharedSegments``); 2 nodes keep the ring.
+SEGMENT_NODES = 3
 
 
 def exchange_limit(world: int, one_host: bool = False) -> int:

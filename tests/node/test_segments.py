@@ -9,8 +9,8 @@ session is reported by every survivor, naming it. Then nodes as threads of this 
 host too): a node that cannot make its segment (a test double) leaves every node on the ring,
 with correct results; a node that offers a file that is not a segment (not sealed) fails the
 session on every node, named; a node that never calls times out the others by their deadline;
-different sizes are a mismatch; and a node of two devices with a local ring shares shard 0
-through the segments and shard 1 on the ring.
+different sizes are a mismatch; and nodes of two devices share their reduction through the
+segments (with a local ring, shard 0 there and shard 1 on the ring).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def _run_processes(nodes: int, transport: str, dies: int = -1) -> list[dict[str,
     return records
 
 
-@pytest.mark.parametrize(("nodes", "transport"), [(3, "tcp"), (2, "websocket")])
+@pytest.mark.parametrize(("nodes", "transport"), [(3, "tcp"), (4, "websocket")])
 def test_node_processes_of_one_host_all_reduce_through_their_segments(
         nodes: int, transport: str) -> None:
     records = _run_processes(nodes, transport)
@@ -236,20 +236,28 @@ def test_different_sizes_are_a_mismatch() -> None:
         assert "600000" in str(out[rank]) and "601000" in str(out[rank]), out[rank]
 
 
-def test_a_local_ring_shares_its_first_shard_through_the_segments() -> None:
-    xs = {r: np.random.default_rng(r).standard_normal(3_000_001) for r in range(4)}
-    want = sum(x for x in xs.values())
+@pytest.mark.parametrize("local", ["auto", "ring"])
+def test_nodes_of_several_devices_share_their_reduction_through_the_segments(
+        local: str) -> None:
+    """Under ``auto`` a node reduces its devices first (inline up to 1 MiB, then a local
+    schedule) and shares the node's sum; with a local ring, shard 0 goes through the
+    segments (channel 0) and shard 1 on the ring."""
+    sizes = (200_001, 700_000)  # 800 KiB and 2.8 MiB of float32 per peer
+    xs = {(r, n): np.random.default_rng(10 * r + n).standard_normal(n).astype(np.float32)
+          for r in range(6) for n in sizes}
 
     def fn(comm: burncoll.Communicator) -> Any:
-        return comm.all_reduce(xs[comm.rank]), _segments_used(comm)
+        return [comm.all_reduce(xs[comm.rank, n]) for n in sizes], _segments_used(comm)
 
-    out = _threads(2, fn, devices=2, local_all_reduce_strategy="ring")
-    for rank in range(4):
+    out = _threads(3, fn, devices=2, local_all_reduce_strategy=local)
+    for rank in range(6):
         assert not isinstance(out[rank], BaseException), out[rank]
         got, used = out[rank]
         assert used is True
-        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
-        np.testing.assert_array_equal(got, out[0][0])
+        for i, n in enumerate(sizes):
+            want = sum(xs[r, n].astype(np.float64) for r in range(6))
+            np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(got[i], out[0][0][i])
 
 
 if __name__ == "__main__":

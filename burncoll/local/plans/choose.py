@@ -61,7 +61,7 @@ from burncoll.local.rendezvous import OpState, Prepared, Rendezvous
 from burncoll.local.world import World
 from burncoll.ops import OpKind, ReduceOp
 from burncoll.strategies import Auto, Strategy, resolve
-from burncoll.strategies.auto import INLINE_BYTES, exchange_limit
+from burncoll.strategies.auto import INLINE_BYTES, SEGMENT_NODES, exchange_limit
 from burncoll.strategies.layout import even_layout
 
 __all__ = ["OpPlan", "choose", "prepare"]
@@ -199,12 +199,14 @@ def _all_reduce_path(config: CollectiveConfig, world: World, nbytes: int,
     """The exchange, the shared segments, or the global all-reduce schedule's strategy, for
     ``nbytes`` per node (a barrier is a 0-byte all-reduce) on ``channel``. A compressed
     all-reduce always takes a schedule (its 16-bit wire format is the walk's); the segments
-    serve ``auto``'s all-reduces past the exchange on channel 0 among node processes of one
-    host (no wire: nothing to compress)."""
+    serve ``auto``'s all-reduces past the exchange on channel 0 among 3 or more node
+    processes of one host (no wire: nothing to compress; between 2 the ring's two steps
+    move fewer bytes)."""
     if not compressed and _exchanges(config, world, nbytes):
         return Exchange()
-    if (world.host_segments and not compressed and channel == 0
-            and isinstance(config.strategy("global_all_reduce_strategy"), Auto)):
+    if (world.host_segments and world.num_nodes >= SEGMENT_NODES and not compressed
+            and channel == 0 and isinstance(config.strategy("global_all_reduce_strategy"),
+                                            Auto)):
         return SharedSegments()
     return _global(config, OpKind.ALL_REDUCE, nbytes, world)
 
