@@ -9,8 +9,8 @@ and answers other nodes' status queries from it, and never imports the local lev
 
 The path of an operation is decided once, by the local level
 (:func:`burncoll.local.plans.choose.choose`): every global call carries its :data:`GlobalPath`
-(the one-round :class:`Exchange` or a concrete strategy, ``auto`` already resolved), and the
-link runs what it is told rather than deciding again.
+(the one-round :class:`Exchange`, :class:`SharedSegments`, or a concrete strategy, ``auto``
+already resolved), and the link runs what it is told rather than deciding again.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Peer threads call its blocking methods; the work runs on the node's event loop. 
 collective (orchestrator, then a connection to every node), runs global schedules with the
 :class:`GlobalExecutor`, and turns failures anywhere into a failure of the local peers
 (:class:`~burncoll.levels.LocalPeers`). Which path each operation takes -- the one-round
-exchange, or which strategy's schedule -- is decided with the operation's plan, by the local
-level; the link only runs it.
+exchange, the shared segments, or which strategy's schedule -- is decided with the
+operation's plan, by the local level; the link only runs it.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from burncoll.strategies.schedule import Schedule
 from burncoll.strategies.tree import Tree
 
 __all__ = ["CROSSOVERS", "EXCHANGE_BYTES", "EXCHANGE_BYTES_ONE_HOST", "INLINE_BYTES",
-           "SEGMENT_NODES", "Auto", "exchange_limit", "resolve"]
+           "EXCHANGE_BYTES_SEGMENTS", "SEGMENT_NODES", "Auto", "exchange_limit", "resolve"]
 
 #: Local operations of at most this many bytes run inline in one thread under ``auto``.
 INLINE_BYTES = 1 << 20
@@ -37,12 +37,19 @@ EXCHANGE_BYTES_ONE_HOST: dict[int, int] = {**EXCHANGE_BYTES, 4: 512 << 10}
 #: Past the exchange, node processes of one host all-reduce through shared segments from
 #: this many nodes (``levels.SharedSegments``); 2 nodes keep the ring.
 SEGMENT_NODES = 3
+#: The exchange's limits where those segments take over past it: they cost a copy in, a
+#: copy out and two rounds of empty messages, and beat the exchange from 256 KiB among 3 node
+#: processes and from 128 KiB among 4 (CPU per operation, docs/performance.md).
+EXCHANGE_BYTES_SEGMENTS: dict[int, int] = {**EXCHANGE_BYTES, 3: 128 << 10, 4: 64 << 10}
 
 
-def exchange_limit(world: int, one_host: bool = False) -> int:
+def exchange_limit(world: int, one_host: bool = False, segments: bool = False) -> int:
     """The largest all-reduce (bytes per node) that ``auto`` exchanges among ``world`` nodes
-    (``one_host``: all of them on one host, sharing memory)."""
+    (``one_host``: all of them on one host, sharing memory; ``segments``: and their shared
+    segments take over past it, from :data:`SEGMENT_NODES` nodes)."""
     table = EXCHANGE_BYTES_ONE_HOST if one_host else EXCHANGE_BYTES
+    if one_host and segments and world >= SEGMENT_NODES:
+        table = EXCHANGE_BYTES_SEGMENTS
     fitting = [limit for w, limit in table.items() if w <= world]
     return fitting[-1] if fitting else 0
 

@@ -51,10 +51,14 @@ from burncoll.transport.shm import host_identity
 from tests.node.test_out_of_place import _MemoryService
 
 
-def _limit(nodes: int) -> int:
-    """The exchange limit these tests' node processes (all of this host) choose by."""
+def _limit(nodes: int, transport: str = "tcp", lanes: bool | None = None) -> int:
+    """The exchange limit these tests' node processes (all of this host) choose by: lower
+    where shared segments take over past it, with caller sockets (``lanes``; ``None``: as
+    this process's environment says)."""
     one_host = bool(host_identity()) and burncoll.CollectiveConfig().shared_memory
-    return exchange_limit(nodes, one_host)
+    config = burncoll.CollectiveConfig(transport=transport) if lanes is None else (
+        burncoll.CollectiveConfig(transport=transport, caller_sockets=lanes))
+    return exchange_limit(nodes, one_host, config.uses_lanes)
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -237,9 +241,10 @@ def _cases() -> list[tuple[int, str, str, str | None]]:
     return cases
 
 
-def _count(size: int, dtype: str, nodes: int) -> int:
+def _count(size: int, dtype: str, nodes: int, transport: str, lanes: bool | None = None
+           ) -> int:
     itemsize = dtype_from_name(dtype).itemsize
-    limit = _limit(nodes) // itemsize
+    limit = _limit(nodes, transport, lanes) // itemsize
     return {-1: limit, -2: limit + 1, -3: limit - 1}.get(size, size)
 
 
@@ -309,7 +314,7 @@ def _run_cases(comm: burncoll.Communicator, layout: list[int], local_s: str
     exact_order = local_s == "auto" or max(layout) <= 2
     digests, problems = [], []
     for k, (size, op, dtype, out_mode) in enumerate(_cases()):
-        count = _count(size, dtype, nodes)
+        count = _count(size, dtype, nodes, comm.config.transport)
         x = _input(pid, k, count, dtype)
         kept = x.copy()
         what = f"case {k}: {op} of {count} {dtype} (out={out_mode})"
@@ -332,7 +337,7 @@ def _run_cases(comm: burncoll.Communicator, layout: list[int], local_s: str
             elif not np.allclose(r.astype(np.float64), ref, rtol=tol, atol=tol):
                 worst = float(np.max(np.abs(r.astype(np.float64) - ref)))
                 problems.append(f"{what}: off the float64 reference by up to {worst:g}")
-            elif (exact_order and x.nbytes <= _limit(nodes)
+            elif (exact_order and x.nbytes <= _limit(nodes, comm.config.transport)
                     and r.tobytes() != exact.tobytes()):
                 problems.append(f"{what}: not the node-order fold of the exchange")
         digests.append(hashlib.sha256(r.dtype.name.encode() + r.tobytes()).hexdigest())
@@ -353,7 +358,7 @@ def _mismatch(comm: burncoll.Communicator, node: int, nodes: int, what: str
     elif what == "op":
         op = "max" if odd else "sum"
     elif what == "boundary":  # the others exchange, node 1 runs the ring
-        x = np.ones(_limit(nodes) // 8 + (1 if odd else 0))
+        x = np.ones(_limit(nodes, comm.config.transport) // 8 + (1 if odd else 0))
     if what == "late" and node == 0:
         time.sleep(0.5)
     started = time.monotonic()
@@ -456,7 +461,7 @@ def _run_nodes(layout: list[int], local_s: str, transport: str, scenario: str,
     ([1, 1, 1], "auto", "tcp", True),
     ([1, 1, 1], "auto", "websocket", False),
     ([1, 1, 1], "ring", "websocket", True),  # the sharded composition (one shard per node)
-    ([1, 1, 1, 1], "auto", "tcp", True),  # 4 nodes of one host: the exchange up to 512 KiB
+    ([1, 1, 1, 1], "auto", "tcp", True),  # 4 nodes of one host: the exchange up to 64 KiB
     ([2, 2], "auto", "websocket", True),
     ([2, 2], "tree", "tcp", True),
     ([2, 2], "ring", "tcp", True),  # sharded: each peer all-reduces a shard on its channel
@@ -472,8 +477,9 @@ def test_small_all_reduces_exchange_and_larger_ones_do_not(
     nodes = len(layout)
     shards = layout[0] if local_s == "ring" and layout[0] > 1 else 1
     exchanged = sum(1 for size, _op, dtype, _out in _cases()
-                    for a, b in even_layout(_count(size, dtype, nodes), shards)
-                    if (b - a) * dtype_from_name(dtype).itemsize <= _limit(nodes))
+                    for a, b in even_layout(_count(size, dtype, nodes, transport, lanes), shards)
+                    if (b - a) * dtype_from_name(dtype).itemsize <= _limit(nodes, transport,
+                                                                           lanes))
     # per node and operation: one exchange, or one per shard that fits (the sharded layout
     # halves every case, so all of them fit; the others also run the ring above the limit)
     assert exchanged > 0 and (shards > 1 or exchanged < len(_cases()))
@@ -500,15 +506,15 @@ def test_a_non_native_byte_order_input_is_converted_on_every_path(local_s: str) 
         assert not r["problems"], r["problems"]
 
 
-def _mismatch_messages(what: str, nodes: int) -> tuple[str, str]:
+def _mismatch_messages(what: str, nodes: int, transport: str = "tcp") -> tuple[str, str]:
     """How node 1's call and the others' calls are described in the error."""
     return {
         "shape": ("float64[5]", "float64[4]"),
         "late": ("float64[5]", "float64[4]"),
         "dtype": ("float32[4]", "float64[4]"),
         "op": ("op=max", "op=sum"),
-        "boundary": (f"float64[{_limit(nodes) // 8 + 1}]",
-                     f"float64[{_limit(nodes) // 8}]"),
+        "boundary": (f"float64[{_limit(nodes, transport) // 8 + 1}]",
+                     f"float64[{_limit(nodes, transport) // 8}]"),
     }[what]
 
 
@@ -536,7 +542,7 @@ def test_mismatched_calls_raise_on_every_peer(what: str, layout: list[int], loca
     timeout = 10.0
     records = _run_nodes(layout, local_s, transport, what, timeout=timeout)
     assert len(records) == sum(layout), records
-    odd, usual = _mismatch_messages(what, len(layout))
+    odd, usual = _mismatch_messages(what, len(layout), transport)
     for r in records:
         assert "elapsed" in r, r  # else the good all_reduce before the mismatched one failed
         assert _is_the_mismatch(r), r

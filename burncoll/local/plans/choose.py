@@ -182,7 +182,8 @@ def _exchanges(config: CollectiveConfig, world: World, nbytes: int) -> bool:
     """Whether ``auto`` runs a global all-reduce of ``nbytes`` (per node) as an exchange."""
     return (isinstance(config.strategy("global_all_reduce_strategy"), Auto)
             and world.num_nodes > 1
-            and nbytes <= exchange_limit(world.num_nodes, world.one_host))
+            and nbytes <= exchange_limit(world.num_nodes, world.one_host,
+                                         world.host_segments))
 
 
 def _global(config: CollectiveConfig, kind: OpKind, nbytes: int, world: World) -> Strategy:
