@@ -3,8 +3,8 @@ path): every node writes its array into its own segment, reduces one chunk of ev
 and copies every node's reduced chunk out -- as Open MPI's shared-memory collectives do.
 
 **Why.** Between processes of one host the ring still passes each part from node to node
-(``2(n-1)`` steps, a message and a wake-up each, through the event loop), and a 1 MiB
-all-reduce of 4 node processes took 5-7x the time of the same reduction done here. Here each
+(``2(n-1)`` steps, a message and a wake-up each, through the event loop): a 1 MiB all-reduce
+of 4 node processes cost each 1.6-4.5x the CPU it costs here (docs/performance.md). Here each
 node copies its array in once, reduces ``1/n`` of it reading every node's segment, and copies
 the result out once, in two rounds of empty messages on the caller sockets
 (:mod:`burncoll.node.lanes`) per piece of :data:`PIECE_BYTES`.
