@@ -1,7 +1,8 @@
 """The one-round exchange over the caller sockets (:mod:`burncoll.node.lanes`), run by the
 calling peer thread from start to end: it sends its message on every lane, reads every other
 node's, checks them and reduces in node order (:func:`~burncoll.node.exchange.reduce_in_node_order`,
-the same bits as the event loop's exchange).
+the same bits as the event loop's exchange). The rounds of the shared segments
+(:mod:`burncoll.node.segments`) go the same way (:meth:`LaneExchange.trade`).
 
 The operation still starts its lane in the mailbox (``Mailbox.start_watched``, with a watch
 of no frames): a frame of this operation that arrives on a member connection -- another
@@ -96,10 +97,10 @@ class LaneExchange:
         reduce_in_node_order(op, self._me, len(self._others) + 1, buf, arrays, out)
 
     def run(self, op: GlobalOp, nbytes: int, body: Callable[[Check], T]) -> T:
-        """Run ``body`` -- operation ``op``'s rounds on the lanes (:meth:`trade`), each
-        message from another node ``nbytes`` long at most -- with the operation's lane started
-        in the mailbox, so that a frame of ``op`` arriving on a member connection (another
-        node's different call) is checked against it and reported."""
+        """Run ``body`` -- operation ``op``'s rounds on the lanes (:meth:`trade`) -- with the
+        operation's lane started in the mailbox, expecting ``nbytes`` from every other node
+        there, so that a frame of ``op`` arriving on a member connection (another node's
+        different call) is checked against it and reported."""
         service, mailbox = self.service, self.service.mailbox
         check = self.executor.checker(op)
         seq = op.seq  # what exchange_receives says, from the nodes kept
@@ -122,7 +123,7 @@ class LaneExchange:
             if started.started:
                 mailbox.done(op.seq)
 
-    def trade(self, op: GlobalOp, check: Check, header: bytes, payload: Buffer,
+    def trade(self, op: GlobalOp, check: Check, header: bytes, payload: Buffer
               ) -> dict[int, bytearray]:
         """One round: send ``header`` (this node's, for ``op``) and ``payload`` on every lane,
         and read every other node's message of the same length, which must start with the

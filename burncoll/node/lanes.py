@@ -20,9 +20,10 @@ starts only with every lane open.
 ``caller_sockets``, on a plain stream transport: tcp or websocket, without TLS or integrity
 tags, which need the event loop's codec); they are used only when every node does, and then
 for exactly the operations that take the one-round exchange on channel 0 (an all-reduce up to
-the exchange limit; a barrier): every node decides alike from the same call, and a node's
-channel-0 operations run one after the other, so a lane carries one message per operation
-and direction, in operation order.
+the exchange limit; a barrier) or the shared segments (:mod:`burncoll.node.segments`): every
+node decides alike from the same call, and a node's channel-0 operations run one after the
+other, so a lane carries, per direction and in operation order, one message per exchange and
+one per round of the segments (each header names its operation and round).
 
 **What is read.** Exactly the length this node's own call gives the other node's message
 (header and payload), into a buffer of that size allocated before a byte is read: what a

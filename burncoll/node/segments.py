@@ -12,10 +12,11 @@ the result out once, in two rounds of empty messages on the caller sockets
 **Setup.** At the first such all-reduce of the session, every node makes its segment (a
 sealed anonymous file, :mod:`burncoll.transport.ring_files`) and offers it on the lanes
 (round 1); every node maps the others' read-only -- only if each is a segment a node makes,
-of the segment's size, sealed -- and answers whether it mapped them all (round 2). Every node
-reads every answer, so all of them agree: with every segment mapped the session uses them
-from then on; otherwise (a node without the memory, ``/proc`` closed) it never tries again,
-and every node runs the ring instead (:meth:`HostSegments.all_reduce` returns ``False``).
+of the segment's size, sealed, not offered twice -- and answers whether it mapped them all
+(round 2). Every node reads every answer, so all of them agree: with every segment mapped the
+session uses them from then on; otherwise (a node without the memory, ``/proc`` closed) that
+operation's pieces go whole on the lanes (the exchange), and every later one takes the ring
+(:meth:`HostSegments.all_reduce` returns ``False``).
 
 **Each piece** (round ``3 + 2p`` and ``4 + 2p`` of piece ``p``): a node writes its piece into
 its segment's slot and says so on every lane; once every node has, it reduces its own chunk
@@ -43,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from burncoll.backends.numpy import host_ufunc
-from burncoll.errors import ProtocolError
+from burncoll.errors import CollectiveError, ProtocolError
 from burncoll.levels import GlobalOp, HostArray
 from burncoll.node.checks import Check
 from burncoll.node.exchange import require_separate_out
@@ -116,16 +117,19 @@ class HostSegments:
     def _piece(self, op: GlobalOp, check: Check, round_: int, piece: HostArray,
                out: HostArray) -> None:
         dtype, size = piece.dtype, piece.size
-        slots = [np.frombuffer(self._maps[n], dtype, size) for n in range(self._nodes)]
+        maps = self._maps
+        if len(maps) != self._nodes:  # (closed by a node leaving after a failure)
+            raise CollectiveError(f"{op.label}: the shared segments were closed")
+        slots = [np.frombuffer(maps[n], dtype, size) for n in range(self._nodes)]
         slots[self._me][...] = piece
         self._round(op, check, round_)
         layout = even_layout(size, self._nodes)
         a, b = layout[self._me]
-        mine = np.frombuffer(self._maps[self._me], dtype, b - a, _RESULT_AT)
+        mine = np.frombuffer(maps[self._me], dtype, b - a, _RESULT_AT)
         _reduce(op.reduce_op or ReduceOp.SUM, [s[a:b] for s in slots], mine)
         self._round(op, check, round_ + 1)
         for n, (a, b) in enumerate(layout):
-            out[a:b] = np.frombuffer(self._maps[n], dtype, b - a, _RESULT_AT)
+            out[a:b] = np.frombuffer(maps[n], dtype, b - a, _RESULT_AT)
 
     def _round(self, op: GlobalOp, check: Check, round_: int, payload: bytes = b""
                ) -> dict[int, bytearray]:
@@ -141,26 +145,35 @@ class HostSegments:
         """Make, offer and map the segments (rounds 1 and 2); whether every node has all."""
         token = secrets.token_hex(16)
         fd: int | None = None
+        seen: set[tuple[int, int]] = set()  # (every segment is a file of its own)
         try:
-            fd, self._maps[self._me] = new_ring(token, SEGMENT_BYTES)
-            offer = f"{os.getpid()}/{fd}/{token}".encode()
-        except OSError:  # (no memory or descriptor for it: this node says so)
-            offer = b""
-        try:
+            try:
+                fd, self._maps[self._me] = new_ring(token, SEGMENT_BYTES)
+                mine = os.fstat(fd)
+                seen.add((mine.st_dev, mine.st_ino))
+                offer = f"{os.getpid()}/{fd}/{token}".encode()
+            except OSError:  # (no memory or descriptor for it: this node says so)
+                offer = b""
             offers = self._round(op, check, _OFFER_ROUND, offer.ljust(_OFFER_BYTES, b"\0"))
-            mapped = bool(offer) and all(self._map(op, n, o) for n, o in offers.items())
-            answers = self._round(op, check, _ANSWER_ROUND, b"\1" if mapped else b"\0")
+            mapped = [self._map(op, n, o, seen) for n, o in offers.items()]  # (all checked)
+            ok = bool(offer) and all(mapped)
+            answers = self._round(op, check, _ANSWER_ROUND, b"\1" if ok else b"\0")
+            usable = ok and all(answer == b"\1" for answer in answers.values())
+        except BaseException:
+            self.close()
+            raise
         finally:
             if fd is not None:  # (every node mapped it before it answered, or never will)
                 os.close(fd)
-        if mapped and all(answer == b"\1" for answer in answers.values()):
-            return True
-        self.close()
-        return False
+        if not usable:
+            self.close()
+        return usable
 
-    def _map(self, op: GlobalOp, node: int, offer: bytearray) -> bool:
+    def _map(self, op: GlobalOp, node: int, offer: bytearray, seen: set[tuple[int, int]]
+             ) -> bool:
         """Map node ``node``'s offered segment; ``False`` when it offered none or it cannot
-        be reached. A file offered as one that is not a segment fails the session."""
+        be reached. A file offered as one that is not a segment, or that another node (or
+        this one) offered too, fails the session."""
         found = _OFFERED.fullmatch(offer)
         if found is None:
             if offer.strip(b"\0"):
@@ -170,7 +183,7 @@ class HostSegments:
             return False
         pid, fd, token = int(found[1]), int(found[2]), found[3].decode()
         try:
-            mapping = map_offered(pid, fd, token, SEGMENT_BYTES)
+            mapping = map_offered(pid, fd, token, SEGMENT_BYTES, seen)
         except ProtocolError as exc:
             self._lanes.refuse(op, ProtocolError(f"{op.label}: node {node} {exc}"))
         if mapping is None:

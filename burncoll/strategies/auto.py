@@ -20,8 +20,8 @@ from burncoll.strategies.ring import Ring
 from burncoll.strategies.schedule import Schedule
 from burncoll.strategies.tree import Tree
 
-__all__ = ["CROSSOVERS", "EXCHANGE_BYTES", "EXCHANGE_BYTES_ONE_HOST", "INLINE_BYTES",
-           "EXCHANGE_BYTES_SEGMENTS", "SEGMENT_NODES", "Auto", "exchange_limit", "resolve"]
+__all__ = ["CROSSOVERS", "EXCHANGE_BYTES", "EXCHANGE_BYTES_ONE_HOST", "EXCHANGE_BYTES_SEGMENTS",
+           "INLINE_BYTES", "SEGMENT_NODES", "Auto", "exchange_limit", "resolve"]
 
 #: Local operations of at most this many bytes run inline in one thread under ``auto``.
 INLINE_BYTES = 1 << 20

@@ -8,7 +8,8 @@ every node; the segments were used; and a node process that dies in the middle o
 session is reported by every survivor, naming it. Then nodes as threads of this process (one
 host too): a node that cannot make its segment (a test double) leaves every node on the ring,
 with correct results; a node that offers a file that is not a segment (not sealed) fails the
-session on every node, named; a node that never calls times out the others by their deadline;
+session on every node, named, and so does one that offers another node's segment as its own;
+a node that never calls times out the others by their deadline;
 different sizes are a mismatch; and nodes of two devices share their reduction through the
 segments (with a local ring, shard 0 there and shard 1 on the ring).
 """
@@ -205,6 +206,28 @@ def test_a_node_offering_a_file_that_is_not_a_segment_is_named_by_the_others(
         if "could still be resized" in str(error):
             named.add(str(error).split("node ")[1].split()[0])
     assert len(named) == 1, out  # every node that checked it names the same node
+
+
+def test_a_node_offering_another_nodes_segment_as_its_own_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second node to make its segment offers the first one's file instead (the same
+    token, a duplicate descriptor of it): a file offered twice fails the session."""
+    made: list[tuple[int, mmap.mmap]] = []
+    lock = threading.Lock()
+    real = segments_module.new_ring
+
+    def new_ring(token: str, size: int) -> tuple[int, mmap.mmap]:
+        with lock:
+            if made:
+                return os.dup(made[0][0]), made[0][1]
+            made.append(real(token, size))
+            return made[0]
+
+    monkeypatch.setattr(segments_module, "new_ring", new_ring)
+    monkeypatch.setattr(segments_module.secrets, "token_hex", lambda n: "ab" * n)
+    out = _threads(3, lambda comm: _call(comm, comm.rank, 0))
+    assert all(isinstance(out[r], burncoll.CollectiveError) for r in range(3)), out
+    assert any("offered too" in str(out[r]) for r in range(3)), out
 
 
 def test_a_node_that_never_calls_times_out_the_others() -> None:

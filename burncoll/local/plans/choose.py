@@ -178,12 +178,13 @@ def _fused(calls: Sequence[Call], world: World, backend: Backend,
         arrays[0].dtype)  # type: ignore[union-attr]
 
 
-def _exchanges(config: CollectiveConfig, world: World, nbytes: int) -> bool:
-    """Whether ``auto`` runs a global all-reduce of ``nbytes`` (per node) as an exchange."""
+def _exchanges(config: CollectiveConfig, world: World, nbytes: int, channel: int) -> bool:
+    """Whether ``auto`` runs a global all-reduce of ``nbytes`` (per node) on ``channel`` as
+    an exchange (where the shared segments would take over past it: on channel 0)."""
     return (isinstance(config.strategy("global_all_reduce_strategy"), Auto)
             and world.num_nodes > 1
             and nbytes <= exchange_limit(world.num_nodes, world.one_host,
-                                         world.host_segments))
+                                         world.host_segments and channel == 0))
 
 
 def _global(config: CollectiveConfig, kind: OpKind, nbytes: int, world: World) -> Strategy:
@@ -203,7 +204,7 @@ def _all_reduce_path(config: CollectiveConfig, world: World, nbytes: int,
     serve ``auto``'s all-reduces past the exchange on channel 0 among 3 or more node
     processes of one host (no wire: nothing to compress; between 2 the ring's two steps
     move fewer bytes)."""
-    if not compressed and _exchanges(config, world, nbytes):
+    if not compressed and _exchanges(config, world, nbytes, channel):
         return Exchange()
     if (world.host_segments and world.num_nodes >= SEGMENT_NODES and not compressed
             and channel == 0 and isinstance(config.strategy("global_all_reduce_strategy"),
