@@ -23,7 +23,6 @@ import functools
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -48,6 +47,7 @@ from burncoll.ops import OpKind, parse_reduce_op
 from burncoll.strategies.auto import exchange_limit
 from burncoll.strategies.layout import even_layout
 from burncoll.transport.shm import host_identity
+from tests import forked
 from tests.node.test_out_of_place import _MemoryService
 
 
@@ -432,10 +432,9 @@ def _run_nodes(layout: list[int], local_s: str, transport: str, scenario: str,
     env = dict(os.environ, PYTHONPATH=str(REPO), BURNCOLL_CALLER_SOCKETS=str(int(lanes)))
     with burncoll.start_orchestrator(transport=transport) as orch:
         procs = [
-            subprocess.Popen(
-                [sys.executable, __file__, str(n), ",".join(map(str, layout)), orch.address,
-                 local_s, transport, scenario, str(timeout)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            forked.start(__file__, str(n), ",".join(map(str, layout)), orch.address, local_s,
+                         transport, scenario, str(timeout), stdout=forked.PIPE,
+                         stderr=forked.PIPE, env=env)
             for n in range(len(layout))
         ]
         records: list[dict[str, Any]] = []

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import burncoll
+from tests import forked
 
 WORKER = Path(__file__).with_name("node_worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -19,14 +18,13 @@ REPO = Path(__file__).resolve().parents[2]
 def run_nodes(scenario: str, nodes: int, devices: int, local: str = "tree",
               global_: str = "ring", transport: str = "websocket", timeout: float = 20.0,
               ) -> list[dict[str, object]]:
-    """Start an orchestrator and ``nodes`` processes; return every peer's JSON record."""
+    """Start an orchestrator and ``nodes`` processes (forked: ``tests/forked.py``); return
+    every peer's JSON record."""
     env = dict(os.environ, TEST_TIMEOUT=str(timeout), PYTHONPATH=str(REPO))
     with burncoll.start_orchestrator(transport=transport) as orch:
         procs = [
-            subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, str(n), str(nodes), str(devices),
-                 orch.address, local, global_, transport],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            forked.start(WORKER, scenario, str(n), str(nodes), str(devices), orch.address, local,
+                         global_, transport, stdout=forked.PIPE, stderr=forked.PIPE, env=env)
             for n in range(nodes)
         ]
         records: list[dict[str, object]] = []

@@ -15,7 +15,6 @@ import asyncio
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -39,6 +38,7 @@ from burncoll.ops import OpKind, ReduceOp
 from burncoll.strategies import Centralized, Ring, Schedule, Strategy, Tree
 from burncoll.strategies.layout import even_layout
 from burncoll.transport.wire import decode
+from tests import forked
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -279,10 +279,8 @@ def _run_nodes(devices: list[int], local_s: str, global_s: str, transport: str
     layout = ",".join(str(d) for d in devices)
     with burncoll.start_orchestrator(transport=transport) as orch:
         procs = [
-            subprocess.Popen(
-                [sys.executable, __file__, str(n), layout, orch.address, local_s, global_s,
-                 transport],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            forked.start(__file__, str(n), layout, orch.address, local_s, global_s, transport,
+                         stdout=forked.PIPE, stderr=forked.PIPE, env=env)
             for n in range(len(devices))
         ]
         records = []

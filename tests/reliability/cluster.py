@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import burncoll
+from tests import forked
 
 WORKER = Path(__file__).with_name("worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -51,12 +52,13 @@ class NodeProcess:
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER), json.dumps(spec)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        # a real process, forked from one that has imported burncoll (tests/forked.py)
+        self.proc = forked.start(
+            WORKER,
+            json.dumps(spec),
+            stdin=forked.PIPE,
+            stdout=forked.PIPE,
+            stderr=forked.PIPE,
             # the frame faults are a test double around the member connections: the small
             # operations' frames must travel there, not on the caller sockets (whose own
             # hostile messages tests/security/test_hostile_lanes.py sends)

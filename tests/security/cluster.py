@@ -13,7 +13,6 @@ import logging
 import os
 import queue
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -22,6 +21,7 @@ from types import TracebackType
 from typing import IO, Any
 
 import burncoll
+from tests import forked
 
 WORKER = Path(__file__).with_name("secure_worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -66,7 +66,7 @@ class Cluster:
         self._events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.events: list[dict[str, Any]] = []
         self._stderr: list[IO[str]] = []
-        self.procs: list[subprocess.Popen[str]] = []
+        self.procs: list[forked.Forked] = []
         self._readers: list[threading.Thread] = []
         for node in range(num_nodes):
             err = open(Path(self._dir.name) / f"node{node}.err", "w+")  # noqa: SIM115
@@ -82,19 +82,15 @@ class Cluster:
             ]
             if corruption:
                 args.append(corruption)
-            proc = subprocess.Popen(
-                [sys.executable, str(WORKER), *args],
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                env=child_env(timeout),
-            )
+            # a real process, forked from one that has imported burncoll (tests/forked.py)
+            proc = forked.start(
+                WORKER, *args, stdout=forked.PIPE, stderr=err, env=child_env(timeout))
             self.procs.append(proc)
             reader = threading.Thread(target=self._read, args=(proc,), daemon=True)
             reader.start()
             self._readers.append(reader)
 
-    def _read(self, proc: subprocess.Popen[str]) -> None:
+    def _read(self, proc: forked.Forked) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.startswith("{"):
