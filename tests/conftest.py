@@ -12,8 +12,13 @@ import functools
 import pytest
 
 from burncoll.backends import Backend, get_backend, installed_backends
+from tests import shared
 
 _installed = functools.cache(installed_backends)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    shared.configure(config)
 
 
 @pytest.fixture(params=["numpy", "jax", "cupy"])

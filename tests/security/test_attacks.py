@@ -34,6 +34,7 @@ from typing import Any
 import pytest
 
 import burncoll
+from tests import shared
 
 from . import attacks as a
 from .victims import (
@@ -162,6 +163,11 @@ def _run_stream_attack(name: str, transport: str, port: int, target: str,
 
 @functools.cache
 def stream_run(transport: str) -> AttackRun:
+    """The attacks on ``transport``'s live collective: run once per session (tests/shared.py)."""
+    return shared.once(f"attacks-{transport}", lambda: _stream_run(transport))
+
+
+def _stream_run(transport: str) -> AttackRun:
     a.raise_nofile()
     measured: dict[tuple[str, str], Measured] = {}
     newcomer: dict[str, Any] | None = None
@@ -203,6 +209,11 @@ QUIC_ATTACKS = ("length_prefix", "stream_offset", "initial_flood")
 
 @functools.cache
 def quic_run() -> AttackRun:
+    """The attacks on QUIC's live collective: run once per session (tests/shared.py)."""
+    return shared.once("attacks-quic", _quic_run)
+
+
+def _quic_run() -> AttackRun:
     measured: dict[tuple[str, str], Measured] = {}
     settings = Settings(transport="quic", devices=1, timeout=TIMEOUT)
     with LiveCollective(settings) as live, a.BackgroundLoop() as loop:

@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from tests import shared
+
 from .cluster import Cluster
 from .secure_worker import CORRUPT_AFTER
 
@@ -59,6 +61,11 @@ class CorruptRun:
 
 @functools.cache
 def corrupt_run(transport: str, kind: str) -> CorruptRun:
+    """The run with ``kind`` of corruption: once per session (tests/shared.py)."""
+    return shared.once(f"corrupt-{transport}-{kind}", lambda: _corrupt_run(transport, kind))
+
+
+def _corrupt_run(transport: str, kind: str) -> CorruptRun:
     with Cluster(transport, timeout=TIMEOUT, corruption=kind) as cluster:
         done = cluster.wait_for("done", 2, TIMEOUT * 3)
         injected = cluster.of("injected")
