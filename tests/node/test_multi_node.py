@@ -48,8 +48,6 @@ PAIRS = [
 COMBOS = [
     *PAIRS,
     (2, 1, "tree", "ring", "websocket"),
-    (2, 3, "centralized", "tree", "websocket"),
-    (3, 2, "ring", "centralized", "websocket"),
     (4, 1, "tree:3", "tree:3", "websocket"),
     (3, 2, "tree", "ring", "websocket"),
     (2, 2, "ring", "ring", "websocket"),
