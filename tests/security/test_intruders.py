@@ -4,10 +4,10 @@ disturbed (issue 4). Real member processes and a real orchestrator on 127.0.0.1.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+
+from tests import forked
 
 from .cluster import WORKER, Cluster, child_env
 
@@ -20,27 +20,24 @@ pytestmark = pytest.mark.parametrize("transport", ["websocket", "quic"])
 def test_a_wrong_token_is_refused_quickly_and_the_collective_runs_on(transport: str) -> None:
     with Cluster(transport) as cluster:
         ports = cluster.ports()
-        intruder = subprocess.run(
-            [
-                sys.executable,
-                str(WORKER),
-                "intruder",
-                cluster.orchestrator.address,
-                transport,
-                "an intruder's token",
-                str(ports[0]),
-            ],
-            capture_output=True,
-            text=True,
+        intruder = forked.start(
+            WORKER,
+            "intruder",
+            cluster.orchestrator.address,
+            transport,
+            "an intruder's token",
+            str(ports[0]),
+            stdout=forked.PIPE,
+            stderr=forked.PIPE,
             env=child_env(10.0),
-            timeout=60,
         )
-        tries = {r["target"]: r for r in map(json.loads, intruder.stdout.splitlines())}
+        stdout, stderr = intruder.communicate(timeout=60)
+        tries = {r["target"]: r for r in map(json.loads, stdout.splitlines())}
         done = cluster.finish()
         node_log = cluster.node_logs(0)
         orchestrator_log = "\n".join(cluster.orchestrator_log.lines)
 
-    assert set(tries) == {"orchestrator", "data"}, intruder.stdout + intruder.stderr[-3000:]
+    assert set(tries) == {"orchestrator", "data"}, stdout + stderr[-3000:]
     # register() with the wrong token, and a connection to a member's data port.
     for target, attempt in tries.items():
         assert attempt["error"] == "AuthenticationError", attempt

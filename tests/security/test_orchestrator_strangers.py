@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,6 +29,7 @@ from burncoll.transport import get_transport
 from burncoll.transport.auth import authenticate_client
 from burncoll.transport.base import Connection
 from burncoll.transport.wire import decode, encode_control
+from tests import forked
 
 NODE = Path(__file__).resolve().parents[1] / "cli" / "allreduce_node.py"
 REPO = Path(__file__).resolve().parents[2]
@@ -123,10 +122,9 @@ def test_a_stranger_first_with_99_nodes_does_not_stop_a_real_collective(
 ) -> None:
     stranger = Stranger(open_orchestrator.port, join(0, num_nodes=99))
     try:
-        procs = [subprocess.Popen(
-            [sys.executable, str(NODE)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, env=node_env(rank, 2, open_orchestrator.address))
-            for rank in range(2)]
+        procs = [forked.start(NODE, stdout=forked.PIPE, stderr=forked.PIPE,
+                              env=node_env(rank, 2, open_orchestrator.address))
+                 for rank in range(2)]
         outputs = [p.communicate(timeout=120) for p in procs]
     finally:
         stranger.close()

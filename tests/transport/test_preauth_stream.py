@@ -34,6 +34,7 @@ from burncoll.transport.tls import listener_binding
 from burncoll.transport.websocket import WebSocketTransport
 from burncoll.transport.wire import Placed
 from burncoll.transport.ws_frames import frame_header, mask_in_place
+from tests import forked
 from tests.transport.support import HOST, connected, run, serving, trust
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -129,12 +130,11 @@ def _attacks(port: int, kind: str, tls: bool, count: int) -> None:
 
 
 async def _attack_from_child(port: int, kind: str, tls: bool, count: int) -> None:
-    """Run the attacks in a child process, so that the attacker's own buffers do not count in
-    this (the listener's) process's memory."""
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.transport.test_preauth_stream", str(port), kind,
-        "tls" if tls else "plain", str(count), cwd=ROOT)
-    assert await child.wait() == 0
+    """Run the attacks in a child process (forked: tests/forked.py), so that the attacker's
+    own buffers do not count in this (the listener's) process's memory."""
+    child = forked.start(__file__, str(port), kind, "tls" if tls else "plain", str(count),
+                         cwd=ROOT)
+    assert await asyncio.to_thread(child.wait) == 0
 
 
 class Recorder:
