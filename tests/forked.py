@@ -170,9 +170,11 @@ def _read_line(sock: socket.socket, timeout: float | None) -> str | None:
     """One ``\\n``-ended line from ``sock`` (None when nothing came within ``timeout``)."""
     data = b""
     deadline = None if timeout is None else time.monotonic() + timeout
+    poller = select.poll()  # (not select.select: this process may hold over 1024 files)
+    poller.register(sock, select.POLLIN)
     while not data.endswith(b"\n"):
         left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        if not select.select([sock], [], [], left)[0]:
+        if not poller.poll(None if left is None else left * 1000):
             if data:
                 continue
             return None
