@@ -102,8 +102,11 @@ def _serve(control: socket.socket) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     status: dict[int, socket.socket] = {}
+    poller = select.poll()  # (the control socket keeps its number: it may be past 1024)
+    poller.register(control, select.POLLIN)
+    poller.register(wake_r, select.POLLIN)
     while True:
-        ready, _, _ = select.select([control, wake_r], [], [])
+        ready = {fd for fd, _ in poller.poll()}
         if wake_r in ready:
             os.read(wake_r, 4096)
             while True:
@@ -118,7 +121,7 @@ def _serve(control: socket.socket) -> None:
                     with contextlib.suppress(OSError):
                         sock.sendall(f"{os.waitstatus_to_exitcode(sts)}\n".encode())
                     sock.close()
-        if control in ready:
+        if control.fileno() in ready:
             data, fds, _, _ = socket.recv_fds(control, _MAX_REQUEST, 5)
             if not data:
                 return

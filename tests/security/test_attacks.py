@@ -14,7 +14,9 @@ reference; :mod:`tests.security.victims`), from another loopback address
 
 The attacks' sizes are CI sizes; ``python benchmarks/attacks.py`` runs the issue's full sizes.
 Attacks on one transport share one live collective (cached per transport): each measured
-alone, one after the other.
+alone, one after the other. The collectives whose memory no test measures (the newcomer, the
+relayed ones, those of the strangers' tests) fork their processes from a preloaded server
+(``Settings(fork=True)``, ``tests/forked.py``); the attacked ones start fresh interpreters.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ def _targets(live: LiveCollective) -> dict[str, tuple[int, int]]:
 def _newcomer(transport: str, orchestrator: str) -> dict[str, Any]:
     """A second collective registers with the orchestrator (under attack), runs and finishes."""
     settings = Settings(transport=transport, orchestrator=False, orchestrator_address=orchestrator,
-                        peer_base=100, timeout=TIMEOUT)
+                        peer_base=100, timeout=TIMEOUT, fork=True)
     started = time.monotonic()
     try:
         with LiveCollective(settings) as late:
@@ -301,7 +303,7 @@ def relay_run(transport: str, config: dict[str, Any]) -> RelayRun:
     with a.BackgroundLoop() as loop:
         relay = a.Relay(transport, tls, real)
         relay_port = loop.run(relay.start())
-        settings = Settings(transport=transport, timeout=MITM_TIMEOUT, config=config,
+        settings = Settings(transport=transport, timeout=MITM_TIMEOUT, config=config, fork=True,
                             node_options={0: {"data_port": real, "advertise_port": relay_port}})
         try:
             with LiveCollective(settings) as live:
@@ -343,13 +345,14 @@ def test_plain_tcp_without_integrity_is_not_protected_against_a_relay(transport:
 
 
 def test_a_stranger_registering_first_with_another_num_nodes_blocks_nobody() -> None:
-    with LiveCollective(Settings(token=None, members=False)) as orch, a.BackgroundLoop() as loop:
+    with LiveCollective(Settings(token=None, members=False, fork=True)) as orch, (
+            a.BackgroundLoop()) as loop:
         fingerprint = burncoll.CollectiveConfig(
             num_nodes=2, global_address=orch.orchestrator_address, node_address="127.0.0.1",
         ).global_fingerprint()
         stranger = loop.run(a.register_first("websocket", orch.orchestrator_port, 99, [0],
                                              fingerprint))
-        settings = Settings(token=None, orchestrator=False, timeout=TIMEOUT,
+        settings = Settings(token=None, orchestrator=False, timeout=TIMEOUT, fork=True,
                             orchestrator_address=orch.orchestrator_address)
         try:
             with LiveCollective(settings) as live:
@@ -366,7 +369,8 @@ def test_a_stranger_saying_hello_as_a_node_gets_no_array() -> None:
     """Two strangers, one saying hello without a session and one with a guessed one, knock on
     node 0's data port from before it listens until the collective has run a while."""
     port = free_port()
-    settings = Settings(token=None, timeout=MITM_TIMEOUT, node_options={0: {"data_port": port}})
+    settings = Settings(token=None, timeout=MITM_TIMEOUT, node_options={0: {"data_port": port}},
+                        fork=True)
     with a.BackgroundLoop() as loop:
         hellos = [loop.submit(a.hello_as_node("websocket", port, 1, session, listen_for=4.0))
                   for session in (None, 1)]

@@ -164,6 +164,10 @@ class Settings:
     members: bool = True
     #: Per node: extra member options (``data_port``, ``advertise_port``).
     node_options: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: Fork the children from the preloaded server of ``tests/forked.py`` instead of starting
+    #: fresh interpreters: for the collectives whose memory nothing measures (the allocator
+    #: settings of :func:`child_env` only apply to a fresh interpreter).
+    fork: bool = False
 
 
 def child_env(token: str | None) -> dict[str, str]:
@@ -193,7 +197,7 @@ class LiveCollective:
         self.stopfile = Path(self._dir.name) / "stop"
         self._events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.events: list[dict[str, Any]] = []
-        self.procs: list[subprocess.Popen[str]] = []
+        self.procs: list[Any] = []  # subprocess.Popen, or tests.forked.Forked
         self._stderr: list[IO[str]] = []
         self._readers: list[threading.Thread] = []
         self.orchestrator_pid = 0
@@ -221,17 +225,24 @@ class LiveCollective:
             self.close()
             raise
 
-    def _spawn(self, role: str, options: dict[str, Any], name: str) -> subprocess.Popen[str]:
+    def _spawn(self, role: str, options: dict[str, Any], name: str) -> Any:
         err = open(Path(self._dir.name) / f"{name}.err", "w+")  # noqa: SIM115
         self._stderr.append(err)
-        proc = subprocess.Popen(
-            [sys.executable, str(_THIS), role, json.dumps(options)],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            env=child_env(self.settings.token),
-            preexec_fn=_limit_files,
-        )
+        proc: Any
+        if self.settings.fork:
+            from tests import forked  # (the children import this file too)
+
+            proc = forked.start(_THIS, role, json.dumps(options), stdout=forked.PIPE,
+                                stderr=err, env=child_env(self.settings.token))
+        else:
+            proc = subprocess.Popen(
+                [sys.executable, str(_THIS), role, json.dumps(options)],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=child_env(self.settings.token),
+                preexec_fn=_limit_files,
+            )
         self.procs.append(proc)
         reader = threading.Thread(target=self._read, args=(proc,), daemon=True)
         reader.start()
@@ -251,7 +262,7 @@ class LiveCollective:
         self.orchestrator_port = int(ready["port"])
         self.orchestrator_address = str(ready["address"])
 
-    def _read(self, proc: subprocess.Popen[str]) -> None:
+    def _read(self, proc: Any) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.startswith("{"):
@@ -567,6 +578,7 @@ def main() -> None:
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(name)s %(levelname)s %(message)s")
+    _limit_files()  # (a spawned child has it already; a forked one gets it here)
     role, options = sys.argv[1], json.loads(sys.argv[2])
     if role == "orchestrator":
         run_orchestrator(options)
