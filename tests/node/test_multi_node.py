@@ -86,9 +86,10 @@ def test_mismatch_across_nodes_reaches_every_peer() -> None:
         assert "float64[5]" in str(r["message"]) and "float64[4]" in str(r["message"])
 
 
-@pytest.mark.parametrize("transport", ["websocket", "quic"])
-def test_killed_node_makes_every_survivor_raise(transport: str) -> None:
-    records = run_nodes("kill", 3, 2, transport=transport, timeout=5)
+def test_killed_node_makes_every_survivor_raise() -> None:
+    """(Over QUIC too, where survivors wait for their timeout: with 4 strategy pairs in
+    tests/reliability/test_node_faults.py::test_killed_node_makes_every_survivor_raise_naming_it.)"""
+    records = run_nodes("kill", 3, 2, transport="websocket", timeout=5)
     survivors = [r for r in records if r["peer"] not in (2, 3)]
     assert len(survivors) == 4
     for r in survivors:
