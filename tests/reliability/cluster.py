@@ -1,7 +1,8 @@
 """The test side of the fault-injection suite: real node processes around a real orchestrator.
 
-:class:`Cluster` starts ``worker.py`` processes (one per node) with a JSON spec, follows the
-events they print, can SIGKILL them or feed them commands, and collects every peer's record.
+:class:`Cluster` starts ``worker.py`` processes (one per node, forked from a server that has
+imported burncoll: ``tests/forked.py``) with a JSON spec, follows the events they print, can
+SIGKILL them or feed them commands, and collects every peer's record.
 The orchestrator runs in this process (:func:`burncoll.start_orchestrator`) or, when a test
 must kill it, in a child process (``python -m burncoll.cli orchestrator``).
 """

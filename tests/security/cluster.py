@@ -1,7 +1,8 @@
 """Member node processes around a real orchestrator (in this process), for the security tests.
 
 :class:`Cluster` starts an orchestrator with a token, then ``num_nodes`` member processes
-(``secure_worker.py member``) that loop over checked all-reduces until told to stop. It
+(``secure_worker.py member``, forked from a server that has imported burncoll:
+``tests/forked.py``) that loop over checked all-reduces until told to stop. It
 collects what they print (JSON lines), what they log (their stderr), and what the
 orchestrator and its listener log (the ``burncoll`` loggers of this process).
 """
