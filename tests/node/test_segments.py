@@ -21,7 +21,6 @@ import hashlib
 import json
 import mmap
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -33,6 +32,7 @@ import pytest
 
 import burncoll
 import burncoll.node.segments as segments_module
+from tests import forked
 from tests.harness import run_nodes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,10 +106,9 @@ def _node_main(argv: list[str]) -> None:
 def _run_processes(nodes: int, transport: str, dies: int = -1) -> list[dict[str, Any]]:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     with burncoll.start_orchestrator(transport=transport) as orch:
-        procs = [subprocess.Popen(
-            [sys.executable, __file__, str(n), str(nodes), orch.address, transport, str(dies)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-            for n in range(nodes)]
+        procs = [forked.start(__file__, str(n), str(nodes), orch.address, transport, str(dies),
+                              stdout=forked.PIPE, stderr=forked.PIPE, env=env)
+                 for n in range(nodes)]
         records = []
         for n, p in enumerate(procs):
             stdout, stderr = p.communicate(timeout=120)
