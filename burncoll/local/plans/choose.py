@@ -178,13 +178,19 @@ def _fused(calls: Sequence[Call], world: World, backend: Backend,
         arrays[0].dtype)  # type: ignore[union-attr]
 
 
-def _exchanges(config: CollectiveConfig, world: World, nbytes: int, channel: int) -> bool:
-    """Whether ``auto`` runs a global all-reduce of ``nbytes`` (per node) on ``channel`` as
-    an exchange (where the shared segments would take over past it: on channel 0)."""
+def _exchanges(config: CollectiveConfig, world: World, nbytes: int, segments: bool) -> bool:
+    """Whether ``auto`` runs a global all-reduce of ``nbytes`` (per node) as an exchange
+    (``segments``: the shared segments take over past it)."""
     return (isinstance(config.strategy("global_all_reduce_strategy"), Auto)
             and world.num_nodes > 1
-            and nbytes <= exchange_limit(world.num_nodes, world.one_host,
-                                         world.host_segments and channel == 0))
+            and nbytes <= exchange_limit(world.num_nodes, world.one_host, segments))
+
+
+def _segments(config: CollectiveConfig, world: World, channel: int) -> bool:
+    """Whether ``auto``'s all-reduces past the exchange on ``channel`` go through the host's
+    shared segments: channel 0, 3 or more node processes of one host sharing them."""
+    return (world.host_segments and world.num_nodes >= SEGMENT_NODES and channel == 0
+            and isinstance(config.strategy("global_all_reduce_strategy"), Auto))
 
 
 def _global(config: CollectiveConfig, kind: OpKind, nbytes: int, world: World) -> Strategy:
@@ -204,11 +210,10 @@ def _all_reduce_path(config: CollectiveConfig, world: World, nbytes: int,
     serve ``auto``'s all-reduces past the exchange on channel 0 among 3 or more node
     processes of one host (no wire: nothing to compress; between 2 the ring's two steps
     move fewer bytes)."""
-    if not compressed and _exchanges(config, world, nbytes, channel):
+    segments = not compressed and _segments(config, world, channel)
+    if not compressed and _exchanges(config, world, nbytes, segments):
         return Exchange()
-    if (world.host_segments and world.num_nodes >= SEGMENT_NODES and not compressed
-            and channel == 0 and isinstance(config.strategy("global_all_reduce_strategy"),
-                                            Auto)):
+    if segments:
         return SharedSegments()
     return _global(config, OpKind.ALL_REDUCE, nbytes, world)
 
