@@ -2,7 +2,8 @@
 
 ``burncoll bench`` reports the median of the slowest peer with a barrier before each call;
 this one times back-to-back calls on node 0 (as a training loop issues them), which shows the
-spread (10th percentile, median) that a barrier hides. ``--load N`` runs N CPU-bound
+spread (10th percentile, median) that a barrier hides, and node 0's CPU time per call (its
+process's, ``cpu``, and its calling thread's, ``thread_cpu``). ``--load N`` runs N CPU-bound
 processes beside it, as ``burncoll bench --load`` does.
 
 ``--count-calls`` counts instead the Python and C function calls of one operation on node 0
@@ -44,12 +45,15 @@ def node(index: int, args: argparse.Namespace) -> None:
         result = count_calls(comm, x, args.iters, args.top, index == 0)
     else:
         times = []
+        cpu, thread = time.process_time(), time.thread_time()
         for _ in range(args.iters):
             start = time.perf_counter()
             comm.all_reduce(x)
             times.append(time.perf_counter() - start)
+        cpu, thread = time.process_time() - cpu, time.thread_time() - thread
         times.sort()
-        result = {"p10": times[len(times) // 10] * 1e6, "median": times[len(times) // 2] * 1e6}
+        result = {"p10": times[len(times) // 10] * 1e6, "median": times[len(times) // 2] * 1e6,
+                  "cpu": cpu / args.iters * 1e6, "thread_cpu": thread / args.iters * 1e6}
     comm.finish()
     if index == 0:
         print(json.dumps(result))
@@ -122,7 +126,7 @@ def main() -> None:
         return
     with cpu_load(args.load):
         runs = [one_run(args) for _ in range(args.runs)]
-    for key in ("p10", "median"):
+    for key in ("p10", "median", "cpu", "thread_cpu"):
         values = [r[key] for r in runs]
         print(f"{key:>6}: median of {len(values)} runs {statistics.median(values):7.1f} us "
               f"(runs: {', '.join(f'{v:.0f}' for v in values)})")

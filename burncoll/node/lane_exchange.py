@@ -16,7 +16,7 @@ fails the session on every node.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import numpy as np
@@ -30,7 +30,7 @@ from burncoll.node.exchange import (
     payload_bytes,
     reduce_in_node_order,
 )
-from burncoll.node.lanes import LaneClosed, LaneOdd, LaneTimeout, LaneWoken
+from burncoll.node.lanes import LaneClosed, LaneOdd, LaneTimeout, LaneWoken, Mail
 from burncoll.node.receives import Receives
 from burncoll.node.spinning import usable_cpus
 from burncoll.node.watch import Watch
@@ -74,6 +74,10 @@ class LaneExchange:
         self.fail_soon = fail_soon
         #: Starts the operation's lane in the mailbox; it takes no frames.
         self._started = Watch(())
+        #: Shared mail among node processes of one host, once their segments are set up
+        #: (:mod:`burncoll.node.shared_mail`): messages that fit go through it.
+        self.mail: Mail | None = None
+        self.mail_capacity = 0
         self._headers: dict[tuple[object, ...], tuple[bytes, np.dtype[Any]]] = {}
         #: This node and the others (the session's table does not change).
         self._me = service.node_index
@@ -124,18 +128,21 @@ class LaneExchange:
                 mailbox.done(op.seq)
 
     def trade(self, op: GlobalOp, check: Check, header: bytes, payload: Buffer
-              ) -> dict[int, bytearray]:
-        """One round: send ``header`` (this node's, for ``op``) and ``payload`` on every lane,
-        and read every other node's message of the same length, which must start with the
-        same header from that node; its bytes by node (the payload after the header)."""
+              ) -> Mapping[int, bytes | bytearray]:
+        """One round: send ``header`` (this node's, for ``op``) and ``payload`` on every lane
+        (through the shared mail where it fits), and read every other node's message of the
+        same length, which must start with the same header from that node; its bytes by
+        node (the payload after the header)."""
         message = b"".join((header, payload))  # the payload's one copy
+        mail = self.mail if len(message) <= self.mail_capacity else None
         try:
-            received = self.service.lanes.exchange(message, len(message), op.deadline)
+            received = self.service.lanes.exchange(message, len(message), op.deadline, mail)
         except (LaneWoken, LaneTimeout, LaneClosed, LaneOdd) as stop:
             self._raise(op, self._stopped(op, check, header, stop))
+        where = "on its caller socket" if mail is None else "in the shared mail"
         for node, data in received.items():
             if not data.startswith(restamped(header, op.seq, node)):
-                self._raise(op, self._fail(self._wrong(op, check, node, data, header)))
+                self._raise(op, self._fail(self._wrong(op, check, node, data, header, where)))
         return received
 
     def refuse(self, op: GlobalOp, error: CollectiveError) -> NoReturn:
@@ -155,15 +162,15 @@ class LaneExchange:
                                          dtype_from_name(op.dtype or "uint8"))
         return restamped(kept[0], op.seq, self._me), kept[1]
 
-    def _wrong(self, op: GlobalOp, check: Check, node: int, data: bytearray,
-               header: bytes) -> CollectiveError:
+    def _wrong(self, op: GlobalOp, check: Check, node: int, data: bytes | bytearray,
+               header: bytes, where: str = "on its caller socket") -> CollectiveError:
         """Why node ``node``'s message ``data`` (of the expected length, but not the expected
-        header) is not this operation's."""
+        header; read ``where``) is not this operation's."""
         try:
             h, payload_len = decode_data_head(memoryview(data))
         except ProtocolError as exc:
             return ProtocolError(f"{op.label}: {self.executor.describe(node)} sent a "
-                                 f"malformed message on its caller socket: {exc}")
+                                 f"malformed message {where}: {exc}")
         return self._error_of(op, check, node, h, payload_len, header) or protocol_error(
             op, self.executor.describe, h, "a header that differs from this operation's")
 
@@ -246,7 +253,12 @@ class LaneExchange:
         """For an operation without the exchange that timed out: a message of this or an
         earlier operation waiting on a lane means that node called an exchange in its place
         (a mismatch, reported as such); ``None`` when no lane holds one."""
-        for node, head in self.service.lanes.peek(FIXED_HEADER_BYTES + 8 * MAX_NDIM).items():
+        size = FIXED_HEADER_BYTES + 8 * MAX_NDIM
+        waiting = self.service.lanes.peek(size)
+        mail = self.mail
+        if mail is not None:  # (an exchange posted there is as one sent on the lane)
+            waiting.update(mail.pending(size))
+        for node, head in waiting.items():
             try:
                 h, _ = decode_data_head(memoryview(head))
             except ProtocolError:

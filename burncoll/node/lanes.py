@@ -32,6 +32,10 @@ checks a frame (session, operation number, channel, round, sender, chunk, offset
 fingerprint). A message that announces another length is read only as far as its header
 (at most :data:`~burncoll.transport.wire.MAX_NDIM` shape entries) and reported from it.
 
+**Shared mail.** Among node processes of one host, once their shared segments are set up,
+the messages go through the shared mail instead (:mod:`burncoll.node.shared_mail`) and the
+lanes are only watched while a thread waits for mail (:meth:`Lanes.exchange` with ``mail``).
+
 **Waiting.** Once its message is out, the thread reads without sleeping for a short while
 where that pays (:mod:`burncoll.node.spinning`), then sleeps in ``poll``.
 
@@ -50,6 +54,8 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Mapping
+from typing import Protocol
 
 from burncoll.node.spinning import Spinning
 from burncoll.transport.wire import FIXED_HEADER_BYTES, announced_lengths
@@ -64,6 +70,22 @@ _IN = select.POLLIN
 #: timeout polls again.
 _POLL_MAX_MS = 2**31 - 1
 _OUT = select.POLLOUT
+#: How long a thread waiting for shared mail gives its CPU away between looks before it
+#: sleeps (the others may need it to post), and its longest sleep between looks, in seconds.
+MAIL_YIELDS = 300e-6
+MAIL_NAP = 1e-3
+
+
+class Mail(Protocol):
+    """Messages through shared memory (:class:`burncoll.node.shared_mail.SharedMail`)."""
+
+    def post(self, message: bytes) -> int: ...
+
+    def posted(self, node: int, k: int) -> bool: ...
+
+    def read(self, node: int, k: int, size: int) -> bytes: ...
+
+    def pending(self, size: int) -> dict[int, bytes]: ...
 
 
 class LaneTimeout(Exception):
@@ -196,16 +218,21 @@ class Lanes:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
 
-    def exchange(self, message: bytes, expected: int, deadline: float) -> dict[int, bytearray]:
+    def exchange(self, message: bytes, expected: int, deadline: float,
+                 mail: Mail | None = None) -> Mapping[int, bytes | bytearray]:
         """Send ``message`` to every other node and receive exactly ``expected`` bytes of
         one message from each, by ``deadline``; raises :class:`LaneTimeout`,
         :class:`LaneClosed`, :class:`LaneWoken` or :class:`LaneOdd`. Anything else that
-        stops it (``KeyboardInterrupt``) shuts every lane down first."""
+        stops it (``KeyboardInterrupt``) shuts every lane down first. With ``mail`` the
+        messages go through it (shared memory) instead, and the lanes are only watched:
+        a lane that closes is the loss of its node, a message on it a mismatch."""
         try:
             with self._using:
                 if self._woken or self._closed or self._pipe is None:
                     raise LaneWoken()
                 try:
+                    if mail is not None:
+                        return self._by_mail(mail, message, expected, deadline)
                     return _Exchange(self.socks, self._pipe[0], message, expected).run(
                         deadline, self.spinning)
                 except (LaneWoken, LaneTimeout, LaneClosed, LaneOdd):
@@ -215,6 +242,57 @@ class Lanes:
                     raise
         finally:
             self._release_if_closed()
+
+    def _by_mail(self, mail: Mail, message: bytes, expected: int, deadline: float
+                 ) -> dict[int, bytes | bytearray]:
+        """(Holding ``_using``.) The exchange through ``mail``: post, then look at the other
+        nodes' counters, giving the CPU away between looks (:data:`MAIL_YIELDS`), then
+        sleeping between them (up to :data:`MAIL_NAP`) and looking at the lanes too."""
+        k = mail.post(message)
+        waiting = [n for n in self.socks if not mail.posted(n, k)]
+        began, nap, looks = time.perf_counter(), 20e-6, 0
+        while waiting:
+            looks += 1
+            yielding = time.perf_counter() - began < MAIL_YIELDS
+            if not (yielding and looks & 15):
+                self._watch(waiting, deadline)
+            if yielding:
+                os.sched_yield()
+            else:
+                time.sleep(nap)
+                nap = min(nap * 2, MAIL_NAP)
+            if self._woken:
+                raise LaneWoken()
+            waiting = [n for n in waiting if not mail.posted(n, k)]
+        return {n: mail.read(n, k, expected) for n in self.socks}
+
+    def _watch(self, waiting: list[int], deadline: float) -> None:
+        """Whether anything ends a wait for ``waiting``'s mail: the deadline, the wake-up
+        pipe, or one of their lanes closed or holding a message (they sent an exchange on the
+        sockets where this node expects mail, or a message this node does not expect)."""
+        if time.monotonic() >= deadline:
+            raise LaneTimeout(waiting[0])
+        poller = select.poll()
+        assert self._pipe is not None  # (checked by exchange)
+        poller.register(self._pipe[0], _IN)
+        node_of = {self.socks[n].fileno(): n for n in waiting}
+        for fd in node_of:
+            poller.register(fd, _IN)
+        for fd, _ in poller.poll(0):
+            if fd not in node_of:
+                raise LaneWoken()
+            node = node_of[fd]
+            try:
+                head = self.socks[node].recv(1 << 10, socket.MSG_PEEK)
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                raise LaneClosed(node, str(exc)) from None
+            if not head:
+                raise LaneClosed(node, "it closed the connection")
+            if len(head) >= FIXED_HEADER_BYTES and len(head) >= announced_lengths(
+                    memoryview(head)[:FIXED_HEADER_BYTES])[0]:
+                raise LaneOdd(node, head)  # (a header whole: reported from it)
 
 
 class _Exchange:

@@ -204,8 +204,8 @@ class NodeLink:
         """The exchange, from the calling peer thread: it sends its message itself where the
         connection allows (no event-loop wake-up before the bytes leave), then the loop sends
         the rest, collects the other nodes' messages and reduces."""
-        if channel == 0 and self._lanes is not None:
-            self._lanes.all_reduce(op, buf, out)
+        if channel == 0 and self._lanes is not None:  # (through the shared mail if any)
+            (self._segments.exchange if self._segments else self._lanes.all_reduce)(op, buf, out)
             return
         service = self._service
         parts = exchange_parts(service, op, buf, channel)

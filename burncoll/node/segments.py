@@ -28,6 +28,11 @@ so nothing is read while it is written. Every message is a DATA header naming th
 its round and its sender, checked byte for byte as the exchange's are; every wait ends by the
 operation's deadline, and a process that dies closes its lanes (``PeerLost`` at once).
 
+**Mail.** After the result area, each segment holds the node's shared mail
+(:mod:`burncoll.node.shared_mail`): once the segments are set up -- by the session's first
+exchange (:meth:`HostSegments.exchange`) or all-reduce past it -- every message that fits,
+the exchange's and the rounds' above alike, goes through it instead of the caller sockets.
+
 A node can write only its own segment: another node's is mapped read-only, and its size
 cannot change under the mapping (sealed). What a node puts in its slot is its contribution,
 as any node's array is.
@@ -49,6 +54,7 @@ from burncoll.levels import GlobalOp, HostArray
 from burncoll.node.checks import Check
 from burncoll.node.exchange import require_separate_out
 from burncoll.node.lane_exchange import LaneExchange
+from burncoll.node.shared_mail import MAIL_AREA_BYTES, ORDERED_STORES, SharedMail
 from burncoll.ops import ReduceOp
 from burncoll.strategies.layout import even_layout
 from burncoll.transport.ring_files import close_ring, map_offered, new_ring
@@ -58,10 +64,11 @@ __all__ = ["PIECE_BYTES", "SEGMENT_BYTES", "HostSegments"]
 
 #: The largest piece of an array that goes through the segments at once (its slot's size).
 PIECE_BYTES = 8 << 20
-#: Where a segment's result area starts, and the segment's size: a result chunk is at most
-#: half a piece (2 nodes or more), plus an element.
+#: Where a segment's result area starts, and its shared mail (:mod:`burncoll.node.shared_mail`):
+#: a result chunk is at most half a piece (2 nodes or more), plus an element. Then the size.
 _RESULT_AT = PIECE_BYTES
-SEGMENT_BYTES = PIECE_BYTES + PIECE_BYTES // 2 + 64
+_MAIL_AT = PIECE_BYTES + PIECE_BYTES // 2 + 64
+SEGMENT_BYTES = _MAIL_AT + MAIL_AREA_BYTES
 #: Elements reduced at once (a block stays in the cache while every node's is added to it).
 _BLOCK_BYTES = 256 << 10
 #: An offer: the segment's creator's pid, its descriptor there and its name's token, padded.
@@ -99,6 +106,19 @@ class HostSegments:
         return self._lanes.run(op, _OFFER_BYTES,
                                lambda check: self._run(op, check, buf, target))
 
+    def exchange(self, op: GlobalOp, buf: HostArray, out: HostArray) -> None:
+        """The one-round exchange of ``buf`` into ``out`` (separate arrays): through the
+        shared mail once the segments are set up -- by the session's first exchange, here,
+        where the processor allows the mail (:data:`ORDERED_STORES`) -- else on the lanes."""
+        lanes = self._lanes
+
+        def body(check: Check) -> None:
+            if self.usable is None and ORDERED_STORES:
+                self.usable = self._set_up(op, check)
+            lanes.exchange_into(op, check, buf, out)
+
+        lanes.run(op, buf.nbytes, body)
+
     def _run(self, op: GlobalOp, check: Check, buf: HostArray, out: HostArray) -> bool:
         if self.usable is None:
             self.usable = self._set_up(op, check)
@@ -132,7 +152,7 @@ class HostSegments:
             out[a:b] = np.frombuffer(maps[n], dtype, b - a, _RESULT_AT)
 
     def _round(self, op: GlobalOp, check: Check, round_: int, payload: bytes = b""
-               ) -> dict[int, bytearray]:
+               ) -> dict[int, bytes | bytearray]:
         """Round ``round_`` of ``op`` on the lanes: every node's ``payload``, by node."""
         header = encode_data_header(DataHeader(
             session=self._session, seq=op.seq, op_kind=op.kind, reduce_op=op.reduce_op,
@@ -167,9 +187,12 @@ class HostSegments:
                 os.close(fd)
         if not usable:
             self.close()
+        elif ORDERED_STORES:
+            self._lanes.mail = SharedMail(self._maps, self._me, _MAIL_AT)
+            self._lanes.mail_capacity = self._lanes.mail.capacity
         return usable
 
-    def _map(self, op: GlobalOp, node: int, offer: bytearray, seen: set[tuple[int, int]]
+    def _map(self, op: GlobalOp, node: int, offer: bytes | bytearray, seen: set[tuple[int, int]]
              ) -> bool:
         """Map node ``node``'s offered segment; ``False`` when it offered none or it cannot
         be reached. A file offered as one that is not a segment, or that another node (or
@@ -194,6 +217,7 @@ class HostSegments:
     def close(self) -> None:
         """Unmap every segment (views of them still held keep theirs mapped)."""
         maps, self._maps = self._maps, {}
+        self._lanes.mail, self._lanes.mail_capacity = None, 0
         for mapping in maps.values():
             close_ring(None, mapping)
 

@@ -245,6 +245,9 @@ def _lanes_of(comm: burncoll.Communicator) -> Lanes:
 
 def _two_nodes(fn: Callable[[burncoll.Communicator], Any], transport: str = "tcp",
                timeout: float | list[float] = 10.0, **config: Any) -> dict[int, Any]:
+    """Two node processes; their exchanges on the lanes, unless ``shared_memory=True`` (then
+    through the shared mail, the lanes only watched: tests/node/test_shared_mail.py)."""
+    config.setdefault("shared_memory", False)
     with burncoll.start_orchestrator(transport=transport) as orch:
         return run_nodes(orch.address, 2, 1, fn, transport=transport, timeout=timeout,
                          **config)
@@ -264,24 +267,27 @@ def test_a_closed_lane_is_the_loss_of_that_node() -> None:
     assert isinstance(out[1], burncoll.CollectiveError), out
 
 
-def test_an_exchange_against_another_operation_is_a_mismatch_on_every_node() -> None:
-    """Node 0 all-reduces (an exchange on the lanes), node 1 waits for a broadcast from it:
-    neither sends what the other waits for. Node 1, waiting, looks at its lanes, finds node
-    0's message there, and reports the mismatch to every node, long before the deadline."""
+@pytest.mark.parametrize("mail", [False, True], ids=["lanes", "mail"])
+def test_an_exchange_against_another_operation_is_a_mismatch_on_every_node(mail: bool) -> None:
+    """Node 0 all-reduces (an exchange on the lanes, or through the shared mail), node 1
+    waits for a broadcast from it: neither sends what the other waits for. Node 1, waiting,
+    looks at its lanes (and the mail), finds node 0's message there, and reports the mismatch
+    to every node, long before the deadline."""
     def fn(comm: burncoll.Communicator) -> Any:
         if comm.peer_id == 0:
             return comm.all_reduce(np.ones(4, np.float32))
         return comm.broadcast(np.ones(4, np.float32), root=0)
 
     start = time.monotonic()
-    out = _two_nodes(fn, timeout=20.0)
+    out = _two_nodes(fn, timeout=20.0, shared_memory=mail)
     assert time.monotonic() - start < 10, "found only at the deadline"
     for rank in (0, 1):
         assert isinstance(out[rank], burncoll.MismatchError), out
         assert "all_reduce" in str(out[rank]) and "broadcast" in str(out[rank]), out
 
 
-def test_another_operation_sent_to_an_exchange_is_found_at_once() -> None:
+@pytest.mark.parametrize("mail", [False, True], ids=["lanes", "mail"])
+def test_another_operation_sent_to_an_exchange_is_found_at_once(mail: bool) -> None:
     """Node 1, a broadcast's root, sends its frame on the member connection while node 0
     runs the exchange: node 0's mailbox compares it with the exchange's call at once."""
     def fn(comm: burncoll.Communicator) -> Any:
@@ -293,7 +299,7 @@ def test_another_operation_sent_to_an_exchange_is_found_at_once() -> None:
         except burncoll.MismatchError as exc:
             return exc, time.monotonic() - start
 
-    out = _two_nodes(fn, timeout=20.0)
+    out = _two_nodes(fn, timeout=20.0, shared_memory=mail)
     error, seconds = out[0]
     assert "all_reduce" in str(error) and "broadcast" in str(error), out
     assert seconds < 10, f"found only after {seconds:.1f} s (the timeout is 20 s)"

@@ -1,0 +1,241 @@
+"""Small all-reduces and barriers through the shared mail among node processes of one host
+(:mod:`burncoll.node.shared_mail`).
+
+Real node processes through a real orchestrator (this file, run as a script, is one node):
+many back-to-back all-reduces of 8 B to 64 KiB (and 1 MiB between 2 nodes), every reduce op,
+several dtypes, fresh results, ``out=`` and in place, and barriers between them, each input
+new (a message read from a slot too early or too late gives a wrong result), each result
+compared with NumPy in float64 and bitwise identical on every node; the mail was used for
+them. A node process that dies while the others wait in the mail is named by every survivor
+at once. Then nodes as threads of this process (one host too): a node that never calls times
+the others out by their deadline, naming it; different sizes are a mismatch on every node; a
+node that cannot make its segment leaves every node on the caller sockets, with correct
+results; and a processor without ordered stores keeps the exchange on the sockets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import burncoll
+import burncoll.node.segments as segments_module
+from tests import forked
+from tests.harness import run_nodes
+
+REPO = Path(__file__).resolve().parents[2]
+#: Each call: (dtype, elements, reduce op, how the result is asked for); ``barrier`` between.
+CALLS = [("float32", 2, "sum", "fresh"),  # 8 B
+         ("int64", 1, "prod", "in place"),
+         ("float64", 512, "max", "out"),  # 4 KiB
+         ("float32", 16_384, "sum", "fresh"),  # 64 KiB
+         ("int32", 1_000, "mean", "fresh"),  # (integers: a float64 mean)
+         ("float64", 3, "min", "in place")]
+BIG = ("float32", 1 << 18, "sum", "out")  # 1 MiB: through the mail between 2 nodes
+ROUNDS = 8
+
+
+def _input(node: int, i: int, call: tuple[str, int, str, str]) -> np.ndarray:
+    dtype, n, op, _ = call
+    rng = np.random.default_rng(7919 * i + node)
+    if op == "prod":
+        return rng.choice(np.array([-3, 1, 2], dtype), n)
+    if np.dtype(dtype).kind == "i":
+        return rng.integers(-1000, 1000, n).astype(dtype)
+    return rng.standard_normal(n).astype(dtype)
+
+
+def _reference(nodes: int, i: int, call: tuple[str, int, str, str]) -> np.ndarray:
+    xs = np.stack([_input(n, i, call).astype(np.float64) for n in range(nodes)])
+    return {"sum": xs.sum(0), "mean": xs.mean(0), "max": xs.max(0), "min": xs.min(0),
+            "prod": xs.prod(0)}[call[2]]
+
+
+def _call(comm: burncoll.Communicator, x: np.ndarray, call: tuple[str, int, str, str]
+          ) -> np.ndarray:
+    op, how = call[2], call[3]
+    if how == "out":
+        out = np.empty_like(x)
+        assert comm.all_reduce(x, op, out=out) is out
+        return out
+    if how == "in place":
+        comm.all_reduce(x, op, out=x)
+        return x
+    return np.asarray(comm.all_reduce(x, op))
+
+
+def _posted(comm: burncoll.Communicator) -> int:
+    """Messages this node posted in the mail (0: no mail)."""
+    mail = comm._server.link._lanes.mail  # type: ignore[attr-defined]
+    return 0 if mail is None else int(mail.posted_count)
+
+
+def _node_main(argv: list[str]) -> None:
+    """``NODE NODES ORCH_ADDRESS TRANSPORT DIES`` (``DIES``: the node that exits in the
+    middle, or -1): print one JSON record."""
+    node, nodes, address, transport, dies = int(argv[0]), int(argv[1]), argv[2], argv[3], \
+        int(argv[4])
+    cfg = burncoll.CollectiveConfig(num_devices=1, num_nodes=nodes, global_address=address,
+                                    node_address="127.0.0.1", transport=transport,
+                                    timeout=20.0)
+    comm = burncoll.register(node, 0, cfg)
+    calls = [*CALLS, BIG] if nodes == 2 else CALLS
+    record: dict[str, Any] = {"node": node, "error": 0.0, "calls": 0}
+    digest = hashlib.sha256()
+    started = time.monotonic()
+    try:
+        for i in range(ROUNDS):
+            for call in calls:
+                if i == 2 and node == dies:
+                    time.sleep(0.3)  # the others wait in the mail
+                    os._exit(3)  # a process that dies: its sockets close with it
+                started = time.monotonic()
+                got = _call(comm, _input(node, i, call), call)
+                want = _reference(nodes, i, call)
+                record["error"] = max(record["error"], float(np.max(
+                    np.abs(got.astype(np.float64) - want) / (1.0 + np.abs(want)))))
+                digest.update(got.tobytes())
+                record["calls"] += 1
+            comm.barrier()
+        record["posted"] = _posted(comm)
+        comm.finish()
+    except burncoll.CollectiveError as exc:
+        record["raised"] = f"{type(exc).__name__}: {exc}"
+        record["seconds"] = time.monotonic() - started
+    record["sha"] = digest.hexdigest()
+    print(json.dumps(record), flush=True)
+
+
+def _run_processes(nodes: int, transport: str, dies: int = -1) -> list[dict[str, Any]]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    with burncoll.start_orchestrator(transport=transport) as orch:
+        procs = [forked.start(__file__, str(n), str(nodes), orch.address, transport, str(dies),
+                              stdout=forked.PIPE, stderr=forked.PIPE, env=env)
+                 for n in range(nodes)]
+        records = []
+        for n, p in enumerate(procs):
+            stdout, stderr = p.communicate(timeout=120)
+            if n == dies:
+                assert p.returncode == 3, stderr[-2000:]
+                continue
+            assert p.returncode == 0, stderr[-2000:]
+            records.extend(json.loads(line) for line in stdout.splitlines()
+                           if line.startswith("{"))
+    return records
+
+
+@pytest.mark.parametrize(("nodes", "transport"), [(2, "tcp"), (4, "websocket")])
+def test_node_processes_of_one_host_exchange_through_the_mail(nodes: int, transport: str
+                                                              ) -> None:
+    records = _run_processes(nodes, transport)
+    assert len(records) == nodes
+    calls = ROUNDS * (len(CALLS) + (nodes == 2))
+    for record in records:
+        assert "raised" not in record, record
+        assert record["calls"] == calls, record
+        assert record["error"] <= 1e-5, record  # (float32 sums; every other call exact)
+        # every call and barrier went through the mail (plus the segments' 2 set-up rounds
+        # on the sockets, which post nothing)
+        assert record["posted"] == calls + ROUNDS, record
+    assert len({r["sha"] for r in records}) == 1  # the same bits on every node
+
+
+def test_a_node_process_that_dies_is_named_by_every_survivor_at_once() -> None:
+    records = _run_processes(3, "tcp", dies=2)
+    assert len(records) == 2
+    for record in records:
+        assert record["raised"].startswith(("PeerLost", "CollectiveAborted")), record
+        assert "node 2" in record["raised"], record
+        assert record["seconds"] < 5.0, record  # (the timeout is 20 s)
+
+
+# -- nodes as threads of this process -----------------------------------------------------
+
+def _threads(nodes: int, fn: Any, timeout: float = 20.0, **config: Any) -> dict[int, Any]:
+    with burncoll.start_orchestrator(transport="tcp") as orch:
+        return run_nodes(orch.address, nodes, 1, fn, transport="tcp", timeout=timeout,
+                         **config)
+
+
+def _small_calls(comm: burncoll.Communicator) -> tuple[list[np.ndarray], int]:
+    got = [_call(comm, _input(comm.rank, i, call), call)
+           for i, call in enumerate(CALLS * 2)]
+    comm.barrier()
+    return got, _posted(comm)
+
+
+def _check_small_calls(out: dict[int, Any], nodes: int, posted: int) -> None:
+    for rank in range(nodes):
+        assert not isinstance(out[rank], BaseException), out[rank]
+        got, count = out[rank]
+        assert count == posted, count
+        for i, call in enumerate(CALLS * 2):
+            np.testing.assert_allclose(got[i], _reference(nodes, i, call), rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(got[i], out[0][0][i])
+
+
+def test_a_node_that_never_calls_times_out_the_others() -> None:
+    def fn(comm: burncoll.Communicator) -> Any:
+        comm.barrier()  # (the mail is set up)
+        if comm.rank == 1:
+            time.sleep(4.0)
+            return None
+        started = time.monotonic()
+        try:
+            comm.all_reduce(np.ones(2, np.float32))
+        except burncoll.CollectiveTimeout as exc:
+            return exc, time.monotonic() - started
+        raise AssertionError("the all-reduce returned without node 1")
+
+    out = _threads(2, fn, timeout=1.5)
+    error, waited = out[0]
+    assert "node 1" in str(error) or "[1]" in str(error), error
+    assert 1.0 <= waited < 1.5 + 2.0, waited
+
+
+def test_different_sizes_are_a_mismatch_on_every_node() -> None:
+    def fn(comm: burncoll.Communicator) -> Any:
+        comm.barrier()
+        return comm.all_reduce(np.ones(100 + 10 * (comm.rank == 2), np.float32))
+
+    out = _threads(3, fn)
+    for rank in range(3):
+        assert isinstance(out[rank], burncoll.MismatchError), out[rank]
+        assert "100" in str(out[rank]) and "110" in str(out[rank]), out[rank]
+
+
+def test_a_node_without_its_segment_leaves_every_node_on_the_sockets(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    real, taken = segments_module.new_ring, []
+
+    def new_ring(token: str, size: int) -> tuple[int, mmap.mmap]:
+        taken.append(token)
+        if len(taken) == 1:
+            raise OSError(12, "Cannot allocate memory (a test double)")
+        return real(token, size)
+
+    monkeypatch.setattr(segments_module, "new_ring", new_ring)
+    _check_small_calls(_threads(2, _small_calls), 2, posted=0)
+
+
+def test_a_processor_without_ordered_stores_keeps_the_exchange_on_the_sockets(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(segments_module, "ORDERED_STORES", False)
+    _check_small_calls(_threads(3, _small_calls), 3, posted=0)
+
+
+def test_the_mail_carries_the_small_calls_of_thread_nodes_too() -> None:
+    _check_small_calls(_threads(3, _small_calls), 3, posted=2 * len(CALLS) + 1)
+
+
+if __name__ == "__main__":
+    _node_main(sys.argv[1:])

@@ -1,0 +1,75 @@
+"""The shared mail (``burncoll.node.shared_mail``) under attack, between real nodes of one host
+through a real orchestrator.
+
+A member holding the token (a test double inside its process) posts in its mail what an
+honest node never would -- a huge size, another operation's number, another dtype, another
+session, bytes that are no frame -- or raises its counter far past its messages: the reading
+node reads only the length its own call gives, checks the header byte for byte, and every
+node fails with an error that says what was wrong and names that member. No result is
+returned from such a message.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import burncoll
+from burncoll.transport.wire import FIXED_HEADER_BYTES, announced_lengths
+from tests.node.test_lanes import _two_nodes
+from tests.security.test_hostile_lanes import WHY, _tamper
+
+#: What node 0's error must say, by kind (its slot 0 was never written: its first message
+#: went into slot 1).
+WHY_MAIL = {**WHY, "no_frame": ("ProtocolError", "malformed message in the shared mail"),
+            "counter_far_ahead": ("ProtocolError", "malformed message in the shared mail")}
+
+
+def _mail(comm: burncoll.Communicator) -> Any:
+    """The node's shared mail (internal: a test double reaches it to inject a fault)."""
+    mail = comm._server.link._lanes.mail  # type: ignore[attr-defined]
+    assert mail is not None, "the mail is not in use"
+    return mail
+
+
+def _next_message_from_zero(mail: Any) -> bytes:
+    """(Node 1.) Node 0's next message in the mail, once posted."""
+    k = mail.posted_count + 1
+    deadline = time.monotonic() + 10
+    while not mail.posted(0, k):
+        assert time.monotonic() < deadline, "node 0 posted nothing"
+        time.sleep(0.001)
+    head = mail.read(0, k, FIXED_HEADER_BYTES)
+    return bytes(mail.read(0, k, announced_lengths(memoryview(head))[1]))
+
+
+@pytest.mark.parametrize("kind", list(WHY_MAIL))
+def test_a_hostile_mail_message_fails_every_node_naming_its_sender(kind: str) -> None:
+    x = np.arange(16, dtype=np.float32)
+
+    def fn(comm: burncoll.Communicator) -> Any:
+        first = comm.all_reduce(x.copy())  # honest: the mail works
+        np.testing.assert_array_equal(first, (x.astype(np.float64) * 2).astype(np.float32))
+        if comm.peer_id == 1:
+            mail = _mail(comm)
+            message = _next_message_from_zero(mail)
+            if kind == "counter_far_ahead":  # an empty post, numbered 1000 past the next
+                mail.posted_count += 1000
+                mail.post(b"")
+            else:
+                mail.post(_tamper(message, kind))
+            comm.all_reduce(x.copy())  # its honest message after it: waits for node 0
+            for _ in range(3):  # and learns of node 0's failure by its next operations
+                comm.barrier()
+            return "node 1 never failed"
+        return comm.all_reduce(x.copy())
+
+    out = _two_nodes(fn, shared_memory=True)
+    error, why = WHY_MAIL[kind]
+    zero = out[0]
+    assert isinstance(zero, burncoll.CollectiveError), out
+    assert type(zero).__name__ == error and why in str(zero) and "node 1" in str(zero), out
+    assert isinstance(out[1], burncoll.CollectiveError), out
