@@ -57,7 +57,7 @@ import time
 from collections.abc import Mapping
 from typing import Protocol
 
-from burncoll.node.spinning import Spinning
+from burncoll.node.spinning import Spinning, Yielding
 from burncoll.transport.wire import FIXED_HEADER_BYTES, announced_lengths
 
 __all__ = ["READY", "LaneClosed", "LaneOdd", "LaneTimeout", "LaneWoken", "Lanes"]
@@ -70,10 +70,9 @@ _IN = select.POLLIN
 #: timeout polls again.
 _POLL_MAX_MS = 2**31 - 1
 _OUT = select.POLLOUT
-#: How long a thread waiting for shared mail gives its CPU away between looks before it
-#: sleeps (the others may need it to post), and its longest sleep between looks, in seconds.
-MAIL_YIELDS = 300e-6
-MAIL_NAP = 1e-3
+#: The first and the longest sleep between looks at the shared mail, in seconds.
+MAIL_FIRST_NAP = 20e-6
+MAIL_NAP = 500e-6
 
 
 class Mail(Protocol):
@@ -136,6 +135,8 @@ class Lanes:
         self._closed = False
         #: How long an exchange reads without sleeping first (the link allows it).
         self.spinning = Spinning()
+        #: Whether a wait for shared mail yields its CPU before it sleeps.
+        self.yielding = Yielding()
 
     def add(self, node: int, sock: socket.socket) -> bool:
         """``node``'s lane; ``False`` (the socket closed) when it already has one."""
@@ -246,19 +247,27 @@ class Lanes:
     def _by_mail(self, mail: Mail, message: bytes, expected: int, deadline: float
                  ) -> dict[int, bytes | bytearray]:
         """(Holding ``_using``.) The exchange through ``mail``: post, then look at the other
-        nodes' counters, giving the CPU away between looks (:data:`MAIL_YIELDS`), then
-        sleeping between them (up to :data:`MAIL_NAP`) and looking at the lanes too."""
+        nodes' counters, giving the CPU away between looks for a while
+        (:class:`~burncoll.node.spinning.Yielding`), then sleeping between them (from
+        :data:`MAIL_FIRST_NAP`, doubling up to :data:`MAIL_NAP`); every 16 looks and at every
+        sleep, at the deadline, the wake-up pipe and the lanes too (:meth:`_watch`)."""
         k = mail.post(message)
         waiting = [n for n in self.socks if not mail.posted(n, k)]
-        began, nap, looks = time.perf_counter(), 20e-6, 0
+        if not waiting:
+            return {n: mail.read(n, k, expected) for n in self.socks}
+        now = time.perf_counter()
+        yield_until, nap, looks = now + self.yielding.budget(), MAIL_FIRST_NAP, 0
         while waiting:
             looks += 1
-            yielding = time.perf_counter() - began < MAIL_YIELDS
-            if not (yielding and looks & 15):
-                self._watch(waiting, deadline)
-            if yielding:
+            if now < yield_until:
+                if not looks & 15:
+                    self._watch(waiting, deadline)
                 os.sched_yield()
+                then, now = now, time.perf_counter()
+                if not self.yielding.yielded(now - then):
+                    yield_until = now
             else:
+                self._watch(waiting, deadline)
                 time.sleep(nap)
                 nap = min(nap * 2, MAIL_NAP)
             if self._woken:

@@ -1,5 +1,6 @@
 """Adaptive spinning: how long a calling thread reads its caller sockets without blocking
-before it sleeps in ``poll``.
+before it sleeps in ``poll`` (:class:`Spinning`), and whether it yields its CPU between
+looks at the shared mail before it sleeps (:class:`Yielding`).
 
 A thread that sleeps is woken by the kernel when the other node's message comes in, and on a
 virtual machine that wake-up is tens of microseconds: as much as the rest of a small
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["LONGEST", "PAYS_BELOW", "Spinning", "usable_cpus"]
+__all__ = ["LONGEST", "PAYS_BELOW", "SLOW_YIELD", "YIELDS", "Spinning", "Yielding",
+           "usable_cpus"]
 
 #: The longest a thread spins before it sleeps, in seconds.
 LONGEST = 100e-6
@@ -27,6 +29,16 @@ LONGEST = 100e-6
 PAYS_BELOW = 200e-6
 #: Weight of the newest wait in the running average.
 _WEIGHT = 0.125
+
+
+#: How long a thread waiting for shared mail gives its CPU away between looks before it
+#: sleeps between them, in seconds (the node processes it waits for may need the CPU).
+YIELDS = 300e-6
+#: A single yield that kept the thread off its CPU this long gave it to a process that is no
+#: node of this operation (a node runs for ~0.1 ms before it posts): the host is busy.
+SLOW_YIELD = 500e-6
+#: Waits that sleep at once after a slow yield, before yielding is tried again.
+SLEEPS_AFTER_SLOW_YIELD = 64
 
 
 def usable_cpus() -> int:
@@ -51,3 +63,28 @@ class Spinning:
     def waited(self, seconds: float) -> None:
         """An exchange waited ``seconds`` for the other nodes' messages."""
         self.average += (seconds - self.average) * _WEIGHT
+
+
+class Yielding:
+    """Whether a thread waiting for shared mail yields its CPU between looks: it does for
+    :data:`YIELDS`, unless a yield lately took :data:`SLOW_YIELD` or longer (on a busy host
+    a yield hands the CPU to another process for its whole time slice, where a sleep is
+    woken on time); then it sleeps at once for the next :data:`SLEEPS_AFTER_SLOW_YIELD`
+    waits."""
+
+    def __init__(self) -> None:
+        self.sleeping = 0
+
+    def budget(self) -> float:
+        """Seconds to yield in the next wait before sleeping (0: sleep at once)."""
+        if self.sleeping:
+            self.sleeping -= 1
+            return 0.0
+        return YIELDS
+
+    def yielded(self, seconds: float) -> bool:
+        """A yield kept the thread off its CPU ``seconds``; whether to go on yielding."""
+        if seconds < SLOW_YIELD:
+            return True
+        self.sleeping = SLEEPS_AFTER_SLOW_YIELD
+        return False
