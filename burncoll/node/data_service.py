@@ -329,6 +329,11 @@ class DataService:
         if telling is not None:
             await asyncio.shield(telling)
 
+    async def failure(self) -> BaseException:
+        """The session's failure, once it fails."""
+        await self._failed.wait()
+        return self.mailbox.error or PeerLost("the session was closed")
+
     async def await_explanation(self) -> None:
         """A connection broke. A node that fails tells the others why and then closes its
         connections: the explanation travels on another connection and may come second, so

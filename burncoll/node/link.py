@@ -355,11 +355,11 @@ class NodeLink:
             # failing thread told the node level: tell the other nodes now, never wait for a
             # finish that they will not send
             self.abort_now(local)
-        healthy = self._service.mailbox.error is None
         error: BaseException | None = None
         try:
-            if healthy:
-                self._io.run(self._orch.finish(deadline), deadline, "finish")
+            if self._service.mailbox.error is None:  # (ends early if the session fails)
+                finishing = self._orch.finish(deadline, self._service.failure)
+                self._io.run(finishing, deadline, "finish")
         except CollectiveError as exc:
             error = exc
         finally:

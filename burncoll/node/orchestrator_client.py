@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from burncoll.errors import (
     AuthenticationError,
@@ -186,8 +186,11 @@ class OrchestratorClient:
             self.gone = exc
             self._finished.set()
 
-    async def finish(self, deadline: float) -> None:
-        """Tell the orchestrator this node is done; wait until every node is.
+    async def finish(self, deadline: float,
+                     failure: Callable[[], Awaitable[BaseException]] | None = None) -> None:
+        """Tell the orchestrator this node is done; wait until every node is, or until
+        ``failure`` returns (the session failed meanwhile: another node's abort, a lost
+        node), and raise what it returns.
 
         Raises :class:`~burncoll.TransportError` when the orchestrator is gone.
         """
@@ -199,8 +202,16 @@ class OrchestratorClient:
             )
         try:
             await conn.send([encode(Finish())])
-            async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
-                await self._finished.wait()
+            finished = asyncio.ensure_future(self._finished.wait())
+            failed = asyncio.ensure_future(failure()) if failure is not None else None
+            try:
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                    await asyncio.wait([finished] if failed is None else [finished, failed],
+                                       return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                finished.cancel()
+                if failed is not None:
+                    failed.cancel()
         except TransportError as exc:
             raise TransportError(f"finish: lost the orchestrator at {self.address}: {exc}") from exc
         except TimeoutError:
@@ -209,6 +220,9 @@ class OrchestratorClient:
                 "did not confirm that every node finished. Hint: a node has not called "
                 "finish() yet, or the orchestrator is down"
             ) from None
+        if failed is not None and failed.done() and not failed.cancelled() and not (
+                finished.done() and not finished.cancelled()):
+            raise failed.result()  # (as it is: not as a lost orchestrator)
         if not self._confirmed:  # woken by the connection's end, not by ``finished``
             raise TransportError(
                 f"finish: the orchestrator at {self.address} went away ({self.gone}) before "

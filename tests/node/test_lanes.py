@@ -299,10 +299,13 @@ def test_another_operation_sent_to_an_exchange_is_found_at_once(mail: bool) -> N
         except burncoll.MismatchError as exc:
             return exc, time.monotonic() - start
 
+    start = time.monotonic()
     out = _two_nodes(fn, timeout=20.0, shared_memory=mail)
     error, seconds = out[0]
     assert "all_reduce" in str(error) and "broadcast" in str(error), out
     assert seconds < 10, f"found only after {seconds:.1f} s (the timeout is 20 s)"
+    # node 1's finish() learns of the failure too, instead of waiting out its deadline
+    assert time.monotonic() - start < 10, "a node's finish() waited out its deadline"
 
 
 def _uses_lanes(comm: burncoll.Communicator) -> bool:
