@@ -70,9 +70,10 @@ _IN = select.POLLIN
 #: timeout polls again.
 _POLL_MAX_MS = 2**31 - 1
 _OUT = select.POLLOUT
-#: The first and the longest sleep between looks at the shared mail, in seconds.
-MAIL_FIRST_NAP = 20e-6
-MAIL_NAP = 500e-6
+#: The longest sleep between looks at the shared mail, in seconds: a post wakes the sleeper
+#: (:meth:`~burncoll.node.shared_mail.SharedMail.sleep`), but a failure or a closed lane is
+#: seen only when it looks.
+MAIL_NAP = 2e-3
 
 
 class Mail(Protocol):
@@ -85,6 +86,8 @@ class Mail(Protocol):
     def read(self, node: int, k: int, size: int) -> bytes: ...
 
     def pending(self, size: int) -> dict[int, bytes]: ...
+
+    def sleep(self, node: int, k: int, seconds: float) -> None: ...
 
 
 class LaneTimeout(Exception):
@@ -248,15 +251,15 @@ class Lanes:
                  ) -> dict[int, bytes | bytearray]:
         """(Holding ``_using``.) The exchange through ``mail``: post, then look at the other
         nodes' counters, giving the CPU away between looks for a while
-        (:class:`~burncoll.node.spinning.Yielding`), then sleeping between them (from
-        :data:`MAIL_FIRST_NAP`, doubling up to :data:`MAIL_NAP`); every 16 looks and at every
+        (:class:`~burncoll.node.spinning.Yielding`), then sleeping until the first node
+        awaited posts (woken by it; :data:`MAIL_NAP` at most); every 16 looks and before every
         sleep, at the deadline, the wake-up pipe and the lanes too (:meth:`_watch`)."""
         k = mail.post(message)
         waiting = [n for n in self.socks if not mail.posted(n, k)]
         if not waiting:
             return {n: mail.read(n, k, expected) for n in self.socks}
         now = time.perf_counter()
-        yield_until, nap, looks = now + self.yielding.budget(), MAIL_FIRST_NAP, 0
+        yield_until, looks = now + self.yielding.budget(), 0
         while waiting:
             looks += 1
             if now < yield_until:
@@ -268,8 +271,7 @@ class Lanes:
                     yield_until = now
             else:
                 self._watch(waiting, deadline)
-                time.sleep(nap)
-                nap = min(nap * 2, MAIL_NAP)
+                mail.sleep(waiting[0], k, min(MAIL_NAP, max(deadline - time.monotonic(), 0)))
             if self._woken:
                 raise LaneWoken()
             waiting = [n for n in waiting if not mail.posted(n, k)]

@@ -7,7 +7,7 @@ where Open MPI's processes, polling shared memory, take ~40 us (docs/performance
 node writes its message (the exchange's header and payload, exactly what it would send) into
 its own segment and then raises a counter there; the others, polling the counters, read it.
 
-**Layout** (at :data:`MAIL_AT` in every node's segment): a counter (the number of messages the
+**Layout** (after the result area of every node's segment): a counter (the number of messages the
 node has posted this session, a 64-bit word on a cache line of its own), then two slots of
 :data:`SLOT_BYTES`. Message ``k`` goes into slot ``k % 2``. A node posts message ``k + 1``
 only after it has read every other node's message ``k``, and every node read message
@@ -19,6 +19,12 @@ then the message. x86-64 keeps stores in order and loads in order (its memory mo
 reader that sees the counter sees the message. Other processors need fences that Python
 cannot issue: there :data:`ORDERED_STORES` is false and the exchange stays on the sockets.
 
+**Waiting** (:meth:`burncoll.node.lanes.Lanes.exchange`): a reader looks at the counters,
+giving its CPU away between looks for a while (the nodes it waits for may need it), then
+sleeps on the first awaited node's counter (:class:`Futex`): every post wakes whoever sleeps
+on the poster's counter. Linux's futex compares the counter and sleeps in one step, so a post
+between the reader's look and its sleep is never missed.
+
 **Trust.** What a node reads is checked as a socket's message is (the header byte for byte,
 :meth:`burncoll.node.lane_exchange.LaneExchange.trade`), and only as many bytes as this
 node's own call gives are read; a counter another node raises too far only makes this node
@@ -28,8 +34,13 @@ itself (deadlines, a lost node, a failed session) is :meth:`burncoll.node.lanes.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import mmap
 import platform
+import sys
+import time
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +51,8 @@ __all__ = ["MAIL_BYTES", "ORDERED_STORES", "SharedMail"]
 
 #: Whether this processor keeps a thread's stores, and its loads, in program order (x86-64).
 ORDERED_STORES = platform.machine().lower() in {"x86_64", "amd64"}
+#: Linux's futex system call on x86-64, its operations, and the most waiters one wakes.
+_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE, _ALL = 202, 0, 1, 2**31 - 1
 #: The largest message that goes through the mail: the largest exchange of one host's node
 #: processes, with the largest header.
 MAIL_BYTES = max(EXCHANGE_BYTES_ONE_HOST.values()) + FIXED_HEADER_BYTES + 8 * MAX_NDIM
@@ -50,6 +63,41 @@ SLOT_BYTES = -(-MAIL_BYTES // _LINE) * _LINE
 MAIL_AREA_BYTES = _LINE + 2 * SLOT_BYTES
 
 
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class Futex:
+    """Sleeping on a counter until it changes, woken by its writer (Linux's futex: the
+    kernel compares the word and sleeps at once, so a wake-up is never lost). Shared futexes
+    key on the file and offset, so every process's mapping of a segment meets on the same
+    word. Off Linux on x86-64 :meth:`wait` just sleeps."""
+
+    def __init__(self) -> None:
+        self._syscall: Any = None
+        if sys.platform == "linux" and ORDERED_STORES:
+            with contextlib.suppress(OSError, AttributeError):  # (no C library to call)
+                self._syscall = ctypes.CDLL(None, use_errno=True).syscall
+                self._syscall.restype = ctypes.c_long
+
+    def wait(self, address: int, value: int, seconds: float) -> None:
+        """Sleep until the 32-bit word at ``address`` is woken or no longer ``value``, or for
+        ``seconds`` at most (signals end it early too)."""
+        if self._syscall is None:
+            time.sleep(seconds)
+            return
+        whole = int(seconds)
+        timeout = _Timespec(whole, int((seconds - whole) * 1e9))
+        self._syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAIT,
+                      ctypes.c_uint32(value), ctypes.byref(timeout), None, 0)
+
+    def wake(self, address: int) -> None:
+        """Wake every process sleeping on the word at ``address``."""
+        if self._syscall is not None:
+            self._syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, _ALL, None, None,
+                          0)
+
+
 class SharedMail:
     """Every node's mail in the mapped segments ``maps`` (by node index, this node's
     writable), at offset ``at`` (a multiple of 64) in each."""
@@ -58,6 +106,9 @@ class SharedMail:
         self._maps = maps
         self._me = me
         self._counters = {n: np.frombuffer(m, np.uint64, 1, at) for n, m in maps.items()}
+        #: Every counter's address in this process (its low 32 bits are the futex word).
+        self._addresses = {n: int(c.ctypes.data) for n, c in self._counters.items()}
+        self._futex = Futex()
         self._slots = (at + _LINE, at + _LINE + SLOT_BYTES)
         #: The largest message that fits.
         self.capacity = SLOT_BYTES
@@ -70,8 +121,16 @@ class SharedMail:
         at = self._slots[k & 1]
         self._maps[self._me][at:at + len(message)] = message
         self._counters[self._me][0] = k  # (after the message: x86-64 keeps stores in order)
+        self._futex.wake(self._addresses[self._me])
         self.posted_count = k
         return k
+
+    def sleep(self, node: int, k: int, seconds: float) -> None:
+        """Sleep until ``node`` posts its message number ``k`` (if it has not), or for
+        ``seconds`` at most."""
+        seen = int(self._counters[node][0])
+        if seen < k:
+            self._futex.wait(self._addresses[node], seen & 0xFFFFFFFF, seconds)
 
     def posted(self, node: int, k: int) -> bool:
         """Whether ``node`` posted its message number ``k``."""

@@ -10,7 +10,8 @@ them. A node process that dies while the others wait in the mail is named by eve
 at once. Then nodes as threads of this process (one host too): a node that never calls times
 the others out by their deadline, naming it; different sizes are a mismatch on every node; a
 node that cannot make its segment leaves every node on the caller sockets, with correct
-results; and a processor without ordered stores keeps the exchange on the sockets.
+results; and a processor without ordered stores keeps the exchange on the sockets. Last, the
+futex the mail sleeps on, between real threads.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import mmap
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ import pytest
 
 import burncoll
 import burncoll.node.segments as segments_module
+from burncoll.node.shared_mail import Futex
 from tests import forked
 from tests.harness import run_nodes
 
@@ -235,6 +238,40 @@ def test_a_processor_without_ordered_stores_keeps_the_exchange_on_the_sockets(
 
 def test_the_mail_carries_the_small_calls_of_thread_nodes_too() -> None:
     _check_small_calls(_threads(3, _small_calls), 3, posted=2 * len(CALLS) + 1)
+
+
+# -- the futex the mail sleeps on ------------------------------------------------------------
+
+def test_a_sleeper_on_a_counter_is_woken_by_its_writer_and_never_misses_a_change() -> None:
+    """Real threads on a real shared mapping: a changed counter does not sleep at all, a
+    sleeper is woken by the writer's wake long before its timeout, and with no wake it
+    sleeps until the timeout."""
+    mapping = mmap.mmap(-1, 4096)
+    counter = np.frombuffer(mapping, np.uint64, 1)
+    address = int(counter.ctypes.data)
+    futex = Futex()
+
+    started = time.monotonic()
+    futex.wait(address, 7, 5.0)  # the counter is 0, not 7: no sleep
+    assert time.monotonic() - started < 1.0
+
+    def write_then_wake() -> None:
+        time.sleep(0.2)
+        counter[0] = 1
+        futex.wake(address)
+
+    writer = threading.Thread(target=write_then_wake)
+    started = time.monotonic()
+    writer.start()
+    while counter[0] == 0 and time.monotonic() - started < 10:
+        futex.wait(address, 0, 5.0)
+    woken = time.monotonic() - started
+    writer.join()
+    assert counter[0] == 1 and 0.15 <= woken < 2.5, woken  # (not the 5 s timeout)
+
+    started = time.monotonic()
+    futex.wait(address, 1, 0.3)  # nobody wakes it
+    assert 0.25 <= time.monotonic() - started < 3.0
 
 
 if __name__ == "__main__":
