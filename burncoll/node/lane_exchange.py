@@ -53,6 +53,8 @@ __all__ = ["LaneExchange"]
 Call = Callable[[GlobalOp, Coroutine[Any, Any, None]], None]
 
 
+#: The longest message header: as far as a report reads another node's message.
+_HEAD_BYTES = FIXED_HEADER_BYTES + 8 * MAX_NDIM
 #: Message headers kept per operation signature (past that, the cache starts over).
 _HEADERS_KEPT = 64
 #: Seconds after which an operation without the exchange looks at the lanes (the last one
@@ -142,6 +144,8 @@ class LaneExchange:
         where = "on its caller socket" if mail is None else "in the shared mail"
         for node, data in received.items():
             if not data.startswith(restamped(header, op.seq, node)):
+                if mail is not None:  # (its whole header, for the report: a longer call's)
+                    data = mail.read(node, mail.posted_count, max(len(data), _HEAD_BYTES))
                 self._raise(op, self._fail(self._wrong(op, check, node, data, header, where)))
         return received
 
@@ -253,11 +257,10 @@ class LaneExchange:
         """For an operation without the exchange that timed out: a message of this or an
         earlier operation waiting on a lane means that node called an exchange in its place
         (a mismatch, reported as such); ``None`` when no lane holds one."""
-        size = FIXED_HEADER_BYTES + 8 * MAX_NDIM
-        waiting = self.service.lanes.peek(size)
+        waiting = self.service.lanes.peek(_HEAD_BYTES)
         mail = self.mail
         if mail is not None:  # (an exchange posted there is as one sent on the lane)
-            waiting.update(mail.pending(size))
+            waiting.update(mail.pending(_HEAD_BYTES))
         for node, head in waiting.items():
             try:
                 h, _ = decode_data_head(memoryview(head))

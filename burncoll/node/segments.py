@@ -56,19 +56,22 @@ from burncoll.node.exchange import require_separate_out
 from burncoll.node.lane_exchange import LaneExchange
 from burncoll.node.shared_mail import MAIL_AREA_BYTES, ORDERED_STORES, SharedMail
 from burncoll.ops import ReduceOp
+from burncoll.strategies.auto import SEGMENT_NODES
 from burncoll.strategies.layout import even_layout
 from burncoll.transport.ring_files import close_ring, map_offered, new_ring
 from burncoll.transport.wire import DataHeader, encode_data_header
 
-__all__ = ["PIECE_BYTES", "SEGMENT_BYTES", "HostSegments"]
+__all__ = ["PIECE_BYTES", "SEGMENT_BYTES", "HostSegments", "segment_bytes"]
 
 #: The largest piece of an array that goes through the segments at once (its slot's size).
 PIECE_BYTES = 8 << 20
-#: Where a segment's result area starts, and its shared mail (:mod:`burncoll.node.shared_mail`):
-#: a result chunk is at most half a piece (2 nodes or more), plus an element. Then the size.
-_RESULT_AT = PIECE_BYTES
-_MAIL_AT = PIECE_BYTES + PIECE_BYTES // 2 + 64
-SEGMENT_BYTES = _MAIL_AT + MAIL_AREA_BYTES
+#: A segment: the shared mail (:mod:`burncoll.node.shared_mail`) first, then (from
+#: :data:`SEGMENT_NODES` nodes) the slot from the next page on, and the result area: a result
+#: chunk is at most half a piece (2 nodes or more), plus an element.
+_MAIL_AT = 0
+_SLOT_AT = -(-MAIL_AREA_BYTES // mmap.PAGESIZE) * mmap.PAGESIZE
+_RESULT_AT = _SLOT_AT + PIECE_BYTES
+SEGMENT_BYTES = _RESULT_AT + PIECE_BYTES // 2 + 64
 #: Elements reduced at once (a block stays in the cache while every node's is added to it).
 _BLOCK_BYTES = 256 << 10
 #: An offer: the segment's creator's pid, its descriptor there and its name's token, padded.
@@ -79,6 +82,13 @@ _OFFER_ROUND, _ANSWER_ROUND, _FIRST_PIECE_ROUND = 1, 2, 3
 _MOST_PIECES = (2**16 - 1 - _FIRST_PIECE_ROUND) // 2
 
 
+def segment_bytes(nodes: int) -> int:
+    """A segment's size in a session of ``nodes`` node processes: the mail alone below
+    :data:`SEGMENT_NODES` (their all-reduces past the exchange take the ring), else the slot
+    and the result area too."""
+    return SEGMENT_BYTES if nodes >= SEGMENT_NODES else _SLOT_AT
+
+
 class HostSegments:
     """This node's segment and its mappings of every other node's (see the module)."""
 
@@ -87,6 +97,7 @@ class HostSegments:
         self._me = lanes.service.node_index
         self._nodes = len(lanes.service.nodes)
         self._session = lanes.service.session or 0
+        self._bytes = segment_bytes(self._nodes)
         #: Whether the segments are in use: ``None`` until the first all-reduce sets them up.
         self.usable: bool | None = None
         #: Every node's segment, this node's writable, by node index.
@@ -100,7 +111,8 @@ class HostSegments:
         if out is not None:
             require_separate_out(buf, out)
         pieces = -(-buf.nbytes // PIECE_BYTES)
-        if channel or self.usable is False or pieces > _MOST_PIECES:
+        if channel or self.usable is False or pieces > _MOST_PIECES or (
+                self._bytes < SEGMENT_BYTES):  # (fewer nodes than the segments serve)
             return False
         target = buf if out is None else out
         return self._lanes.run(op, _OFFER_BYTES,
@@ -140,7 +152,7 @@ class HostSegments:
         maps = self._maps
         if len(maps) != self._nodes:  # (closed by a node leaving after a failure)
             raise CollectiveError(f"{op.label}: the shared segments were closed")
-        slots = [np.frombuffer(maps[n], dtype, size) for n in range(self._nodes)]
+        slots = [np.frombuffer(maps[n], dtype, size, _SLOT_AT) for n in range(self._nodes)]
         slots[self._me][...] = piece
         self._round(op, check, round_)
         layout = even_layout(size, self._nodes)
@@ -168,7 +180,7 @@ class HostSegments:
         seen: set[tuple[int, int]] = set()  # (every segment is a file of its own)
         try:
             try:
-                fd, self._maps[self._me] = new_ring(token, SEGMENT_BYTES)
+                fd, self._maps[self._me] = new_ring(token, self._bytes)
                 mine = os.fstat(fd)
                 seen.add((mine.st_dev, mine.st_ino))
                 offer = f"{os.getpid()}/{fd}/{token}".encode()
@@ -206,7 +218,7 @@ class HostSegments:
             return False
         pid, fd, token = int(found[1]), int(found[2]), found[3].decode()
         try:
-            mapping = map_offered(pid, fd, token, SEGMENT_BYTES, seen)
+            mapping = map_offered(pid, fd, token, self._bytes, seen)
         except ProtocolError as exc:
             self._lanes.refuse(op, ProtocolError(f"{op.label}: node {node} {exc}"))
         if mapping is None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import mmap
 import platform
 import sys
@@ -44,18 +45,21 @@ from typing import Any
 
 import numpy as np
 
-from burncoll.strategies.auto import EXCHANGE_BYTES_ONE_HOST
 from burncoll.transport.wire import FIXED_HEADER_BYTES, MAX_NDIM
 
 __all__ = ["MAIL_BYTES", "ORDERED_STORES", "SharedMail"]
 
-#: Whether this processor keeps a thread's stores, and its loads, in program order (x86-64).
-ORDERED_STORES = platform.machine().lower() in {"x86_64", "amd64"}
+#: Whether this processor keeps a thread's stores, and its loads, in program order (x86-64,
+#: and a 64-bit Python: a 32-bit one there has other system call numbers).
+ORDERED_STORES = platform.machine().lower() in {"x86_64", "amd64"} and sys.maxsize > 2**32
 #: Linux's futex system call on x86-64, its operations, and the most waiters one wakes.
 _SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE, _ALL = 202, 0, 1, 2**31 - 1
-#: The largest message that goes through the mail: the largest exchange of one host's node
-#: processes, with the largest header.
-MAIL_BYTES = max(EXCHANGE_BYTES_ONE_HOST.values()) + FIXED_HEADER_BYTES + 8 * MAX_NDIM
+#: How a futex wait ends without an error: the word had changed, the time passed, a signal.
+_WAIT_ENDS = frozenset({errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR})
+#: The largest message that goes through the mail: a 512 KiB payload (the exchange of one
+#: host's node processes from 4 of them; larger exchanges, between 2 or 3, go on the caller
+#: sockets), with the largest header.
+MAIL_BYTES = (512 << 10) + FIXED_HEADER_BYTES + 8 * MAX_NDIM
 _LINE = 64
 #: A slot's size (whole cache lines).
 SLOT_BYTES = -(-MAIL_BYTES // _LINE) * _LINE
@@ -71,7 +75,8 @@ class Futex:
     """Sleeping on a counter until it changes, woken by its writer (Linux's futex: the
     kernel compares the word and sleeps at once, so a wake-up is never lost). Shared futexes
     key on the file and offset, so every process's mapping of a segment meets on the same
-    word. Off Linux on x86-64 :meth:`wait` just sleeps."""
+    word. Off Linux on x86-64, or where the system call is refused, :meth:`wait` just
+    sleeps."""
 
     def __init__(self) -> None:
         self._syscall: Any = None
@@ -88,8 +93,11 @@ class Futex:
             return
         whole = int(seconds)
         timeout = _Timespec(whole, int((seconds - whole) * 1e9))
-        self._syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAIT,
-                      ctypes.c_uint32(value), ctypes.byref(timeout), None, 0)
+        if self._syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAIT,
+                         ctypes.c_uint32(value), ctypes.byref(timeout), None, 0) == -1 and (
+                ctypes.get_errno() not in _WAIT_ENDS):
+            self._syscall = None  # (refused here: a filter, an emulator) sleep from now on
+            time.sleep(seconds)
 
     def wake(self, address: int) -> None:
         """Wake every process sleeping on the word at ``address``."""

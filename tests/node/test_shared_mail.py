@@ -2,7 +2,8 @@
 (:mod:`burncoll.node.shared_mail`).
 
 Real node processes through a real orchestrator (this file, run as a script, is one node):
-many back-to-back all-reduces of 8 B to 64 KiB (and 1 MiB between 2 nodes), every reduce op,
+many back-to-back all-reduces of 8 B to 64 KiB (and 256 KiB, and 1 MiB on the sockets, between
+2 nodes), every reduce op,
 several dtypes, fresh results, ``out=`` and in place, and barriers between them, each input
 new (a message read from a slot too early or too late gives a wrong result), each result
 compared with NumPy in float64 and bitwise identical on every node; the mail was used for
@@ -31,6 +32,7 @@ import pytest
 
 import burncoll
 import burncoll.node.segments as segments_module
+from burncoll.node.segments import segment_bytes
 from burncoll.node.shared_mail import Futex
 from tests import forked
 from tests.harness import run_nodes
@@ -43,7 +45,9 @@ CALLS = [("float32", 2, "sum", "fresh"),  # 8 B
          ("float32", 16_384, "sum", "fresh"),  # 64 KiB
          ("int32", 1_000, "mean", "fresh"),  # (integers: a float64 mean)
          ("float64", 3, "min", "in place")]
-BIG = ("float32", 1 << 18, "sum", "out")  # 1 MiB: through the mail between 2 nodes
+#: Between 2 nodes also (exchanges of 2 nodes go up to 2 MiB): 256 KiB through the mail,
+#: 1 MiB past its slots, on the caller sockets, in between.
+BIG = [("float32", 1 << 16, "sum", "out"), ("float64", 1 << 17, "max", "fresh")]
 ROUNDS = 8
 
 
@@ -91,7 +95,7 @@ def _node_main(argv: list[str]) -> None:
                                     node_address="127.0.0.1", transport=transport,
                                     timeout=20.0)
     comm = burncoll.register(node, 0, cfg)
-    calls = [*CALLS, BIG] if nodes == 2 else CALLS
+    calls = [*CALLS, *BIG] if nodes == 2 else CALLS
     record: dict[str, Any] = {"node": node, "error": 0.0, "calls": 0}
     digest = hashlib.sha256()
     started = time.monotonic()
@@ -141,14 +145,14 @@ def test_node_processes_of_one_host_exchange_through_the_mail(nodes: int, transp
                                                               ) -> None:
     records = _run_processes(nodes, transport)
     assert len(records) == nodes
-    calls = ROUNDS * (len(CALLS) + (nodes == 2))
+    calls = ROUNDS * (len(CALLS) + 2 * (nodes == 2))
     for record in records:
         assert "raised" not in record, record
         assert record["calls"] == calls, record
         assert record["error"] <= 1e-5, record  # (float32 sums; every other call exact)
-        # every call and barrier went through the mail (plus the segments' 2 set-up rounds
-        # on the sockets, which post nothing)
-        assert record["posted"] == calls + ROUNDS, record
+        # every call and barrier went through the mail but the 1 MiB ones (and the segments'
+        # 2 set-up rounds on the sockets, which post nothing)
+        assert record["posted"] == calls + ROUNDS - ROUNDS * (nodes == 2), record
     assert len({r["sha"] for r in records}) == 1  # the same bits on every node
 
 
@@ -214,6 +218,34 @@ def test_different_sizes_are_a_mismatch_on_every_node() -> None:
     for rank in range(3):
         assert isinstance(out[rank], burncoll.MismatchError), out[rank]
         assert "100" in str(out[rank]) and "110" in str(out[rank]), out[rank]
+
+
+def test_a_barrier_against_an_all_reduce_is_a_mismatch_on_every_node() -> None:
+    """The barrier's message is shorter than the other call's header: the report reads that
+    header whole (not "a malformed message")."""
+    def fn(comm: burncoll.Communicator) -> Any:
+        comm.barrier()
+        if comm.rank == 0:
+            return comm.barrier()
+        return comm.all_reduce(np.ones(2, np.float32))
+
+    out = _threads(2, fn)
+    for rank in range(2):
+        assert isinstance(out[rank], burncoll.MismatchError), out[rank]
+        assert "barrier" in str(out[rank]) and "all_reduce" in str(out[rank]), out[rank]
+
+
+def test_two_nodes_make_segments_of_the_mail_alone() -> None:
+    """Below 3 nodes the segments' all-reduce is not used: a segment is the mail only."""
+    def fn(comm: burncoll.Communicator) -> Any:
+        comm.barrier()
+        maps = comm._server.link._segments._maps  # type: ignore[attr-defined]
+        return sorted(len(m) for m in maps.values())
+
+    out = _threads(2, fn)
+    for rank in range(2):
+        assert out[rank] == [segment_bytes(2)] * 2, out[rank]
+    assert segment_bytes(2) <= 2 << 20 < segment_bytes(3)
 
 
 def test_a_node_without_its_segment_leaves_every_node_on_the_sockets(
