@@ -25,6 +25,7 @@ bf16 is float32's top 16 bits, rounded to nearest even: ml_dtypes' cast when it 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -54,12 +55,15 @@ _UNIT = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 
 NDArray = np.ndarray[Any, Any]
 
-try:  # the bfloat16 dtype (a dependency; jax brings it too)
-    import ml_dtypes
-
-    _BFLOAT16: Any = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - installed with burncoll
-    _BFLOAT16 = None
+@functools.cache
+def _bfloat16() -> Any:
+    """ml_dtypes' bfloat16 dtype (a dependency; jax brings it too), ``None`` without it;
+    imported at the first bf16 operation, not with burncoll: it costs a process ~1 s of CPU."""
+    try:
+        import ml_dtypes
+    except ImportError:  # pragma: no cover - installed with burncoll
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
 
 
 def encode(x: NDArray, kind: str) -> NDArray:
@@ -67,8 +71,9 @@ def encode(x: NDArray, kind: str) -> NDArray:
     if kind == "fp16":
         with np.errstate(over="ignore", invalid="ignore"):  # beyond 65504: inf, as documented
             return x.astype(np.float16).view(np.uint16)
-    if _BFLOAT16 is not None:  # ml_dtypes' cast: about 5x faster than the bit operations
-        narrowed: NDArray = x.astype(_BFLOAT16).view(np.uint16)
+    bfloat16 = _bfloat16()
+    if bfloat16 is not None:  # ml_dtypes' cast: about 5x faster than the bit operations
+        narrowed: NDArray = x.astype(bfloat16).view(np.uint16)
         return narrowed
     bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
     rounded = np.right_shift(bits, 16)
@@ -87,8 +92,9 @@ def decode(raw: NDArray, kind: str) -> NDArray:
     """uint16 wire values as a new float32 array."""
     if kind == "fp16":
         return raw.view(np.float16).astype(np.float32)
-    if _BFLOAT16 is not None:
-        widened: NDArray = raw.view(_BFLOAT16).astype(np.float32)
+    bfloat16 = _bfloat16()
+    if bfloat16 is not None:
+        widened: NDArray = raw.view(bfloat16).astype(np.float32)
         return widened
     wide = raw.astype(np.uint32)
     np.left_shift(wide, 16, out=wide)
@@ -101,8 +107,9 @@ def wire_values(raw: NDArray, kind: str) -> NDArray:
     decoded float32 copy where the bfloat16 dtype is missing."""
     if kind == "fp16":
         return raw.view(np.float16)
-    if _BFLOAT16 is not None:
-        return raw.view(_BFLOAT16)
+    bfloat16 = _bfloat16()
+    if bfloat16 is not None:
+        return raw.view(bfloat16)
     return decode(raw, kind)
 
 

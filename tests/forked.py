@@ -38,7 +38,7 @@ from typing import IO, Any
 
 #: What the server imports before it forks anything.
 PRELOAD = ["numpy", "burncoll", "burncoll.transport.tcp", "burncoll.transport.websocket",
-           "burncoll.transport.quic"]
+           "burncoll.transport.quic", "ml_dtypes"]
 PIPE = subprocess.PIPE
 STDOUT = subprocess.STDOUT
 _REPO = Path(__file__).resolve().parents[1]

@@ -9,6 +9,8 @@ MismatchError; the codec itself is checked against ml_dtypes/NumPy where they ex
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -156,3 +158,22 @@ def test_the_bit_operations_round_as_ml_dtypes_does(monkeypatch: pytest.MonkeyPa
     same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
     assert same.all()
 
+
+
+def test_importing_burncoll_leaves_ml_dtypes_to_the_first_bf16_operation() -> None:
+    """ml_dtypes costs a process ~1 s of CPU to import: a fresh interpreter that imports
+    burncoll has not imported it, and its first bf16 encoding does (the same bits as the
+    bit operations' rounding)."""
+    script = (
+        "import sys, numpy as np, burncoll\n"
+        "from burncoll import compression\n"
+        "before = 'ml_dtypes' in sys.modules\n"
+        "raw = compression.encode(np.array([1.0, 1.00390625, -2.5e-3], np.float32), 'bf16')\n"
+        "print(before, 'ml_dtypes' in sys.modules, raw.tolist())\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=True)
+    before, after, raw = done.stdout.split(" ", 2)
+    assert (before, after) == ("False", "True"), done.stdout
+    want = np.array([1.0, 1.00390625, -2.5e-3], np.float32).view(np.uint32)
+    rounded = (want + 0x7FFF + ((want >> 16) & 1)) >> 16  # round to nearest even
+    assert [int(v) for v in raw.strip("[]\n").split(", ")] == rounded.tolist()
