@@ -41,6 +41,7 @@ from burncoll.backends import BACKEND_NAMES
 from burncoll.compression import COMPRESSIONS
 from burncoll.config_nodes import check_node_fields, launcher_values
 from burncoll.config_values import ENV_PREFIX, parse_env, parse_host_port, parse_strategy_field
+from burncoll.config_values import check_timeout as check_timeout_field
 from burncoll.errors import ConfigError
 from burncoll.secure_defaults import (
     HOW_TO_SET_A_TOKEN,
@@ -376,9 +377,7 @@ def _validate(cfg: CollectiveConfig) -> None:
     _require_int(cfg, "data_service_port", 0, optional=True)
     if cfg.data_service_port is not None and cfg.data_service_port > 65535:
         raise ConfigError(f"data_service_port={cfg.data_service_port}: expected 0-65535")
-    timeout = cfg.timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-        raise ConfigError(f"timeout={timeout!r}: expected a number of seconds > 0")
+    check_timeout_field(cfg.timeout)
     for name in ("auth_token", "auth_token_file", "tls_cert", "tls_key", "tls_ca",
                  "global_address", "node_address", "group"):
         value = getattr(cfg, name)

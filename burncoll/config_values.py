@@ -11,7 +11,12 @@ from urllib.parse import urlsplit
 from burncoll.errors import ConfigError
 from burncoll.strategies import Strategy, parse_strategy
 
-__all__ = ["ENV_PREFIX", "parse_env", "parse_host_port", "parse_strategy_field"]
+__all__ = ["ENV_PREFIX", "MAX_TIMEOUT", "check_timeout", "parse_env", "parse_host_port",
+           "parse_strategy_field"]
+
+#: The longest ``timeout``, in seconds (30 days): deadlines stay within what the clocks and
+#: the waits of threads, sockets and event loops can hold.
+MAX_TIMEOUT = 30 * 24 * 3600.0
 
 #: Environment variables ``BURNCOLL_<FIELD>`` override config fields.
 ENV_PREFIX = "BURNCOLL_"
@@ -46,6 +51,15 @@ def parse_host_port(
             raise ConfigError(f"{field_name}={value!r}: the port is missing; use 'host:port'")
         port = default_port
     return host, port
+
+
+def check_timeout(timeout: object) -> None:
+    """A config's ``timeout``: a number of seconds, > 0 and at most :data:`MAX_TIMEOUT`
+    (``inf`` is refused: every wait in burncoll has a deadline)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not (
+            0 < timeout <= MAX_TIMEOUT):
+        raise ConfigError(f"timeout={timeout!r}: expected a number of seconds > 0 and at most "
+                          f"{MAX_TIMEOUT:g} (30 days: every wait has a deadline, a finite one)")
 
 
 def parse_strategy_field(name: str, value: object) -> Strategy:

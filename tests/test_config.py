@@ -32,6 +32,8 @@ def test_defaults_choose_the_strategy_per_operation() -> None:
         ({"backend": "torch"}, ["backend", "numpy"]),
         ({"transport": "udp"}, ["transport", "websocket"]),
         ({"timeout": 0}, ["timeout"]),
+        ({"timeout": float("inf")}, ["timeout=inf", "at most 2.592e+06", "finite"]),
+        ({"timeout": 1e12}, ["timeout=1000000000000.0", "at most"]),
         ({"num_nodes": 2, "global_address": "x", "node_address": "127.0.0.1"},
          ["global_address", "port"]),
         ({"tls_cert": "a.pem"}, ["tls_key"]),
