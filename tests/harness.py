@@ -1,13 +1,78 @@
-"""Run a function on D real peer threads of one node and collect results or errors."""
+"""Run a function on D real peer threads of one node and collect results or errors; or run
+a script as N real node processes, each printing one JSON record."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 import burncoll
+from tests import forked
+
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def all_reduce_as(comm: burncoll.Communicator, x: np.ndarray, op: str, how: str
+                  ) -> np.ndarray:
+    """``comm.all_reduce(x, op)`` with the result asked for ``how``: ``"fresh"``, ``"out"``
+    (into a new array passed as ``out=``, which the call must return) or ``"in place"``."""
+    if how == "out":
+        out = np.empty_like(x)
+        assert comm.all_reduce(x, op, out=out) is out
+        return out
+    if how == "in place":
+        comm.all_reduce(x, op, out=x)
+        return x
+    return np.asarray(comm.all_reduce(x, op))
+
+
+def reduced_float64(xs: np.ndarray, op: str) -> np.ndarray:
+    """The reference: ``op`` (sum, mean, max, min, prod) over axis 0 of ``xs`` in float64."""
+    xs = xs.astype(np.float64)
+    return {"sum": xs.sum(0), "mean": xs.mean(0), "max": xs.max(0), "min": xs.min(0),
+            "prod": xs.prod(0)}[op]
+
+
+def register_node_process(argv: list[str]) -> tuple[burncoll.Communicator, int, int, int]:
+    """(In a script that :func:`run_node_processes` runs.) Register the one device of node
+    ``NODE`` from ``argv`` = ``NODE NODES ORCH_ADDRESS TRANSPORT DIES`` (20 s timeout); its
+    communicator, ``NODE``, ``NODES`` and ``DIES``."""
+    node, nodes, address, transport, dies = int(argv[0]), int(argv[1]), argv[2], argv[3], \
+        int(argv[4])
+    cfg = burncoll.CollectiveConfig(num_devices=1, num_nodes=nodes, global_address=address,
+                                    node_address="127.0.0.1", transport=transport,
+                                    timeout=20.0)
+    return burncoll.register(node, 0, cfg), node, nodes, dies
+
+
+def run_node_processes(script: str, nodes: int, transport: str, dies: int = -1
+                       ) -> list[dict[str, Any]]:
+    """Run ``script NODE NODES ORCH_ADDRESS TRANSPORT DIES`` as ``nodes`` node processes
+    (forked, :mod:`tests.forked`) meeting at a real orchestrator; every JSON line they print,
+    in node order. Node ``dies`` must exit with status 3 (a process that dies); every other
+    one with 0."""
+    env = dict(os.environ, PYTHONPATH=str(_REPO))
+    with burncoll.start_orchestrator(transport=transport) as orch:
+        procs = [forked.start(script, str(n), str(nodes), orch.address, transport, str(dies),
+                              stdout=forked.PIPE, stderr=forked.PIPE, env=env)
+                 for n in range(nodes)]
+        records = []
+        for n, p in enumerate(procs):
+            stdout, stderr = p.communicate(timeout=120)
+            if n == dies:
+                assert p.returncode == 3, stderr[-2000:]
+                continue
+            assert p.returncode == 0, stderr[-2000:]
+            records.extend(json.loads(line) for line in stdout.splitlines()
+                           if line.startswith("{"))
+    return records
 
 
 def run_peers(

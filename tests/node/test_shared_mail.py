@@ -24,7 +24,6 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,10 +33,14 @@ import burncoll
 import burncoll.node.segments as segments_module
 from burncoll.node.segments import segment_bytes
 from burncoll.node.shared_mail import Futex
-from tests import forked
-from tests.harness import run_nodes
+from tests.harness import (
+    all_reduce_as,
+    reduced_float64,
+    register_node_process,
+    run_node_processes,
+    run_nodes,
+)
 
-REPO = Path(__file__).resolve().parents[2]
 #: Each call: (dtype, elements, reduce op, how the result is asked for); ``barrier`` between.
 CALLS = [("float32", 2, "sum", "fresh"),  # 8 B
          ("int64", 1, "prod", "in place"),
@@ -62,22 +65,12 @@ def _input(node: int, i: int, call: tuple[str, int, str, str]) -> np.ndarray:
 
 
 def _reference(nodes: int, i: int, call: tuple[str, int, str, str]) -> np.ndarray:
-    xs = np.stack([_input(n, i, call).astype(np.float64) for n in range(nodes)])
-    return {"sum": xs.sum(0), "mean": xs.mean(0), "max": xs.max(0), "min": xs.min(0),
-            "prod": xs.prod(0)}[call[2]]
+    return reduced_float64(np.stack([_input(n, i, call) for n in range(nodes)]), call[2])
 
 
 def _call(comm: burncoll.Communicator, x: np.ndarray, call: tuple[str, int, str, str]
           ) -> np.ndarray:
-    op, how = call[2], call[3]
-    if how == "out":
-        out = np.empty_like(x)
-        assert comm.all_reduce(x, op, out=out) is out
-        return out
-    if how == "in place":
-        comm.all_reduce(x, op, out=x)
-        return x
-    return np.asarray(comm.all_reduce(x, op))
+    return all_reduce_as(comm, x, call[2], call[3])
 
 
 def _posted(comm: burncoll.Communicator) -> int:
@@ -89,12 +82,7 @@ def _posted(comm: burncoll.Communicator) -> int:
 def _node_main(argv: list[str]) -> None:
     """``NODE NODES ORCH_ADDRESS TRANSPORT DIES`` (``DIES``: the node that exits in the
     middle, or -1): print one JSON record."""
-    node, nodes, address, transport, dies = int(argv[0]), int(argv[1]), argv[2], argv[3], \
-        int(argv[4])
-    cfg = burncoll.CollectiveConfig(num_devices=1, num_nodes=nodes, global_address=address,
-                                    node_address="127.0.0.1", transport=transport,
-                                    timeout=20.0)
-    comm = burncoll.register(node, 0, cfg)
+    comm, node, nodes, dies = register_node_process(argv)
     calls = [*CALLS, *BIG] if nodes == 2 else CALLS
     record: dict[str, Any] = {"node": node, "error": 0.0, "calls": 0}
     digest = hashlib.sha256()
@@ -123,21 +111,7 @@ def _node_main(argv: list[str]) -> None:
 
 
 def _run_processes(nodes: int, transport: str, dies: int = -1) -> list[dict[str, Any]]:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    with burncoll.start_orchestrator(transport=transport) as orch:
-        procs = [forked.start(__file__, str(n), str(nodes), orch.address, transport, str(dies),
-                              stdout=forked.PIPE, stderr=forked.PIPE, env=env)
-                 for n in range(nodes)]
-        records = []
-        for n, p in enumerate(procs):
-            stdout, stderr = p.communicate(timeout=120)
-            if n == dies:
-                assert p.returncode == 3, stderr[-2000:]
-                continue
-            assert p.returncode == 0, stderr[-2000:]
-            records.extend(json.loads(line) for line in stdout.splitlines()
-                           if line.startswith("{"))
-    return records
+    return run_node_processes(__file__, nodes, transport, dies)
 
 
 @pytest.mark.parametrize(("nodes", "transport"), [(2, "tcp"), (4, "websocket")])
