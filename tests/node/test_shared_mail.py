@@ -11,8 +11,9 @@ them. A node process that dies while the others wait in the mail is named by eve
 at once. Then nodes as threads of this process (one host too): a node that never calls times
 the others out by their deadline, naming it; different sizes are a mismatch on every node; a
 node that cannot make its segment leaves every node on the caller sockets, with correct
-results; and a processor without ordered stores keeps the exchange on the sockets. Last, the
-futex the mail sleeps on, between real threads.
+results; a processor without ordered stores keeps the exchange on the sockets; and nodes of
+two devices exchange their sums through the mail. Last, the futex the mail sleeps on, between
+real threads.
 """
 
 from __future__ import annotations
@@ -244,6 +245,32 @@ def test_a_processor_without_ordered_stores_keeps_the_exchange_on_the_sockets(
 
 def test_the_mail_carries_the_small_calls_of_thread_nodes_too() -> None:
     _check_small_calls(_threads(3, _small_calls), 3, posted=2 * len(CALLS) + 1)
+
+
+@pytest.mark.parametrize("local", ["auto", "ring"])
+def test_nodes_of_two_devices_exchange_their_sums_through_the_mail(local: str) -> None:
+    """Each node reduces its 2 devices' arrays (inline under ``auto``, a local ring
+    otherwise), and its leader exchanges the node's sum through the mail."""
+    sizes = (3, 1000, 16_000)  # 12 B, 4 KB, 64 KB of float32 per peer
+    xs = {(r, n): np.random.default_rng(10 * r + n).standard_normal(n).astype(np.float32)
+          for r in range(4) for n in sizes}
+
+    def fn(comm: burncoll.Communicator) -> Any:
+        got = [comm.all_reduce(xs[comm.rank, n]) for n in sizes]
+        comm.barrier()
+        return got, _posted(comm)
+
+    with burncoll.start_orchestrator(transport="tcp") as orch:
+        out = run_nodes(orch.address, 2, 2, fn, transport="tcp", timeout=20.0,
+                        local_all_reduce_strategy=local)
+    for rank in range(4):
+        assert not isinstance(out[rank], BaseException), out[rank]
+        got, posted = out[rank]
+        assert posted == len(sizes) + 1  # (every all-reduce and the barrier: one post each)
+        for i, n in enumerate(sizes):
+            want = reduced_float64(np.stack([xs[r, n] for r in range(4)]), "sum")
+            np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(got[i], out[0][0][i])
 
 
 # -- the futex the mail sleeps on ------------------------------------------------------------
