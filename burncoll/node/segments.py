@@ -28,7 +28,7 @@ so nothing is read while it is written. Every message is a DATA header naming th
 its round and its sender, checked byte for byte as the exchange's are; every wait ends by the
 operation's deadline, and a process that dies closes its lanes (``PeerLost`` at once).
 
-**Mail.** After the result area, each segment holds the node's shared mail
+**Mail.** At its start, each segment holds the node's shared mail
 (:mod:`burncoll.node.shared_mail`): once the segments are set up -- by the session's first
 exchange (:meth:`HostSegments.exchange`) or all-reduce past it -- every message that fits,
 the exchange's and the rounds' above alike, goes through it instead of the caller sockets.

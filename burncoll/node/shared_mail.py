@@ -7,7 +7,7 @@ where Open MPI's processes, polling shared memory, take ~40 us (docs/performance
 node writes its message (the exchange's header and payload, exactly what it would send) into
 its own segment and then raises a counter there; the others, polling the counters, read it.
 
-**Layout** (after the result area of every node's segment): a counter (the number of messages the
+**Layout** (at the start of every node's segment): a counter (the number of messages the
 node has posted this session, a 64-bit word on a cache line of its own), then two slots of
 :data:`SLOT_BYTES`. Message ``k`` goes into slot ``k % 2``. A node posts message ``k + 1``
 only after it has read every other node's message ``k``, and every node read message
@@ -56,8 +56,8 @@ ORDERED_STORES = platform.machine().lower() in {"x86_64", "amd64"} and sys.maxsi
 _SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE, _ALL = 202, 0, 1, 2**31 - 1
 #: How a futex wait ends without an error: the word had changed, the time passed, a signal.
 _WAIT_ENDS = frozenset({errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR})
-#: The largest message that goes through the mail: a 512 KiB payload (the exchange of one
-#: host's node processes from 4 of them; larger exchanges, between 2 or 3, go on the caller
+#: The largest message that goes through the mail: a 512 KiB payload (the largest exchange of
+#: one host's node processes from 3 of them; larger ones, between 2, go on the caller
 #: sockets), with the largest header.
 MAIL_BYTES = (512 << 10) + FIXED_HEADER_BYTES + 8 * MAX_NDIM
 _LINE = 64
