@@ -15,6 +15,7 @@ import dataclasses
 import select
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -60,27 +61,37 @@ WHY = {
 }
 
 
-@pytest.mark.parametrize("kind", list(WHY))
-def test_a_hostile_lane_message_fails_every_node_naming_its_sender(kind: str) -> None:
+def hostile_second_call(attack: Callable[[burncoll.Communicator], None], error: str, why: str,
+                        **config: Any) -> None:
+    """Two nodes all-reduce honestly once; then node 1 runs ``attack`` (a test double) before
+    its second all-reduce: node 0's second call must raise ``error`` saying ``why`` and
+    naming node 1, and node 1 must learn of the failure too."""
     x = np.arange(16, dtype=np.float32)
 
     def fn(comm: burncoll.Communicator) -> Any:
         first = comm.all_reduce(x.copy())  # honest: the exchange works
         np.testing.assert_array_equal(first, (x.astype(np.float64) * 2).astype(np.float32))
         if comm.peer_id == 1:
-            _lanes_of(comm).socks[0].sendall(_tamper(_next_message_from_zero(comm), kind))
+            attack(comm)
             comm.all_reduce(x.copy())  # its honest message too: node 1 finds nothing wrong
             for _ in range(3):  # and learns of node 0's failure by its next operations
                 comm.barrier()
             return "node 1 never failed"
         return comm.all_reduce(x.copy())
 
-    out = _two_nodes(fn)
-    error, why = WHY[kind]
+    out = _two_nodes(fn, **config)
     zero = out[0]
     assert isinstance(zero, burncoll.CollectiveError), out
     assert type(zero).__name__ == error and why in str(zero) and "node 1" in str(zero), out
     assert isinstance(out[1], burncoll.CollectiveError), out
+
+
+@pytest.mark.parametrize("kind", list(WHY))
+def test_a_hostile_lane_message_fails_every_node_naming_its_sender(kind: str) -> None:
+    def attack(comm: burncoll.Communicator) -> None:
+        _lanes_of(comm).socks[0].sendall(_tamper(_next_message_from_zero(comm), kind))
+
+    hostile_second_call(attack, *WHY[kind])
 
 
 def test_a_stranger_without_the_token_cannot_open_a_lane() -> None:

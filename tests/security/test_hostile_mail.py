@@ -14,13 +14,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
 import pytest
 
 import burncoll
 from burncoll.transport.wire import FIXED_HEADER_BYTES, announced_lengths
-from tests.node.test_lanes import _two_nodes
-from tests.security.test_hostile_lanes import WHY, _tamper
+from tests.security.test_hostile_lanes import WHY, _tamper, hostile_second_call
 
 #: What node 0's error must say, by kind (its slot 0 was never written: its first message
 #: went into slot 1).
@@ -48,28 +46,13 @@ def _next_message_from_zero(mail: Any) -> bytes:
 
 @pytest.mark.parametrize("kind", list(WHY_MAIL))
 def test_a_hostile_mail_message_fails_every_node_naming_its_sender(kind: str) -> None:
-    x = np.arange(16, dtype=np.float32)
+    def attack(comm: burncoll.Communicator) -> None:
+        mail = _mail(comm)
+        message = _next_message_from_zero(mail)
+        if kind == "counter_far_ahead":  # an empty post, numbered 1000 past the next
+            mail.posted_count += 1000
+            mail.post(b"")
+        else:
+            mail.post(_tamper(message, kind))
 
-    def fn(comm: burncoll.Communicator) -> Any:
-        first = comm.all_reduce(x.copy())  # honest: the mail works
-        np.testing.assert_array_equal(first, (x.astype(np.float64) * 2).astype(np.float32))
-        if comm.peer_id == 1:
-            mail = _mail(comm)
-            message = _next_message_from_zero(mail)
-            if kind == "counter_far_ahead":  # an empty post, numbered 1000 past the next
-                mail.posted_count += 1000
-                mail.post(b"")
-            else:
-                mail.post(_tamper(message, kind))
-            comm.all_reduce(x.copy())  # its honest message after it: waits for node 0
-            for _ in range(3):  # and learns of node 0's failure by its next operations
-                comm.barrier()
-            return "node 1 never failed"
-        return comm.all_reduce(x.copy())
-
-    out = _two_nodes(fn, shared_memory=True)
-    error, why = WHY_MAIL[kind]
-    zero = out[0]
-    assert isinstance(zero, burncoll.CollectiveError), out
-    assert type(zero).__name__ == error and why in str(zero) and "node 1" in str(zero), out
-    assert isinstance(out[1], burncoll.CollectiveError), out
+    hostile_second_call(attack, *WHY_MAIL[kind], shared_memory=True)
