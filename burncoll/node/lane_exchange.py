@@ -79,7 +79,6 @@ class LaneExchange:
         #: Shared mail among node processes of one host, once their segments are set up
         #: (:mod:`burncoll.node.shared_mail`): messages that fit go through it.
         self.mail: Mail | None = None
-        self.mail_capacity = 0
         self._headers: dict[tuple[object, ...], tuple[bytes, np.dtype[Any]]] = {}
         #: This node and the others (the session's table does not change).
         self._me = service.node_index
@@ -130,23 +129,33 @@ class LaneExchange:
                 mailbox.done(op.seq)
 
     def trade(self, op: GlobalOp, check: Check, header: bytes, payload: Buffer
-              ) -> Mapping[int, bytes | bytearray]:
+              ) -> Mapping[int, Buffer]:
         """One round: send ``header`` (this node's, for ``op``) and ``payload`` on every lane
         (through the shared mail where it fits), and read every other node's message of the
         same length, which must start with the same header from that node; its bytes by
-        node (the payload after the header)."""
-        message = b"".join((header, payload))  # the payload's one copy
-        mail = self.mail if len(message) <= self.mail_capacity else None
+        node (the payload after the header; in the mail, a view of the other node's slot,
+        valid until this node posts again)."""
+        mail, size = self.mail, len(header) + memoryview(payload).nbytes
+        if mail is not None and size > mail.capacity:
+            mail = None
+        lanes = self.service.lanes
+        received: Mapping[int, Buffer]
         try:
-            received = self.service.lanes.exchange(message, len(message), op.deadline, mail)
+            if mail is None:
+                message = b"".join((header, payload))  # the payload's one copy
+                received = lanes.exchange(message, size, op.deadline)
+            else:  # (header and payload straight into this node's slot)
+                received = lanes.exchange_mail(mail, (header, payload), size, op.deadline)
         except (LaneWoken, LaneTimeout, LaneClosed, LaneOdd) as stop:
             self._raise(op, self._stopped(op, check, header, stop))
         where = "on its caller socket" if mail is None else "in the shared mail"
         for node, data in received.items():
-            if not data.startswith(restamped(header, op.seq, node)):
+            expected = restamped(header, op.seq, node)
+            if bytes(data[:len(expected)]) != expected:  # (the header only)
+                seen: Buffer = data
                 if mail is not None:  # (its whole header, for the report: a longer call's)
-                    data = mail.read(node, mail.posted_count, max(len(data), _HEAD_BYTES))
-                self._raise(op, self._fail(self._wrong(op, check, node, data, header, where)))
+                    seen = mail.read(node, mail.posted_count, max(size, _HEAD_BYTES))
+                self._raise(op, self._fail(self._wrong(op, check, node, seen, header, where)))
         return received
 
     def refuse(self, op: GlobalOp, error: CollectiveError) -> NoReturn:
@@ -166,7 +175,7 @@ class LaneExchange:
                                          dtype_from_name(op.dtype or "uint8"))
         return restamped(kept[0], op.seq, self._me), kept[1]
 
-    def _wrong(self, op: GlobalOp, check: Check, node: int, data: bytes | bytearray,
+    def _wrong(self, op: GlobalOp, check: Check, node: int, data: Buffer,
                header: bytes, where: str = "on its caller socket") -> CollectiveError:
         """Why node ``node``'s message ``data`` (of the expected length, but not the expected
         header; read ``where``) is not this operation's."""

@@ -54,10 +54,11 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 
 from burncoll.node.spinning import Spinning, Yielding
+from burncoll.transport.base import Buffer
 from burncoll.transport.wire import FIXED_HEADER_BYTES, announced_lengths
 
 __all__ = ["READY", "LaneClosed", "LaneOdd", "LaneTimeout", "LaneWoken", "Lanes"]
@@ -70,6 +71,7 @@ _IN = select.POLLIN
 #: timeout polls again.
 _POLL_MAX_MS = 2**31 - 1
 _OUT = select.POLLOUT
+T = TypeVar("T")
 #: The longest sleep between looks at the shared mail, in seconds: a post wakes the sleeper
 #: (:meth:`~burncoll.node.shared_mail.SharedMail.sleep`), but a failure or a closed lane is
 #: seen only when it looks.
@@ -79,11 +81,14 @@ MAIL_NAP = 2e-3
 class Mail(Protocol):
     """Messages through shared memory (:class:`burncoll.node.shared_mail.SharedMail`)."""
 
-    def post(self, message: bytes) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+
+    def post(self, parts: Sequence[Buffer]) -> int: ...
 
     def posted(self, node: int, k: int) -> bool: ...
 
-    def read(self, node: int, k: int, size: int) -> bytes: ...
+    def read(self, node: int, k: int, size: int) -> memoryview: ...
 
     def pending(self, size: int) -> dict[int, bytes]: ...
 
@@ -225,23 +230,32 @@ class Lanes:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
 
-    def exchange(self, message: bytes, expected: int, deadline: float,
-                 mail: Mail | None = None) -> Mapping[int, bytes | bytearray]:
+    def exchange(self, message: bytes, expected: int, deadline: float
+                 ) -> dict[int, bytearray]:
         """Send ``message`` to every other node and receive exactly ``expected`` bytes of
         one message from each, by ``deadline``; raises :class:`LaneTimeout`,
         :class:`LaneClosed`, :class:`LaneWoken` or :class:`LaneOdd`. Anything else that
-        stops it (``KeyboardInterrupt``) shuts every lane down first. With ``mail`` the
-        messages go through it (shared memory) instead, and the lanes are only watched:
-        a lane that closes is the loss of its node, a message on it a mismatch."""
+        stops it (``KeyboardInterrupt``) shuts every lane down first."""
+        return self._alone(lambda wake: _Exchange(self.socks, wake, message, expected).run(
+            deadline, self.spinning))
+
+    def exchange_mail(self, mail: Mail, parts: Sequence[Buffer], size: int, deadline: float
+                      ) -> dict[int, memoryview]:
+        """The same exchange through ``mail`` (shared memory): this node's message is
+        ``parts`` one after the other (``size`` bytes), and each other node's is read as a
+        view of as many bytes in its slot. The lanes are only watched: a lane that closes is
+        the loss of its node, a message on it a mismatch."""
+        return self._alone(lambda wake: self._by_mail(mail, parts, size, deadline))
+
+    def _alone(self, run: Callable[[int], T]) -> T:
+        """``run(wake-up pipe)``, the lanes' only reader and writer meanwhile (see
+        :meth:`exchange` for what ends it)."""
         try:
             with self._using:
                 if self._woken or self._closed or self._pipe is None:
                     raise LaneWoken()
                 try:
-                    if mail is not None:
-                        return self._by_mail(mail, message, expected, deadline)
-                    return _Exchange(self.socks, self._pipe[0], message, expected).run(
-                        deadline, self.spinning)
+                    return run(self._pipe[0])
                 except (LaneWoken, LaneTimeout, LaneClosed, LaneOdd):
                     raise
                 except BaseException:
@@ -250,14 +264,14 @@ class Lanes:
         finally:
             self._release_if_closed()
 
-    def _by_mail(self, mail: Mail, message: bytes, expected: int, deadline: float
-                 ) -> dict[int, bytes | bytearray]:
+    def _by_mail(self, mail: Mail, parts: Sequence[Buffer], expected: int, deadline: float
+                 ) -> dict[int, memoryview]:
         """(Holding ``_using``.) The exchange through ``mail``: post, then look at the other
         nodes' counters, giving the CPU away between looks for a while
         (:class:`~burncoll.node.spinning.Yielding`), then sleeping until the first node
         awaited posts (woken by it; :data:`MAIL_NAP` at most); every 16 looks and before every
         sleep, at the deadline, the wake-up pipe and the lanes too (:meth:`_watch`)."""
-        k = mail.post(message)
+        k = mail.post(parts)
         waiting = [n for n in self.socks if not mail.posted(n, k)]
         now = time.perf_counter()
         yield_until, looks = now + self.yielding.budget(), 0

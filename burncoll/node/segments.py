@@ -164,14 +164,15 @@ class HostSegments:
             out[a:b] = np.frombuffer(maps[n], dtype, b - a, _RESULT_AT)
 
     def _round(self, op: GlobalOp, check: Check, round_: int, payload: bytes = b""
-               ) -> dict[int, bytes | bytearray]:
-        """Round ``round_`` of ``op`` on the lanes: every node's ``payload``, by node."""
+               ) -> dict[int, bytes]:
+        """Round ``round_`` of ``op`` on the lanes: every node's ``payload``, by node (a
+        copy: a few bytes)."""
         header = encode_data_header(DataHeader(
             session=self._session, seq=op.seq, op_kind=op.kind, reduce_op=op.reduce_op,
             dtype=op.dtype, shape=op.shape, root=op.root, src=self._me, round=round_,
             channel=0, chunk=0, offset=0, chunk_bytes=len(payload)), len(payload))
         received = self._lanes.trade(op, check, header, payload)
-        return {node: data[len(header):] for node, data in received.items()}
+        return {node: bytes(data[len(header):]) for node, data in received.items()}
 
     def _set_up(self, op: GlobalOp, check: Check) -> bool:
         """Make, offer and map the segments (rounds 1 and 2); whether every node has all."""
@@ -201,10 +202,9 @@ class HostSegments:
             self.close()
         elif ORDERED_STORES:
             self._lanes.mail = SharedMail(self._maps, self._me, _MAIL_AT)
-            self._lanes.mail_capacity = self._lanes.mail.capacity
         return usable
 
-    def _map(self, op: GlobalOp, node: int, offer: bytes | bytearray, seen: set[tuple[int, int]]
+    def _map(self, op: GlobalOp, node: int, offer: bytes, seen: set[tuple[int, int]]
              ) -> bool:
         """Map node ``node``'s offered segment; ``False`` when it offered none or it cannot
         be reached. A file offered as one that is not a segment, or that another node (or
@@ -229,7 +229,7 @@ class HostSegments:
     def close(self) -> None:
         """Unmap every segment (views of them still held keep theirs mapped)."""
         maps, self._maps = self._maps, {}
-        self._lanes.mail, self._lanes.mail_capacity = None, 0
+        self._lanes.mail = None
         for mapping in maps.values():
             close_ring(None, mapping)
 

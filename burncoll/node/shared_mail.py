@@ -41,10 +41,12 @@ import mmap
 import platform
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from burncoll.transport.base import Buffer
 from burncoll.transport.wire import FIXED_HEADER_BYTES, MAX_NDIM
 
 __all__ = ["MAIL_BYTES", "ORDERED_STORES", "SharedMail"]
@@ -119,15 +121,19 @@ class SharedMail:
         self._futex = Futex()
         self._slots = (at + _LINE, at + _LINE + SLOT_BYTES)
         #: The largest message that fits.
-        self.capacity = SLOT_BYTES
+        self.capacity: int = SLOT_BYTES
         #: Messages this node has posted (all of them read by every other node but the last).
         self.posted_count = 0
 
-    def post(self, message: bytes) -> int:
-        """Post ``message`` (at most :attr:`capacity` bytes); its number."""
+    def post(self, parts: Sequence[Buffer]) -> int:
+        """Post the message ``parts`` make one after the other (at most :attr:`capacity`
+        bytes); its number."""
         k = self.posted_count + 1
-        at = self._slots[k & 1]
-        self._maps[self._me][at:at + len(message)] = message
+        at, mine = self._slots[k & 1], self._maps[self._me]
+        for part in parts:
+            size = memoryview(part).nbytes
+            mine[at:at + size] = part
+            at += size
         self._counters[self._me][0] = k  # (after the message: x86-64 keeps stores in order)
         self._futex.wake(self._addresses[self._me])
         self.posted_count = k
@@ -144,15 +150,16 @@ class SharedMail:
         """Whether ``node`` posted its message number ``k``."""
         return int(self._counters[node][0]) >= k
 
-    def read(self, node: int, k: int, size: int) -> bytes:
-        """The first ``size`` bytes of ``node``'s message number ``k`` (a copy)."""
+    def read(self, node: int, k: int, size: int) -> memoryview:
+        """The first ``size`` bytes of ``node``'s message number ``k``: a view of its slot,
+        which ``node`` writes again only after this node posted message ``k + 1``."""
         at = self._slots[k & 1]
-        return self._maps[node][at:at + min(size, SLOT_BYTES)]
+        return memoryview(self._maps[node])[at:at + min(size, SLOT_BYTES)]
 
     def pending(self, size: int) -> dict[int, bytes]:
         """For an operation that is no exchange: the first ``size`` bytes of every message
         another node posted that this node has not (it called an exchange in this node's
         place, or is ahead)."""
         k = self.posted_count + 1
-        return {n: self.read(n, k, size) for n in self._maps
+        return {n: bytes(self.read(n, k, size)) for n in self._maps
                 if n != self._me and self.posted(n, k)}

@@ -51,8 +51,8 @@ def test_a_hostile_mail_message_fails_every_node_naming_its_sender(kind: str) ->
         message = _next_message_from_zero(mail)
         if kind == "counter_far_ahead":  # an empty post, numbered 1000 past the next
             mail.posted_count += 1000
-            mail.post(b"")
+            mail.post((b"",))
         else:
-            mail.post(_tamper(message, kind))
+            mail.post((_tamper(message, kind),))
 
     hostile_second_call(attack, *WHY_MAIL[kind], shared_memory=True)
