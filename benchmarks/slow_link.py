@@ -2,13 +2,18 @@
 ``compression="bf16"`` (and ``"fp16"``).
 
 Each host is a network namespace on one bridge (``tests/multihost/netns.py``) whose egress is
-capped with ``tc ... tbf`` (default 1 Gbit/s); one process per host runs the all-reduce of
-float32 arrays. Every system runs in turn in the same hosts, ``--runs`` times; the table gives
-the median over runs of each run's median time per call (the slowest host's), and the bus
-bandwidth ``2 (n - 1) / n * bytes / time``, like nccl-tests. Needs root (``ip netns``) and
-torch (CPU build) for Gloo. Run from the repository root::
+capped with ``tc ... tbf`` (default 1 Gbit/s); ``--per-host`` processes per host (default 1,
+ranks numbered host by host as torchrun numbers them) run the all-reduce of float32 arrays.
+Every system runs in turn in the same hosts, ``--runs`` times; the table gives the median over
+runs of each run's median time per call (the slowest process's), and the bus bandwidth
+``2 (n - 1) / n * bytes / time`` over the ``n`` processes, like nccl-tests. Needs root
+(``ip netns``) and torch (CPU build) for Gloo. Run from the repository root::
 
     sudo .venv/bin/python benchmarks/slow_link.py --hosts 2 --sizes 16,64,256 --runs 3
+
+With several processes per host, burncoll composes its schedules by host under ``auto``
+(``burncoll.strategies.ByHost``); ``--strategies ring`` adds a row for the flat ring over
+every process (``burncoll:ring``), as Gloo runs it.
 
 The burncoll rows also print the largest error of the compressed result against the float64
 sum, relative to ``sum(|x_i|)`` (the bound of ``burncoll.compression``: ``(n + 1) * u``).
@@ -46,7 +51,8 @@ def _burncoll_worker(args: argparse.Namespace) -> dict[str, Any]:
     cfg = burncoll.CollectiveConfig(
         num_nodes=args.world, node_rank=args.rank, num_devices=1,
         global_address=f"{args.master}:{PORT}", node_address=args.address,
-        host_orchestrator=args.rank == 0, timeout=300, transport=args.transport)
+        host_orchestrator=args.rank == 0, timeout=300, transport=args.transport,
+        global_all_reduce_strategy=args.strategy or "auto")
     comm = burncoll.register(args.rank, 0, cfg)
     times: dict[str, list[float]] = {}
     errors: dict[str, float] = {}
@@ -106,9 +112,10 @@ def _run_system(hosts: list[Any], system: str, args: argparse.Namespace
     env = dict(os.environ, BURNCOLL_AUTH_TOKEN=args.token, GLOO_SOCKET_IFNAME="eth0",
                PYTHONPATH=str(REPO))
     procs = []
-    for host in hosts:
+    for host, local in ((h, k) for h in hosts for k in range(args.per_host)):
         argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--system", system,
-                "--rank", str(host.index), "--world", str(len(hosts)), "--master",
+                "--rank", str(host.index * args.per_host + local), "--world",
+                str(len(hosts) * args.per_host), "--master",
                 hosts[0].address, "--address", host.address, "--sizes",
                 ",".join(map(str, args.sizes)), "--iters", str(args.iters), "--warmup",
                 str(args.warmup), "--transport", args.transport]
@@ -129,10 +136,10 @@ def _run_system(hosts: list[Any], system: str, args: argparse.Namespace
 
 
 def _table(all_runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
-    n = args.hosts
+    n = args.hosts * args.per_host
     factor = 2 * (n - 1) / n
-    print(f"\n{n} hosts, egress {args.rate} each, float32, {args.runs} runs "
-          f"(median of run medians)\n")
+    print(f"\n{args.hosts} hosts x {args.per_host} processes, egress {args.rate} each, "
+          f"float32, {args.runs} runs (median of run medians)\n")
     systems = list(all_runs)
     print(f"{'MiB':>5} " + " ".join(f"{s + ' GB/s':>16}" for s in systems)
           + "  " + " ".join(f"{s + '/gloo':>16}" for s in systems if s != "gloo")
@@ -151,7 +158,8 @@ def _table(all_runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) 
 def _drive(args: argparse.Namespace) -> int:
     from tests.multihost.netns import hosts, rate_limit
 
-    systems = ["gloo", "burncoll", *[f"burncoll-{c}" for c in args.compressions]]
+    systems = ["gloo", "burncoll", *[f"burncoll:{s}" for s in args.strategies],
+               *[f"burncoll-{c}" for c in args.compressions]]
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     with hosts(args.hosts) as made:
         for host in made:
@@ -167,6 +175,9 @@ def _drive(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", type=int, default=2)
+    parser.add_argument("--per-host", type=int, default=1, help="processes on each host")
+    parser.add_argument("--strategies", default="",
+                        help="more burncoll rows with this global strategy, comma-separated")
     parser.add_argument("--rate", default="1gbit", help="tc tbf rate of each host's egress")
     parser.add_argument("--sizes", default="16,64,256", help="MiB, comma-separated")
     parser.add_argument("--runs", type=int, default=3)
@@ -184,11 +195,13 @@ def main() -> int:
     args = parser.parse_args()
     args.sizes = [int(s) for s in str(args.sizes).split(",") if s]
     if args.worker:
-        system, _, compression = args.system.partition("-")
+        named, _, args.strategy = args.system.partition(":")
+        system, _, compression = named.partition("-")
         args.system = system
         args.compression = compression or "none"
         return _worker(args)
     args.compressions = [c for c in str(args.compressions).split(",") if c]
+    args.strategies = [s for s in str(args.strategies).split(",") if s]
     args.token = secrets.token_hex(16)
     return _drive(args)
 

@@ -100,6 +100,9 @@ class GlobalLink(Protocol):
     #: All-reduces can go through shared segments (:class:`SharedSegments`): one host, and
     #: every node uses caller sockets.
     host_segments: bool
+    #: The host of each node, numbered from 0 in node order (equal: they share memory); a
+    #: node whose host is unknown counts as a host of its own.
+    hosts: tuple[int, ...]
 
     def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0,
                    out: HostArray | None = None, *, path: GlobalPath) -> None:

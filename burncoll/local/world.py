@@ -28,6 +28,8 @@ class World:
     one_host: bool = False
     #: All-reduces can go through the host's shared segments (``levels.SharedSegments``).
     host_segments: bool = False
+    #: The host of each node (``GlobalLink.hosts``); empty on one node.
+    hosts: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, peer_ids: Sequence[int], link: GlobalLink | None) -> World:
@@ -36,7 +38,7 @@ class World:
         if link is None:
             return cls(mine, mine, 1, 0, dict.fromkeys(mine, 0), False)
         return cls(mine, link.peer_ids, link.num_nodes, link.node_index, link.node_of,
-                   link.sharded, link.one_host, link.host_segments)
+                   link.sharded, link.one_host, link.host_segments, link.hosts)
 
     @property
     def size(self) -> int:

@@ -1,11 +1,10 @@
 """``NodeLink``: the :class:`~burncoll.levels.GlobalLink` of a real node.
 
 Peer threads call its blocking methods; the work runs on the node's event loop. It joins the
-collective (orchestrator, then a connection to every node), runs global schedules with the
-:class:`GlobalExecutor`, and turns failures anywhere into a failure of the local peers
-(:class:`~burncoll.levels.LocalPeers`). Which path each operation takes -- the one-round
-exchange, the shared segments, or which strategy's schedule -- is decided with the
-operation's plan, by the local level; the link only runs it.
+collective (orchestrator, then every node), runs global schedules with the
+:class:`GlobalExecutor`, and fails the local peers (:class:`~burncoll.levels.LocalPeers`) on
+any failure. Which path each operation takes (the exchange, the shared segments, a strategy's
+schedule) is decided with the operation's plan, by the local level; the link only runs it.
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ from burncoll.node.exchange import (
 )
 from burncoll.node.executor import GlobalExecutor
 from burncoll.node.lane_exchange import LaneExchange
+from burncoll.node.membership import number_hosts
 from burncoll.node.orchestrator_client import OrchestratorClient
 from burncoll.node.p2p_link import NodePointToPoint
 from burncoll.node.receives import Receives
@@ -75,8 +75,8 @@ class NodeLink:
         self.sharded = all(n.local_ring for n in self.nodes) and len(
             {len(n.peer_ids) for n in self.nodes}) == 1
         #: Every node announced this node's host identity: their rings share memory.
-        self.one_host = bool(self.nodes[0].host_id) and len(
-            {n.host_id for n in self.nodes}) == 1
+        self.hosts = number_hosts(self.nodes)
+        self.one_host = bool(self.nodes[0].host_id) and max(self.hosts) == 0
         self._local: LocalPeers | None = None
         self._closed = False
         self._p2p = NodePointToPoint(io, service, self.peer_ids, self.node_of)

@@ -52,6 +52,14 @@ class NodeInfo:
         return f"node {self.index} (peers {list(self.peer_ids)}, {self.host}:{self.port})"
 
 
+def number_hosts(nodes: Sequence[NodeInfo]) -> tuple[int, ...]:
+    """The host of each of ``nodes``, numbered from 0 in node order (equal host ids: equal
+    numbers; a node whose host is unknown gets a number of its own)."""
+    numbers: dict[str, int] = {}
+    return tuple(numbers.setdefault(n.host_id or f"#{i}", len(numbers))
+                 for i, n in enumerate(nodes))
+
+
 class Membership:
     """This node's place in its session; unknown (``session`` is ``None``) until the
     orchestrator's table arrives (:meth:`join`)."""

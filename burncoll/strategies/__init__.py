@@ -10,6 +10,7 @@ from __future__ import annotations
 from burncoll.errors import ConfigError
 from burncoll.strategies.auto import Auto, resolve
 from burncoll.strategies.base import Strategy
+from burncoll.strategies.by_host import ByHost
 from burncoll.strategies.centralized import Centralized
 from burncoll.strategies.ring import Ring
 from burncoll.strategies.schedule import Action, Schedule, Step
@@ -18,6 +19,7 @@ from burncoll.strategies.tree import Tree
 __all__ = [
     "Action",
     "Auto",
+    "ByHost",
     "Centralized",
     "Ring",
     "Schedule",

@@ -44,7 +44,7 @@ from burncoll.local.plans.reduce_broadcast import ReduceGlobalBroadcast
 from burncoll.local.plans.scheduled import LocalSchedule
 from burncoll.local.world import World
 from burncoll.ops import OpKind, ReduceOp
-from burncoll.strategies import Centralized, Ring, Tree
+from burncoll.strategies import ByHost, Centralized, Ring, Tree
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -58,15 +58,15 @@ def one_node(devices: int) -> World:
 
 
 def nodes(layout: list[int], node: int = 0, sharded: bool = False,
-          one_host: bool = False, segments: bool = False) -> World:
+          one_host: bool = False, segments: bool = False, hosts: tuple[int, ...] = ()) -> World:
     """Node ``node`` of nodes with ``layout[n]`` local peers each (peer ids in node order),
     on hosts of their own unless ``one_host`` (``segments``: one host, and its shared
-    segments usable)."""
+    segments usable) or ``hosts`` (each node's host)."""
     ids = [list(range(sum(layout[:n]), sum(layout[:n + 1]))) for n in range(len(layout))]
     return World(peer_ids=tuple(ids[node]), all_peer_ids=tuple(range(sum(layout))),
                  num_nodes=len(layout), node_index=node,
                  node_of={p: n for n, peers in enumerate(ids) for p in peers}, sharded=sharded,
-                 one_host=one_host or segments, host_segments=segments)
+                 one_host=one_host or segments, host_segments=segments, hosts=hosts)
 
 
 @dataclass(frozen=True)
@@ -271,6 +271,35 @@ CASES: list[tuple[str, Case, World, OpPlan]] = [
      nodes([2] * 8, sharded=True), HierarchicalRing(R, (T, X))),
     ("8 nodes sharded, shards straddle 64 KiB", Case(AR, 128 * KiB + 4, strategies=RING),
      nodes([2] * 8, 3, sharded=True), HierarchicalRing(R, (R, T))),
+    # -- several hosts with several node processes on some: past the exchange, auto's
+    #    schedules are composed by host, with auto's strategy for as many hosts
+    ("2 hosts x 2 nodes, 128 KiB: the exchange", Case(AR, 128 * KiB),
+     nodes([1] * 4, hosts=(0, 0, 1, 1)), OutOfPlace(X)),
+    ("2 hosts x 2 nodes, past the exchange: the ring by host", Case(AR, 128 * KiB + 4),
+     nodes([1] * 4, 2, hosts=(0, 0, 1, 1)), OutOfPlace(ByHost((0, 0, 1, 1), R))),
+    ("interleaved hosts: by host", Case(AR, MiB), nodes([1] * 4, hosts=(0, 1, 0, 1)),
+     OutOfPlace(ByHost((0, 1, 0, 1), R))),
+    ("9 nodes on 3 hosts, 48 KiB: a tree among the hosts", Case(AR, 48 * KiB),
+     nodes([1] * 9, hosts=(0, 0, 0, 1, 1, 1, 2, 2, 2)),
+     OutOfPlace(ByHost((0, 0, 0, 1, 1, 1, 2, 2, 2), T))),
+    ("2 hosts x 2 nodes, global ring: the flat ring", Case(AR, MiB, strategies=GLOBAL_RING),
+     nodes([1] * 4, hosts=(0, 0, 1, 1)), OutOfPlace(R)),
+    ("a host per node: the flat ring", Case(AR, MiB), nodes([1] * 4, hosts=(0, 1, 2, 3)),
+     OutOfPlace(R)),
+    ("one host: no composition", Case(AR, MiB), nodes([1] * 4, one_host=True,
+                                                      hosts=(0, 0, 0, 0)), OutOfPlace(R)),
+    ("2 hosts x 2 nodes of 2 peers, past the exchange", Case(AR, 4 * MiB),
+     nodes([2] * 4, 1, hosts=(0, 0, 1, 1)),
+     ReduceGlobalBroadcast(C, C, 0, ByHost((0, 0, 1, 1), R))),
+    ("2 hosts, sharded: each shard by host", Case(AR, 4 * MiB, strategies=RING),
+     nodes([2] * 4, sharded=True, hosts=(0, 0, 1, 1)),
+     HierarchicalRing(R, (ByHost((0, 0, 1, 1), R),) * 2)),
+    ("2 hosts, reduce", Case(RED, MiB, root=3), nodes([1] * 4, hosts=(0, 0, 1, 1)),
+     GlobalReduce(C, 0, 3, ByHost((0, 0, 1, 1), R))),
+    ("2 hosts, broadcast", Case(BC, MiB, root=0), nodes([1] * 4, hosts=(0, 0, 1, 1)),
+     GlobalBroadcast(C, 0, 0, ByHost((0, 0, 1, 1), T))),
+    ("2 hosts, barrier: the exchange", Case(BAR), nodes([1] * 4, hosts=(0, 0, 1, 1)),
+     GlobalBarrier(X)),
     # -- other operations across nodes (never inline, never exchanged): their own global field;
     #    a reduce and a reduce-scatter by the node's whole array, the others by 0 bytes
     ("2x2 small reduce, root here", Case(RED, root=1), nodes([2, 2]),

@@ -33,7 +33,7 @@ from burncoll.node.mailbox import FrameKey, Mailbox
 from burncoll.node.places import ReducePlace
 from burncoll.node.walk import AwaitChunk, ReceivePart, SendPart, Transfer, Walk, receives
 from burncoll.ops import OpKind, ReduceOp
-from burncoll.strategies import Centralized, Ring, Schedule, Strategy, Tree
+from burncoll.strategies import ByHost, Centralized, Ring, Schedule, Strategy, Tree
 from burncoll.strategies.layout import even_layout, sizes_layout
 from burncoll.transport.wire import DataHeader, Frame, FrameType
 
@@ -193,6 +193,11 @@ def _cases() -> Iterator[tuple[Strategy, int]]:
     for strategy in STRATEGIES:
         for world in WORLDS:
             yield strategy, world
+    for world in WORLDS:  # composed by host: 2 hosts in halves, interleaved, 3 hosts unequal
+        for hosts in dict.fromkeys([tuple(2 * i // world for i in range(world)),
+                                    tuple(i % 2 for i in range(world)),
+                                    tuple(min(i // 2, 2) for i in range(world))]):
+            yield ByHost(hosts, Ring() if world % 2 else Tree(2)), world
 
 
 def _sizes(world: int) -> list[tuple[int, int]]:

@@ -62,6 +62,7 @@ from burncoll.local.world import World
 from burncoll.ops import OpKind, ReduceOp
 from burncoll.strategies import Auto, Strategy, resolve
 from burncoll.strategies.auto import INLINE_BYTES, SEGMENT_NODES, exchange_limit
+from burncoll.strategies.by_host import ByHost
 from burncoll.strategies.layout import even_layout
 
 __all__ = ["OpPlan", "choose", "prepare"]
@@ -198,8 +199,14 @@ def _global(config: CollectiveConfig, kind: OpKind, nbytes: int, world: World) -
 
     ``nbytes`` is what the node is handed: the node's whole array for a reduce and a
     reduce-scatter, its array (or shard) for an all-reduce, and 0 for a barrier, a broadcast
-    (a receiver does not know the size) and an all-gather."""
-    return resolve(config.strategy(_GLOBAL_FIELD[kind]), "global", nbytes, world.num_nodes)
+    (a receiver does not know the size) and an all-gather. Under ``auto``, when several hosts
+    run several node processes (some host more than one), the schedule is composed by host
+    (:class:`~burncoll.strategies.by_host.ByHost`): ``auto``'s strategy among the hosts."""
+    configured = config.strategy(_GLOBAL_FIELD[kind])
+    hosts = max(world.hosts, default=0) + 1
+    if isinstance(configured, Auto) and 1 < hosts < world.num_nodes:
+        return ByHost(world.hosts, resolve(configured, "global", nbytes, hosts))
+    return resolve(configured, "global", nbytes, world.num_nodes)
 
 
 def _all_reduce_path(config: CollectiveConfig, world: World, nbytes: int,

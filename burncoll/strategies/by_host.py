@@ -1,0 +1,198 @@
+"""``ByHost``: a strategy composed by host -- inside each host, then between hosts, then inside.
+
+Node processes that share a host move data through shared memory, hosts through the network.
+A flat schedule over every node crosses the network wherever two neighbours sit on different
+hosts: a ring of ``N`` nodes on ``H`` hosts sends ``2 (N - 1) / N * S`` bytes out of a host per
+crossing, and more crossings than hosts when the nodes of a host are not numbered together.
+``ByHost`` keeps the network for the one part that needs it, as NCCL's and Open MPI's
+hierarchical collectives do:
+
+* **all-reduce**, every host with the same number ``k >= 2`` of nodes (torchrun's one process
+  per device): a one-round reduce-scatter inside each host leaves node ``j`` of the host with
+  the host's sum of shard ``j``; the ``j``-th nodes of all hosts all-reduce shard ``j`` with
+  the inner strategy (``k`` of these at once, one per shard); a one-round all-gather inside each
+  host hands every node every shard. A host sends ``2 (H - 1) / H * S`` bytes in all (spread over
+  its ``k`` nodes): the ring's lower bound among ``H`` participants.
+* **all-reduce** with hosts of different sizes, **reduce**, **broadcast**, **reduce-scatter**,
+  **all-gather**: through one *leader* per host (its first node; the root on the root's host):
+  members -> leader in one round inside the host, the inner strategy among the leaders, leader
+  -> members in one round inside the host.
+
+Every chunk's reduction is still computed once and copied, so every node ends bitwise
+identical. ``hosts[p]`` names the host of participant ``p`` (any integers; equal = same host);
+hosts are ordered by their first participant. Pure and stdlib-only, like the rest of
+:mod:`burncoll.strategies`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from burncoll.strategies._checks import check_owners, check_root, check_world, drop_empty
+from burncoll.strategies.base import Strategy
+from burncoll.strategies.schedule import Action, Round, Schedule, Step
+
+__all__ = ["ByHost", "host_groups"]
+
+_CACHE_SIZE = 256
+
+Groups = tuple[tuple[int, ...], ...]
+
+
+def host_groups(hosts: Sequence[int]) -> Groups:
+    """The participants of each host, ascending; hosts in the order of their first one."""
+    members: dict[int, list[int]] = {}
+    for p, host in enumerate(hosts):
+        members.setdefault(host, []).append(p)
+    return tuple(tuple(m) for m in members.values())
+
+
+def _embed(schedule: Schedule, members: Sequence[int], first_chunk: int = 0) -> list[Round]:
+    """``schedule``'s rounds with participant ``i`` as ``members[i]`` and chunk ``c`` as
+    ``first_chunk + c``."""
+    return [tuple(Step(members[s.src], members[s.dst], first_chunk + s.chunk, s.action)
+                  for s in rnd) for rnd in schedule.rounds]
+
+
+def _side_by_side(parts: Sequence[list[Round]]) -> list[Round]:
+    """Schedules over disjoint participants run at once: their ``r``-th rounds joined."""
+    depth = max((len(p) for p in parts), default=0)
+    return [tuple(s for p in parts if r < len(p) for s in p[r]) for r in range(depth)]
+
+
+def _to_leaders(groups: Groups, leaders: Sequence[int], chunks: int) -> Round:
+    """Every member sends every chunk to its host's leader (REDUCE), in node order."""
+    return tuple(Step(m, lead, c, Action.REDUCE) for g, lead in zip(groups, leaders, strict=True)
+                 for m in g if m != lead for c in range(chunks))
+
+
+def _from_leaders(groups: Groups, leaders: Sequence[int], chunks: int,
+                  owners: Sequence[int] = ()) -> Round:
+    """Every host's leader copies every chunk to its members (not chunk ``c`` to
+    ``owners[c]``, which holds it)."""
+    return tuple(Step(lead, m, c, Action.COPY) for g, lead in zip(groups, leaders, strict=True)
+                 for m in g if m != lead for c in range(chunks)
+                 if not (owners and owners[c] == m))
+
+
+def _leaders(groups: Groups, root: int | None = None) -> tuple[int, ...]:
+    """Each host's first node, but ``root`` on its own host."""
+    return tuple(root if root is not None and root in g else g[0] for g in groups)
+
+
+def _host_of(groups: Groups) -> dict[int, int]:
+    return {p: h for h, g in enumerate(groups) for p in g}
+
+
+def _checked(hosts: tuple[int, ...], world: int) -> Groups:
+    check_world(world)
+    if len(hosts) != world:
+        raise ValueError(f"ByHost knows the hosts of {len(hosts)} participants, not {world}")
+    return host_groups(hosts)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _all_reduce(hosts: tuple[int, ...], world: int, inner: Strategy) -> Schedule:
+    groups = _checked(hosts, world)
+    k = len(groups[0])
+    if k < 2 or any(len(g) != k for g in groups):
+        return _all_reduce_by_leaders(groups, world, inner)
+    among = inner.all_reduce(len(groups))
+    width = among.num_chunks
+    # node j of every host ends the first round with its host's sum of shard j
+    scatter = tuple(Step(g[i], g[j], j * width + c, Action.REDUCE) for g in groups
+                    for j in range(k) for i in range(k) if i != j for c in range(width))
+    shards = _side_by_side([_embed(among, [g[j] for g in groups], j * width)
+                            for j in range(k)])
+    gather = tuple(Step(g[j], g[i], j * width + c, Action.COPY) for g in groups
+                   for j in range(k) for i in range(k) if i != j for c in range(width))
+    return Schedule(world, k * width, drop_empty([scatter, *shards, gather]))
+
+
+def _all_reduce_by_leaders(groups: Groups, world: int, inner: Strategy) -> Schedule:
+    leaders = _leaders(groups)
+    among = inner.all_reduce(len(groups))
+    chunks = among.num_chunks
+    return Schedule(world, chunks, drop_empty([
+        _to_leaders(groups, leaders, chunks), *_embed(among, leaders),
+        _from_leaders(groups, leaders, chunks)]))
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _reduce(hosts: tuple[int, ...], world: int, root: int, inner: Strategy) -> Schedule:
+    groups = _checked(hosts, world)
+    check_root(world, root)
+    leaders = _leaders(groups, root)
+    among = inner.reduce(len(groups), _host_of(groups)[root])
+    chunks = among.num_chunks
+    return Schedule(world, chunks, drop_empty([_to_leaders(groups, leaders, chunks),
+                                               *_embed(among, leaders)]))
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _broadcast(hosts: tuple[int, ...], world: int, root: int, inner: Strategy) -> Schedule:
+    groups = _checked(hosts, world)
+    check_root(world, root)
+    leaders = _leaders(groups, root)
+    among = inner.broadcast(len(groups), _host_of(groups)[root])
+    chunks = among.num_chunks
+    return Schedule(world, chunks, drop_empty([*_embed(among, leaders),
+                                               _from_leaders(groups, leaders, chunks)]))
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _reduce_scatter(hosts: tuple[int, ...], world: int, owners: tuple[int, ...],
+                    inner: Strategy) -> Schedule:
+    groups = _checked(hosts, world)
+    owners = check_owners(world, owners)
+    leaders, host_of = _leaders(groups), _host_of(groups)
+    among = inner.reduce_scatter(len(groups), tuple(host_of[o] for o in owners))
+    # each owner's host leader ends with the chunk; the owner takes it from there
+    handed = tuple(Step(leaders[host_of[o]], o, c, Action.COPY) for c, o in enumerate(owners)
+                   if o != leaders[host_of[o]])
+    return Schedule(world, len(owners), drop_empty([
+        _to_leaders(groups, leaders, len(owners)), *_embed(among, leaders), handed]))
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _all_gather(hosts: tuple[int, ...], world: int, owners: tuple[int, ...],
+                inner: Strategy) -> Schedule:
+    groups = _checked(hosts, world)
+    owners = check_owners(world, owners)
+    leaders, host_of = _leaders(groups), _host_of(groups)
+    among = inner.all_gather(len(groups), tuple(host_of[o] for o in owners))
+    collected = tuple(Step(o, leaders[host_of[o]], c, Action.COPY)
+                      for c, o in enumerate(owners) if o != leaders[host_of[o]])
+    return Schedule(world, len(owners), drop_empty([
+        collected, *_embed(among, leaders), _from_leaders(groups, leaders, len(owners), owners)]))
+
+
+@dataclass(frozen=True)
+class ByHost(Strategy):
+    """``inner`` among the hosts, one round inside each host before and after it (see the
+    module). ``hosts[p]``: participant ``p``'s host; every schedule is for ``len(hosts)``
+    participants."""
+
+    hosts: tuple[int, ...]
+    inner: Strategy
+
+    @property
+    def spec(self) -> str:
+        return f"by-host({self.inner.spec})"
+
+    def reduce(self, world: int, root: int) -> Schedule:
+        return _reduce(self.hosts, world, root, self.inner)
+
+    def broadcast(self, world: int, root: int) -> Schedule:
+        return _broadcast(self.hosts, world, root, self.inner)
+
+    def all_reduce(self, world: int) -> Schedule:
+        return _all_reduce(self.hosts, world, self.inner)
+
+    def reduce_scatter(self, world: int, owners: tuple[int, ...]) -> Schedule:
+        return _reduce_scatter(self.hosts, world, tuple(owners), self.inner)
+
+    def all_gather(self, world: int, owners: tuple[int, ...]) -> Schedule:
+        return _all_gather(self.hosts, world, tuple(owners), self.inner)
