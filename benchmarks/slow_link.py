@@ -41,6 +41,17 @@ MIB = 2**20
 PORT = 29611
 
 
+def _bytes(text: str) -> int:
+    """A size in bytes: ``"16"`` is 16 MiB (the old form), ``"128K"`` as ``burncoll bench -b``."""
+    from burncoll.bench.options import parse_size
+
+    return int(text) * MIB if text.isdigit() else parse_size(text)
+
+
+def _label(size: int) -> str:
+    return f"{size // MIB}M" if size % MIB == 0 else f"{size // 1024}K"
+
+
 def _input(rank: int, count: int) -> np.ndarray:
     return np.random.default_rng(rank).standard_normal(count).astype(np.float32)
 
@@ -57,7 +68,7 @@ def _burncoll_worker(args: argparse.Namespace) -> dict[str, Any]:
     times: dict[str, list[float]] = {}
     errors: dict[str, float] = {}
     for size in args.sizes:
-        x = _input(args.rank, size * MIB // 4)
+        x = _input(args.rank, size // 4)
         spent = []
         for i in range(args.warmup + args.iters):
             comm.barrier()
@@ -85,7 +96,7 @@ def _gloo_worker(args: argparse.Namespace) -> dict[str, Any]:
                             world_size=args.world, timeout=timedelta(seconds=300))
     times: dict[str, list[float]] = {}
     for size in args.sizes:
-        source = torch.from_numpy(_input(args.rank, size * MIB // 4))
+        source = torch.from_numpy(_input(args.rank, size // 4))
         buffer = source.clone()
         spent = []
         for i in range(args.warmup + args.iters):
@@ -117,7 +128,7 @@ def _run_system(hosts: list[Any], system: str, args: argparse.Namespace
                 "--rank", str(host.index * args.per_host + local), "--world",
                 str(len(hosts) * args.per_host), "--master",
                 hosts[0].address, "--address", host.address, "--sizes",
-                ",".join(map(str, args.sizes)), "--iters", str(args.iters), "--warmup",
+                ",".join(f"{s}B" for s in args.sizes), "--iters", str(args.iters), "--warmup",
                 str(args.warmup), "--transport", args.transport]
         procs.append(host.popen(argv, env=env, stdout=subprocess.PIPE, text=True))
     results = []
@@ -141,16 +152,16 @@ def _table(all_runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) 
     print(f"\n{args.hosts} hosts x {args.per_host} processes, egress {args.rate} each, "
           f"float32, {args.runs} runs (median of run medians)\n")
     systems = list(all_runs)
-    print(f"{'MiB':>5} " + " ".join(f"{s + ' GB/s':>16}" for s in systems)
+    print(f"{'size':>5} " + " ".join(f"{s + ' GB/s':>16}" for s in systems)
           + "  " + " ".join(f"{s + '/gloo':>16}" for s in systems if s != "gloo")
           + "  max rel. error")
     for size in map(str, args.sizes):
         bw = {}
         for s in systems:
             seconds = statistics.median(run[size]["seconds"] for run in all_runs[s])
-            bw[s] = factor * int(size) * MIB / seconds / 1e9
+            bw[s] = factor * int(size) / seconds / 1e9
         errors = {s: all_runs[s][0][size]["error"] for s in systems if s != "gloo"}
-        print(f"{size:>5} " + " ".join(f"{bw[s]:>16.4f}" for s in systems) + "  "
+        print(f"{_label(int(size)):>5} " + " ".join(f"{bw[s]:>16.4f}" for s in systems) + "  "
               + " ".join(f"{bw[s] / bw['gloo']:>16.2f}" for s in systems if s != "gloo")
               + "  " + ", ".join(f"{s}: {e:.1e}" for s, e in errors.items() if e is not None))
 
@@ -179,7 +190,8 @@ def main() -> int:
     parser.add_argument("--strategies", default="",
                         help="more burncoll rows with this global strategy, comma-separated")
     parser.add_argument("--rate", default="1gbit", help="tc tbf rate of each host's egress")
-    parser.add_argument("--sizes", default="16,64,256", help="MiB, comma-separated")
+    parser.add_argument("--sizes", default="16,64,256",
+                        help="comma-separated; a plain number is MiB, else 128K, 1M, ...")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
@@ -193,7 +205,7 @@ def main() -> int:
     parser.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--address", default="127.0.0.1", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.sizes = [int(s) for s in str(args.sizes).split(",") if s]
+    args.sizes = [_bytes(s) for s in str(args.sizes).split(",") if s]
     if args.worker:
         named, _, args.strategy = args.system.partition(":")
         system, _, compression = named.partition("-")

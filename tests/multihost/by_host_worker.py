@@ -5,12 +5,16 @@ Started with torchrun's variables (``RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`
 across the nodes with arrays past the exchange's sizes (so the schedules run, composed by
 host), saves each result as ``<out>/<op>-<rank>.npy`` for the test to check against its own
 reference, and prints one ``MULTIHOST {json}`` line with the bytes its host's network
-interface sent during the all-reduce.
+interface sent during the all-reduce. With ``BY_HOST_DIES=R`` rank ``R`` exits after that
+all-reduce, and the others report the error their next operation raised.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +54,21 @@ def run(comm: burncoll.Communicator, out: Path) -> dict[str, Any]:
     save("all_reduce", comm.all_reduce(mine))
     comm.barrier()
     sent = _sent() - before
+    if rank == int(os.environ.get("BY_HOST_DIES", "-1")):
+        os._exit(17)  # gone without a word: the kernel closes its sockets
+    started = time.monotonic()
+    try:
+        more(comm, out, save)
+    except burncoll.CollectiveError as exc:
+        return {"rank": rank, "world": world, "sent": sent, "error": type(exc).__name__,
+                "message": str(exc), "seconds": time.monotonic() - started}
+    return {"rank": rank, "world": world, "sent": sent}
+
+
+def more(comm: burncoll.Communicator, out: Path, save: Callable[[str, object], None]) -> None:
+    """Every other collective, each past the exchange's sizes."""
+    rank = comm.peer_id
+    mine = contribution(rank, ELEMENTS)
     save("max", comm.all_reduce(contribution(rank + 10, 40_000), "max"))
     save("reduce3", comm.reduce(mine[:300_000], root=3))
     save("reduce0", comm.reduce(mine[:5_000], root=0))
@@ -57,7 +76,6 @@ def run(comm: burncoll.Communicator, out: Path) -> dict[str, Any]:
     save("reduce_scatter", comm.reduce_scatter(mine[: 4 * 50_001].reshape(4, 50_001)))
     save("all_gather", comm.all_gather(contribution(rank + 20, rows(rank) * 1000)
                                        .reshape(rows(rank), 1000)))
-    return {"rank": rank, "world": world, "sent": sent}
 
 
 def main() -> None:

@@ -35,9 +35,9 @@ TIMEOUT = 120.0
 HOSTS, PER_HOST = 2, 2
 
 
-def _start(tmp_path: Path, strategy: str) -> list[str]:
+def _start(tmp_path: Path, strategy: str, **more: str) -> tuple[list[int], list[str]]:
     """Run the 4 node processes to the end with ``strategy`` as the global all-reduce
-    strategy; their outputs, by rank."""
+    strategy (and the variables ``more``); their exit codes and outputs, by rank."""
     token = secrets.token_urlsafe(32)
     world = HOSTS * PER_HOST
     outputs: list[str] = []
@@ -50,7 +50,7 @@ def _start(tmp_path: Path, strategy: str) -> list[str]:
                                 LOCAL_WORLD_SIZE=str(PER_HOST), GROUP_RANK=str(host.index),
                                 MASTER_ADDR=hs[0].address, MASTER_PORT=str(PORT),
                                 BURNCOLL_AUTH_TOKEN=token, OMP_NUM_THREADS="1",
-                                BURNCOLL_GLOBAL_ALL_REDUCE_STRATEGY=strategy)
+                                BURNCOLL_GLOBAL_ALL_REDUCE_STRATEGY=strategy, **more)
                 log = tmp_path / f"rank{rank}.log"
                 logs.append(log)
                 with log.open("w") as sink:
@@ -63,9 +63,12 @@ def _start(tmp_path: Path, strategy: str) -> list[str]:
         except subprocess.TimeoutExpired:
             codes = [-1] * world
         outputs = [log.read_text() for log in logs]
-    assert codes == [0] * world, "\n".join(f"--- rank {r} exited {c}\n{o}" for r, (c, o)
-                                           in enumerate(zip(codes, outputs, strict=True)))
-    return outputs
+    return codes, outputs
+
+
+def _shown(codes: list[int], outputs: list[str]) -> str:
+    return "\n".join(f"--- rank {r} exited {c}\n{o}" for r, (c, o)
+                     in enumerate(zip(codes, outputs, strict=True)))
 
 
 def _report(output: str) -> dict[str, Any]:
@@ -85,7 +88,8 @@ def test_every_collective_across_two_hosts_of_two_node_processes(
         tmp_path: Path, strategy: str, out_of_each_host: tuple[float, float]) -> None:
     """``auto`` composes by host; an explicit ``ring`` runs flat over the 4 nodes, as
     configured: both exact, the flat ring sending 1.5 times the bytes between the hosts."""
-    outputs = _start(tmp_path, strategy)
+    codes, outputs = _start(tmp_path, strategy)
+    assert codes == [0] * len(codes), _shown(codes, outputs)
     world = HOSTS * PER_HOST
     ranks = range(world)
     inputs = np.stack([contribution(r, ELEMENTS) for r in ranks])
@@ -113,3 +117,18 @@ def test_every_collective_across_two_hosts_of_two_node_processes(
         sent = _report(output)["sent"]
         low, high = out_of_each_host
         assert low * size <= sent < high * size, (rank, sent / size, output)
+
+
+def test_a_node_process_that_dies_is_named_by_every_other_at_once(tmp_path: Path) -> None:
+    """Rank 3 (host 1's second node) exits without a word after the first all-reduce; the
+    next operation, composed by host, fails on the 3 others with the loss of node 3, long
+    before the 60 s timeout."""
+    codes, outputs = _start(tmp_path, "auto", BY_HOST_DIES="3", BURNCOLL_TIMEOUT="60")
+    assert codes == [0, 0, 0, 17], _shown(codes, outputs)
+    for rank in range(3):
+        report = _report(outputs[rank])
+        # lost during the operation, or noticed before it (then the operation is refused
+        # with that loss as the cause)
+        assert report["error"] in ("PeerLost", "CollectiveAborted"), report
+        assert "node 3" in report["message"] and "lost" in report["message"], report
+        assert report["seconds"] < 15, report
