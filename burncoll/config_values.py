@@ -64,9 +64,7 @@ def check_timeout(timeout: object) -> None:
 
 def parse_strategy_field(name: str, value: object) -> Strategy:
     """A strategy field's value: a :class:`Strategy`, or its name (``"tree:3"``)."""
-    if isinstance(value, Strategy):
-        return value
-    if isinstance(value, str):
+    if isinstance(value, (Strategy, str)):
         try:
             return parse_strategy(value)
         except ConfigError as exc:

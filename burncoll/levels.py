@@ -100,8 +100,8 @@ class GlobalLink(Protocol):
     #: All-reduces can go through shared segments (:class:`SharedSegments`): one host, and
     #: every node uses caller sockets.
     host_segments: bool
-    #: The host of each node, numbered from 0 in node order (equal: they share memory); a
-    #: node whose host is unknown counts as a host of its own.
+    #: The host of each node, numbered from 0 in node order (equal: they share memory);
+    #: ``()`` when some node's host is unknown.
     hosts: tuple[int, ...]
 
     def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0,

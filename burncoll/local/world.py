@@ -28,7 +28,7 @@ class World:
     one_host: bool = False
     #: All-reduces can go through the host's shared segments (``levels.SharedSegments``).
     host_segments: bool = False
-    #: The host of each node (``GlobalLink.hosts``); empty on one node.
+    #: The host of each node (``GlobalLink.hosts``); empty on one node or when unknown.
     hosts: tuple[int, ...] = ()
 
     @classmethod

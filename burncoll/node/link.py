@@ -76,7 +76,7 @@ class NodeLink:
             {len(n.peer_ids) for n in self.nodes}) == 1
         #: Every node announced this node's host identity: their rings share memory.
         self.hosts = number_hosts(self.nodes)
-        self.one_host = bool(self.nodes[0].host_id) and max(self.hosts) == 0
+        self.one_host = bool(self.hosts) and max(self.hosts) == 0
         self._local: LocalPeers | None = None
         self._closed = False
         self._p2p = NodePointToPoint(io, service, self.peer_ids, self.node_of)

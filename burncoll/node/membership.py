@@ -54,10 +54,12 @@ class NodeInfo:
 
 def number_hosts(nodes: Sequence[NodeInfo]) -> tuple[int, ...]:
     """The host of each of ``nodes``, numbered from 0 in node order (equal host ids: equal
-    numbers; a node whose host is unknown gets a number of its own)."""
+    numbers); ``()`` when a node's host is unknown (``shared_memory: false``, no ``/proc``):
+    then nobody knows which nodes share a host."""
+    if not all(n.host_id for n in nodes):
+        return ()
     numbers: dict[str, int] = {}
-    return tuple(numbers.setdefault(n.host_id or f"#{i}", len(numbers))
-                 for i, n in enumerate(nodes))
+    return tuple(numbers.setdefault(n.host_id, len(numbers)) for n in nodes)
 
 
 class Membership:

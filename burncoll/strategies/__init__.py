@@ -43,6 +43,10 @@ def parse_strategy(value: Strategy | str) -> Strategy:
     Raises :class:`~burncoll.errors.ConfigError` for anything else; its message lists the
     accepted spellings (and says that the arity must be ``>= 1`` for ``"tree:0"``).
     """
+    if isinstance(value, ByHost):
+        raise ConfigError(
+            "ByHost is not a strategy to configure: 'auto' composes by host where it pays, "
+            f"from the hosts the nodes announce; name its inner strategy instead ({_ACCEPTED})")
     if isinstance(value, Strategy):
         return value
     if not isinstance(value, str):

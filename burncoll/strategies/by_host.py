@@ -8,15 +8,20 @@ crossing, and more crossings than hosts when the nodes of a host are not numbere
 hierarchical collectives do:
 
 * **all-reduce**, every host with the same number ``k >= 2`` of nodes (torchrun's one process
-  per device): a one-round reduce-scatter inside each host leaves node ``j`` of the host with
-  the host's sum of shard ``j``; the ``j``-th nodes of all hosts all-reduce shard ``j`` with
+  per device): a ring reduce-scatter inside each host leaves node ``j`` of the host with the
+  host's sum of shard ``j``; the ``j``-th nodes of all hosts all-reduce shard ``j`` with
   the inner strategy (``k`` of these at once, one per shard); a one-round all-gather inside each
   host hands every node every shard. A host sends ``2 (H - 1) / H * S`` bytes in all (spread over
   its ``k`` nodes): the ring's lower bound among ``H`` participants.
 * **all-reduce** with hosts of different sizes, **reduce**, **broadcast**, **reduce-scatter**,
   **all-gather**: through one *leader* per host (its first node; the root on the root's host):
-  members -> leader in one round inside the host, the inner strategy among the leaders, leader
-  -> members in one round inside the host.
+  a chain through the host's members into the leader (reductions), the inner strategy among
+  the leaders, leader -> members in one round inside the host (copies).
+
+A node never reduces the parts of several senders in one round: those would wait in its
+mailbox for their turn (up to ``(k - 2)`` arrays on a host of ``k`` nodes); a ring or a chain
+inside the host has each node reduce one sender's parts at a time, and the walk's pipeline
+overlaps its rounds part by part.
 
 Every chunk's reduction is still computed once and copied, so every node ends bitwise
 identical. ``hosts[p]`` names the host of participant ``p`` (any integers; equal = same host);
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 
 from burncoll.strategies._checks import check_owners, check_root, check_world, drop_empty
 from burncoll.strategies.base import Strategy
+from burncoll.strategies.ring import Ring
 from burncoll.strategies.schedule import Action, Round, Schedule, Step
 
 __all__ = ["ByHost", "host_groups"]
@@ -57,15 +63,22 @@ def _embed(schedule: Schedule, members: Sequence[int], first_chunk: int = 0) -> 
 
 
 def _side_by_side(parts: Sequence[list[Round]]) -> list[Round]:
-    """Schedules over disjoint participants run at once: their ``r``-th rounds joined."""
+    """Schedules over disjoint participants or chunks run at once: their ``r``-th rounds
+    joined."""
     depth = max((len(p) for p in parts), default=0)
     return [tuple(s for p in parts if r < len(p) for s in p[r]) for r in range(depth)]
 
 
-def _to_leaders(groups: Groups, leaders: Sequence[int], chunks: int) -> Round:
-    """Every member sends every chunk to its host's leader (REDUCE), in node order."""
-    return tuple(Step(m, lead, c, Action.REDUCE) for g, lead in zip(groups, leaders, strict=True)
-                 for m in g if m != lead for c in range(chunks))
+def _to_leaders(groups: Groups, leaders: Sequence[int], chunks: int) -> list[Round]:
+    """Every host's sum in its leader: a chain through the host's nodes, last to first, the
+    leader last (REDUCE). A chain, not one round: a node receives from one node at a time,
+    so nothing waits in its mailbox for the reduction of another sender's part (with the
+    walk's pipeline the chain's steps overlap part by part)."""
+    chains = [[m for m in reversed(g) if m != lead] + [lead]
+              for g, lead in zip(groups, leaders, strict=True)]
+    return [tuple(Step(chain[i], chain[i + 1], c, Action.REDUCE) for chain in chains
+                  if i < len(chain) - 1 for c in range(chunks))
+            for i in range(max(map(len, chains)) - 1)]
 
 
 def _from_leaders(groups: Groups, leaders: Sequence[int], chunks: int,
@@ -101,14 +114,15 @@ def _all_reduce(hosts: tuple[int, ...], world: int, inner: Strategy) -> Schedule
         return _all_reduce_by_leaders(groups, world, inner)
     among = inner.all_reduce(len(groups))
     width = among.num_chunks
-    # node j of every host ends the first round with its host's sum of shard j
-    scatter = tuple(Step(g[i], g[j], j * width + c, Action.REDUCE) for g in groups
-                    for j in range(k) for i in range(k) if i != j for c in range(width))
+    # node j of every host ends with its host's sum of shard j (chunks j * width ...): a ring
+    # inside each host, so a node reduces one other node's part at a time
+    inside = Ring().reduce_scatter(k, tuple(j for j in range(k) for _ in range(width)))
+    scatter = _side_by_side([_embed(inside, g) for g in groups])
     shards = _side_by_side([_embed(among, [g[j] for g in groups], j * width)
                             for j in range(k)])
     gather = tuple(Step(g[j], g[i], j * width + c, Action.COPY) for g in groups
                    for j in range(k) for i in range(k) if i != j for c in range(width))
-    return Schedule(world, k * width, drop_empty([scatter, *shards, gather]))
+    return Schedule(world, k * width, drop_empty([*scatter, *shards, gather]))
 
 
 def _all_reduce_by_leaders(groups: Groups, world: int, inner: Strategy) -> Schedule:
@@ -116,7 +130,7 @@ def _all_reduce_by_leaders(groups: Groups, world: int, inner: Strategy) -> Sched
     among = inner.all_reduce(len(groups))
     chunks = among.num_chunks
     return Schedule(world, chunks, drop_empty([
-        _to_leaders(groups, leaders, chunks), *_embed(among, leaders),
+        *_to_leaders(groups, leaders, chunks), *_embed(among, leaders),
         _from_leaders(groups, leaders, chunks)]))
 
 
@@ -127,7 +141,7 @@ def _reduce(hosts: tuple[int, ...], world: int, root: int, inner: Strategy) -> S
     leaders = _leaders(groups, root)
     among = inner.reduce(len(groups), _host_of(groups)[root])
     chunks = among.num_chunks
-    return Schedule(world, chunks, drop_empty([_to_leaders(groups, leaders, chunks),
+    return Schedule(world, chunks, drop_empty([*_to_leaders(groups, leaders, chunks),
                                                *_embed(among, leaders)]))
 
 
@@ -153,7 +167,7 @@ def _reduce_scatter(hosts: tuple[int, ...], world: int, owners: tuple[int, ...],
     handed = tuple(Step(leaders[host_of[o]], o, c, Action.COPY) for c, o in enumerate(owners)
                    if o != leaders[host_of[o]])
     return Schedule(world, len(owners), drop_empty([
-        _to_leaders(groups, leaders, len(owners)), *_embed(among, leaders), handed]))
+        *_to_leaders(groups, leaders, len(owners)), *_embed(among, leaders), handed]))
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
@@ -171,7 +185,7 @@ def _all_gather(hosts: tuple[int, ...], world: int, owners: tuple[int, ...],
 
 @dataclass(frozen=True)
 class ByHost(Strategy):
-    """``inner`` among the hosts, one round inside each host before and after it (see the
+    """``inner`` among the hosts, rounds inside each host before and after it (see the
     module). ``hosts[p]``: participant ``p``'s host; every schedule is for ``len(hosts)``
     participants."""
 

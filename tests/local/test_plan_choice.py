@@ -43,6 +43,7 @@ from burncoll.local.plans.out_of_place import OutOfPlace
 from burncoll.local.plans.reduce_broadcast import ReduceGlobalBroadcast
 from burncoll.local.plans.scheduled import LocalSchedule
 from burncoll.local.world import World
+from burncoll.node.membership import NodeInfo, number_hosts
 from burncoll.ops import OpKind, ReduceOp
 from burncoll.strategies import ByHost, Centralized, Ring, Tree
 
@@ -409,3 +410,17 @@ def test_an_all_gather_of_scalars_is_refused_unless_inline() -> None:
                           (burncoll.CollectiveConfig(), nodes([2, 2]))):
         with pytest.raises(burncoll.UsageError, match="at least one dimension"):
             choose(scalar, where, _backend("numpy"), config)
+
+
+def test_the_hosts_of_a_session_are_known_only_when_every_node_announced_one() -> None:
+    """``NodeLink.hosts``: numbered in node order from the table's host ids; with one node
+    whose host is unknown (``shared_memory: false``), nothing is composed by host."""
+    a, b = "a" * 32, "b" * 32
+    table = [NodeInfo(i, "10.0.0.1", 1000 + i, (i,), host_id=h)
+             for i, h in enumerate([b, b, a, b, a])]
+    assert number_hosts(table) == (0, 0, 1, 0, 1)
+    assert number_hosts([*table[:4], NodeInfo(4, "10.0.0.2", 9, (4,))]) == ()
+    case = Case(AR, MiB)
+    unknown = nodes([1] * 4)  # hosts=()
+    assert choose(case.calls(unknown), unknown, get_backend("numpy"), case.config()) == (
+        OutOfPlace(R))

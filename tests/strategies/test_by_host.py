@@ -14,7 +14,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from burncoll.strategies import Centralized, Ring, Schedule, Strategy, Tree
+from burncoll.strategies import Action, Centralized, Ring, Schedule, Strategy, Tree
 from burncoll.strategies._checks import validate_schedule
 from burncoll.strategies.by_host import ByHost, host_groups
 
@@ -181,3 +181,23 @@ def test_groups_and_arguments() -> None:
         strategy.reduce(3, 3)
     with pytest.raises(ValueError):
         strategy.all_gather(3, (0, 5))
+
+
+@SETTINGS
+@given(inners, layout_owners())
+@example(Ring(), ((0, 0, 0, 0, 1, 1, 1, 1), (0, 1, 2, 3, 4, 5, 6, 7)))
+@example(Ring(), ((0, 0, 0, 1), (3,)))
+def test_inside_a_host_a_node_reduces_one_sender_at_a_time(
+        inner: Strategy, ho: tuple[tuple[int, ...], tuple[int, ...]]) -> None:
+    """Parts of several senders reduced into one node in the same round wait in its mailbox
+    for their turn (a host of k nodes: up to k - 2 arrays); inside a host no round has two."""
+    hosts, owners = ho
+    strategy, world = ByHost(hosts, inner), len(hosts)
+    for sched in (strategy.all_reduce(world), strategy.reduce(world, world - 1),
+                  strategy.reduce_scatter(world, owners)):
+        for rnd in sched.rounds:
+            senders: dict[int, set[int]] = {}
+            for s in rnd:
+                if s.action is Action.REDUCE and hosts[s.src] == hosts[s.dst]:
+                    senders.setdefault(s.dst, set()).add(s.src)
+            assert all(len(srcs) == 1 for srcs in senders.values()), (hosts, rnd)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+import burncoll
 from burncoll.errors import ConfigError
-from burncoll.strategies import Centralized, Ring, Strategy, Tree, parse_strategy
+from burncoll.strategies import ByHost, Centralized, Ring, Strategy, Tree, parse_strategy
 
 GOOD: list[tuple[object, Strategy]] = [
     ("centralized", Centralized()),
@@ -61,3 +62,12 @@ def test_non_positive_arity(spelling: str) -> None:
 def test_non_strings(value: object) -> None:
     with pytest.raises(ConfigError, match="accepted"):
         parse_strategy(value)  # type: ignore[arg-type]
+
+
+def test_by_host_is_not_configured() -> None:
+    """``ByHost`` needs the hosts the nodes announce: ``auto`` composes it, a config may not
+    name it (its spelling leaves the hosts out, so nodes could not compare it)."""
+    with pytest.raises(ConfigError, match="auto' composes by host"):
+        parse_strategy(ByHost((0, 0, 1, 1), Ring()))
+    with pytest.raises(ConfigError, match="auto' composes by host"):
+        burncoll.CollectiveConfig(global_all_reduce_strategy=ByHost((0, 0, 1, 1), Ring()))

@@ -203,7 +203,7 @@ def _global(config: CollectiveConfig, kind: OpKind, nbytes: int, world: World) -
     run several node processes (some host more than one), the schedule is composed by host
     (:class:`~burncoll.strategies.by_host.ByHost`): ``auto``'s strategy among the hosts."""
     configured = config.strategy(_GLOBAL_FIELD[kind])
-    hosts = max(world.hosts, default=0) + 1
+    hosts = len(set(world.hosts))
     if isinstance(configured, Auto) and 1 < hosts < world.num_nodes:
         return ByHost(world.hosts, resolve(configured, "global", nbytes, hosts))
     return resolve(configured, "global", nbytes, world.num_nodes)
