@@ -134,26 +134,28 @@ def _all_reduce_by_leaders(groups: Groups, world: int, inner: Strategy) -> Sched
         _from_leaders(groups, leaders, chunks)]))
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _reduce(hosts: tuple[int, ...], world: int, root: int, inner: Strategy) -> Schedule:
+def _rooted(hosts: tuple[int, ...], world: int, root: int
+            ) -> tuple[Groups, tuple[int, ...], int]:
+    """The groups, the leaders (``root`` on its host) and the root's host."""
     groups = _checked(hosts, world)
     check_root(world, root)
-    leaders = _leaders(groups, root)
-    among = inner.reduce(len(groups), _host_of(groups)[root])
-    chunks = among.num_chunks
-    return Schedule(world, chunks, drop_empty([*_to_leaders(groups, leaders, chunks),
-                                               *_embed(among, leaders)]))
+    return groups, _leaders(groups, root), _host_of(groups)[root]
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _reduce(hosts: tuple[int, ...], world: int, root: int, inner: Strategy) -> Schedule:
+    groups, leaders, host = _rooted(hosts, world, root)
+    among = inner.reduce(len(groups), host)
+    return Schedule(world, among.num_chunks, drop_empty([
+        *_to_leaders(groups, leaders, among.num_chunks), *_embed(among, leaders)]))
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _broadcast(hosts: tuple[int, ...], world: int, root: int, inner: Strategy) -> Schedule:
-    groups = _checked(hosts, world)
-    check_root(world, root)
-    leaders = _leaders(groups, root)
-    among = inner.broadcast(len(groups), _host_of(groups)[root])
-    chunks = among.num_chunks
-    return Schedule(world, chunks, drop_empty([*_embed(among, leaders),
-                                               _from_leaders(groups, leaders, chunks)]))
+    groups, leaders, host = _rooted(hosts, world, root)
+    among = inner.broadcast(len(groups), host)
+    return Schedule(world, among.num_chunks, drop_empty([
+        *_embed(among, leaders), _from_leaders(groups, leaders, among.num_chunks)]))
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
