@@ -441,7 +441,7 @@ def test_restarted_node_rejoins_on_the_same_ports(transport: str, fault_table: F
     peers = by_peer(records)
     assert sorted(peers) == list(range(6))
     for r in peers.values():
-        assert r["ok"], r
+        assert r["ok"], (r.get("stage"), r.get("error"), r.get("message"), r)
         if r["node"] != 1:
             assert r["first_error"] in ("PeerLost", "CollectiveTimeout"), r
     fault_table.add(

@@ -440,7 +440,9 @@ class Node:
             emit({"event": "failed", "node": self.node})
         t0 = time.monotonic()
         try:
-            comm = self.register(comm.peer_id, local, rec, 3)
+            # tried for as long as a new process may take to start on a busy host (its
+            # supervisor starts it only after both survivors have failed)
+            comm = self.register(comm.peer_id, local, rec, 12)
         except burncoll.CollectiveError as exc:
             rec.update(ok=False, error=type(exc).__name__, message=str(exc), stage="register again")
             return rec
