@@ -7,7 +7,10 @@ and receives exactly the bytes it must (the root of a gather receives every othe
 once, as it must in any schedule), in one round: the same choice as MPI's linear
 ``Gatherv``/``Scatterv`` and pairwise ``Alltoallv``. A prefix reduction (``scan``) sends each
 rank's array to every node that holds a later rank, which then reduces in rank order itself:
-one round too, every result reduced in the same order on whichever node computes it.
+one round too, every result reduced in the same order on whichever node computes it. A
+reduce-scatter with explicit counts combines on the node first: each node sends each rank of
+another node one block, its local ranks' blocks for that rank already reduced, under the chunk
+of the node's first rank.
 
 Chunks are indexed by rank (gather, scatter, prefix) or by ``(src rank, dst rank)`` as
 ``src * ranks + dst`` (all-to-all); ``owners[r]`` is the node of rank ``r``. Pure and
@@ -21,7 +24,8 @@ import functools
 from burncoll.strategies._checks import check_owners, check_root, drop_empty
 from burncoll.strategies.schedule import Action, Round, Schedule, Step
 
-__all__ = ["all_to_all_schedule", "gather_schedule", "prefix_schedule", "scatter_schedule"]
+__all__ = ["all_to_all_schedule", "first_ranks", "gather_schedule", "prefix_schedule",
+           "reduce_scatter_schedule", "scatter_schedule"]
 
 _CACHE_SIZE = 256
 
@@ -55,6 +59,27 @@ def all_to_all_schedule(nodes: int, owners: tuple[int, ...]) -> Schedule:
     steps: Round = tuple(
         Step(owners[s], owners[d], s * ranks + d, Action.COPY)
         for s in range(ranks) for d in range(ranks) if owners[s] != owners[d])
+    return Schedule(nodes, ranks * ranks, drop_empty([steps]))
+
+
+def first_ranks(nodes: int, owners: tuple[int, ...]) -> dict[int, int]:
+    """Each node that holds a rank: its first rank (by node, in node order)."""
+    first: dict[int, int] = {}
+    for r, o in enumerate(owners):
+        first.setdefault(o, r)
+    return {n: first[n] for n in range(nodes) if n in first}
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def reduce_scatter_schedule(nodes: int, owners: tuple[int, ...]) -> Schedule:
+    """Chunk ``f * ranks + d`` (node ``n``'s blocks for rank ``d``, combined; ``f`` is
+    ``n``'s first rank) from ``n`` to ``d``'s node, for every ``d`` of another node: one
+    block per node and rank, whatever the number of ranks a node holds."""
+    owners = check_owners(nodes, owners)
+    ranks = len(owners)
+    steps: Round = tuple(
+        Step(n, owners[d], f * ranks + d, Action.COPY)
+        for n, f in first_ranks(nodes, owners).items() for d in range(ranks) if owners[d] != n)
     return Schedule(nodes, ranks * ranks, drop_empty([steps]))
 
 

@@ -173,6 +173,59 @@ def test_every_operation_across_nodes(transport: str, nodes: int, devices: int) 
         _compare(results[rank], _expect(rank, world, ids), rank)
 
 
+RS_OPS = [("sum", "float32"), ("max", "int32"), ("min", "float64"), ("prod", "int64"),
+          ("mean", "int16"), ("sum", "bool"), ("mean", "float16")]
+
+
+def _rs_input(rank: int, rows: int, dtype: str) -> np.ndarray:
+    """Values that differ by rank and element, exact in every dtype (and small for prod)."""
+    values = (np.arange(rows * 2).reshape(rows, 2) * (rank + 3)) % 5 + 1
+    return values % 2 == 0 if dtype == "bool" else values.astype(dtype)
+
+
+def _rs_counts(world: int) -> list[int]:
+    return [(3 * d) % 4 for d in range(world)]  # 0, 3, 2, 1, ...: an empty block
+
+
+@pytest.mark.parametrize(("transport", "nodes", "devices"), [("tcp", 2, 3), ("quic", 3, 2)])
+def test_reduce_scatter_with_counts_combines_each_nodes_blocks_first(
+        transport: str, nodes: int, devices: int) -> None:
+    """Every reduce op over a reduce-scatter with counts, with several devices per node whose
+    ranks interleave the nodes: each node combines its devices' blocks before sending one per
+    rank; every result equals NumPy's over all ranks (float64; a mean of integers is
+    float64, a sum of bools their logical or, as NumPy's add)."""
+    world = nodes * devices
+    counts = _rs_counts(world)
+
+    def work(comm: burncoll.Communicator) -> Any:
+        return [comm.reduce_scatter(_rs_input(comm.rank, sum(counts), dtype), op,
+                                    counts=counts) for op, dtype in RS_OPS]
+
+    with burncoll.start_orchestrator(transport=transport, expected_nodes=nodes) as orch:
+        results = _run_nodes(orch.address, nodes, devices, transport, work)
+    bounds = np.cumsum([0, *counts])
+    for (op, dtype), index in zip(RS_OPS, range(len(RS_OPS)), strict=True):
+        inputs = np.stack([_rs_input(q, sum(counts), dtype).astype(np.float64)
+                           for q in range(world)])
+        if dtype == "bool":
+            want = inputs.max(axis=0)  # NumPy's add of bools is their logical or
+        else:
+            want = {"sum": inputs.sum(axis=0), "max": inputs.max(axis=0),
+                    "min": inputs.min(axis=0), "prod": inputs.prod(axis=0),
+                    "mean": inputs.mean(axis=0)}[op]
+        for rank in range(world):
+            got = results[rank]
+            assert not isinstance(got, BaseException), (rank, got)
+            mine = np.asarray(got[index])
+            expected_dtype = "float64" if op == "mean" and dtype == "int16" else dtype
+            assert mine.dtype == np.dtype(expected_dtype), (rank, op, dtype, mine.dtype)
+            assert mine.shape == (counts[rank], 2), (rank, op, mine.shape)
+            np.testing.assert_allclose(mine.astype(np.float64),
+                                       want[bounds[rank]:bounds[rank + 1]],
+                                       rtol=2e-3 if dtype == "float16" else 1e-12,
+                                       err_msg=f"rank {rank} {op} {dtype}")
+
+
 def test_large_blocks_cross_nodes_in_several_parts() -> None:
     """Blocks over a frame's part size (4 MiB) travel in parts and arrive whole."""
     rows = 3 << 19  # 1.5 Mi rows x 2 float32 = 12 MiB per peer

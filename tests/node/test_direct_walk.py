@@ -1,4 +1,5 @@
-"""The direct schedules of gather, scatter, all-to-all and scan, walked by every node of a world
+"""The direct schedules of gather, scatter, all-to-all, reduce-scatter and scan, walked by every
+node of a world
 in memory (the simulator of ``test_walk``): each schedule is valid, every block reaches exactly
 the nodes that need it with its rows, and frames that break the rules of these operations are
 refused naming their sender.
@@ -19,8 +20,10 @@ from burncoll.ops import OpKind
 from burncoll.strategies._checks import validate_schedule
 from burncoll.strategies.direct import (
     all_to_all_schedule,
+    first_ranks,
     gather_schedule,
     prefix_schedule,
+    reduce_scatter_schedule,
     scatter_schedule,
 )
 from burncoll.transport.wire import DataHeader
@@ -96,6 +99,45 @@ def test_all_to_all_and_prefix_deliver_what_each_node_needs(nodes: int, ranks: i
                 np.testing.assert_array_equal(got, rows[r])
             elif owners[r] != n:
                 assert got is None
+
+
+@pytest.mark.parametrize(("nodes", "ranks", "seed"), [(2, 2, 0), (2, 6, 1), (3, 7, 2),
+                                                      (4, 9, 3)])
+def test_reduce_scatter_sends_one_block_per_node_and_rank(nodes: int, ranks: int,
+                                                          seed: int) -> None:
+    """With counts, each node's blocks for a rank are combined before they leave: one block
+    to each rank of another node, from each node -- 1 / (ranks held) of all-to-all's."""
+    owners = _owners(nodes, ranks, seed)
+    first = first_ranks(nodes, owners)
+    assert sorted(first) == list(range(nodes))
+    assert all(owners[f] == n and f == owners.index(n) for n, f in first.items())
+    combined = {(n, d): _block(n * ranks + d, (n + d) % 3) for n in range(nodes)
+                for d in range(ranks)}
+    schedule = reduce_scatter_schedule(nodes, owners)
+    validate_schedule(schedule)
+    steps = [step for round_ in schedule.rounds for step in round_]
+    for n in range(nodes):
+        sent = [s for s in steps if s.src == n]
+        remote = [d for d in range(ranks) if owners[d] != n]
+        assert sorted(s.chunk for s in sent) == [first[n] * ranks + d for d in remote]
+        all_to_all = [s for r in all_to_all_schedule(nodes, owners).rounds for s in r
+                      if s.src == n]
+        assert len(all_to_all) == owners.count(n) * len(sent)
+    ops = [_op(OpKind.REDUCE_SCATTER, shape=(3,)) for _ in range(nodes)]
+    # a receiver holds a buffer of the agreed size for each block it expects (as the plan
+    # does): no frame is taken for a chunk it did not size itself
+    chunks: list[list[HostArray | None]] = [
+        [combined[m, d] if first[m] == s else None
+         for s, d in itertools.product(range(ranks), repeat=2)] for m in range(nodes)]
+    for m, (n, f) in itertools.product(range(nodes), first.items()):
+        for d in range(ranks):
+            if owners[d] == m and n != m:
+                chunks[m][f * ranks + d] = np.empty(combined[n, d].size)
+    walks = simulate(schedule, ops, chunks, PART, seed=seed)
+    for n, d in itertools.product(range(nodes), range(ranks)):
+        got = walks[owners[d]].chunks[first[n] * ranks + d]
+        assert got is not None
+        np.testing.assert_array_equal(got.reshape(combined[n, d].shape), combined[n, d])
 
 
 def _header(kind: OpKind, shape: tuple[int, ...], dtype: str = "float64", chunk: int = 0,
