@@ -30,15 +30,16 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-from burncoll.errors import PeerLost, ProtocolError, TransportError
+from burncoll.errors import MismatchError, PeerLost, ProtocolError, TransportError
 from burncoll.node.connections import MemberConnections
 from burncoll.node.dialing import Dialing
 from burncoll.node.inbox import Inbox
 from burncoll.node.lanes import READY, Lanes
 from burncoll.node.mailbox import Mailbox
 from burncoll.node.member_messages import Abort, Bye, Status, StatusQuery
-from burncoll.node.membership import Membership, NodeInfo, explain_lost
+from burncoll.node.membership import Membership, NodeInfo, TableMismatch, explain_lost
 from burncoll.node.p2p_outbox import Outbox
 from burncoll.node.placement import placer_for
 from burncoll.node.reading import MemberReader
@@ -84,6 +85,10 @@ class DataService:
         self._statuses: dict[int, Status] = {}
         self._status_event = asyncio.Event()
         self._failed = asyncio.Event()  # set with the session's failure
+        #: A member's hello said it holds another table; the members whose hello came in.
+        self._table_refused = asyncio.Event()
+        self._hellos: set[int] = set()
+        self._hellos_in = asyncio.Event()
         #: Called once when the session fails because of another node (set by the link).
         self.on_failure: Callable[[BaseException], None] = lambda error: None
         #: Answers a status query: what this node's peers are doing (its local level's
@@ -138,9 +143,36 @@ class DataService:
     # -- connections ---------------------------------------------------------------------------
     async def connect_all(self, deadline: float) -> None:
         """Dial every other node (to receive from it) and wait until every other node has
-        dialed this one (to send to it), both by ``deadline``."""
+        dialed this one (to send to it), both by ``deadline``.
+
+        A member whose hello says it holds another node table (:meth:`_serve`) ends it with a
+        :class:`~burncoll.MismatchError`, once every other node's hello has come in and this
+        node's hellos have gone out (by ``deadline``): each member then finds, on its own,
+        some member whose table differs from its own -- no node closes before another could
+        tell it apart."""
         others = self.membership.others()
-        await asyncio.gather(*(self._connect(n, deadline) for n in others))
+        dials = asyncio.ensure_future(asyncio.gather(*(self._connect(n, deadline)
+                                                       for n in others)))
+        connected = asyncio.ensure_future(self._connected(dials, deadline))
+        refused = asyncio.ensure_future(self._table_refused.wait())
+        try:
+            await asyncio.wait([connected, refused], return_when=asyncio.FIRST_COMPLETED)
+            if not refused.done():
+                return connected.result()
+            hellos = asyncio.ensure_future(self._hellos_in.wait())
+            both: list[asyncio.Future[Any]] = [dials, hellos]
+            await asyncio.wait(both, timeout=max(deadline - time.monotonic(), 0.01))
+            hellos.cancel()
+            assert self.mailbox.error is not None  # (set with the refusal)
+            raise self.mailbox.error
+        finally:
+            for task in (connected, refused, dials):
+                task.cancel()
+            await asyncio.gather(connected, refused, dials, return_exceptions=True)
+
+    async def _connected(self, dials: asyncio.Future[list[None]], deadline: float) -> None:
+        await dials
+        others = self.membership.others()
         await self._wait_for(self.connections.all_out, deadline, lambda n: (
             n.index in self.connections.out), "")
         if self.uses_lanes:  # the higher-indexed node of each pair dials the caller socket
@@ -221,10 +253,17 @@ class DataService:
     async def _serve(self, conn: Connection) -> None:
         """An accepted connection: after authentication and ``hello``, this node sends to the
         dialer on it (and still reads it, as every connection)."""
-        accepted = await self.dialing.accept(conn)
+        try:
+            accepted = await self.dialing.accept(conn)
+        except TableMismatch as exc:
+            self.fail(MismatchError(str(exc)), tell=False)  # (each member finds it)
+            self._table_refused.set()
+            self._said_hello(exc.node)
+            return
         if accepted is None:
             return
         node, conn, lane = accepted
+        self._said_hello(node)
         if lane:
             try:
                 self._accept_lane(node, conn)
@@ -240,6 +279,11 @@ class DataService:
                         self.nodes[node].describe())
             return
         await self.reader.read(conn, node, data=False)
+
+    def _said_hello(self, node: int) -> None:
+        self._hellos.add(node)
+        if len(self._hellos) >= len(self.membership.others()):
+            self._hellos_in.set()
 
     def _same_host(self, node: int) -> bool:
         """Whether ``node`` runs on this node's host (:mod:`burncoll.transport.shm`): their
@@ -343,8 +387,10 @@ class DataService:
                 await self._failed.wait()
 
     async def close(self) -> None:
-        """Say ``bye`` to every node, then close every connection and the listener."""
+        """Say ``bye`` to every node (after the abort, if this node failed the session), then
+        close every connection and the listener."""
         self.reader.closing = True
+        await self.flush_abort()
         await self.tell_all(Bye(self.node_index))
         await self.connections.close()
         self.lanes.close()
@@ -352,3 +398,4 @@ class DataService:
             reader.cancel()
         if self._listener is not None:
             await self._listener.close()
+

@@ -19,7 +19,7 @@ import time
 from burncoll.errors import AuthenticationError, ProtocolError, TransportError
 from burncoll.node.control import encode, kind_of
 from burncoll.node.member_messages import Hello, decode_member
-from burncoll.node.membership import Membership, NodeInfo
+from burncoll.node.membership import Membership, NodeInfo, TableMismatch
 from burncoll.transport.admission import BoundedLog
 from burncoll.transport.auth import authenticate_client, authenticate_server
 from burncoll.transport.base import PREAUTH_SECONDS, Connection, Transport
@@ -56,7 +56,8 @@ class Dialing:
         to be the two nodes' caller socket (:mod:`burncoll.node.lanes`): reading stops before
         the hello leaves, so the other node's first byte on it stays in the socket."""
         me = self.membership
-        hello = encode(Hello(me.node_index, me.session or 0, lane), me.session or 0)
+        session = me.session or 0
+        hello = encode(Hello(me.node_index, session, lane, me.digest), session)
         delay = 0.02
         while True:
             conn: Connection | None = None
@@ -91,7 +92,8 @@ class Dialing:
     async def accept(self, conn: Connection) -> tuple[int, Connection, bool] | None:
         """The member an accepted connection comes from, once it is authenticated and said
         hello, the connection to use, and whether the member asked for it as their caller
-        socket; ``None`` (logged) when it is dropped."""
+        socket; ``None`` (logged) when it is dropped. :class:`TableMismatch` when a member
+        of this session holds another node table."""
         if self.token is None and not self.membership.known.is_set():
             try:  # the session's secret is the key: wait for the table (bounded)
                 async with asyncio.timeout(PREAUTH_SECONDS):
@@ -111,6 +113,9 @@ class Dialing:
         try:
             node, lane = await self._hello(conn)
             return node, conn, lane
+        except TableMismatch:
+            await conn.close()
+            raise  # (a member: the session fails)
         except (ProtocolError, TransportError, TimeoutError) as exc:
             log.warning("data service: dropped %s before it said hello: %s", conn.remote, exc)
             return None

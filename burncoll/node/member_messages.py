@@ -29,6 +29,8 @@ __all__ = [
 MAX_REFUSAL = 1000
 #: Largest rank in a point-to-point message (a DATA header's u32 ``chunk`` carries the src).
 _MAX_RANK = 2**32 - 1
+#: Longest table digest in a hello (hex digits).
+_DIGEST_HEX = 64
 #: Largest message number (a DATA header's u64 ``seq``).
 _MAX_SEQ = 2**64 - 1
 
@@ -42,11 +44,16 @@ class Hello:
     session: int
     #: The connection is to be the two nodes' caller socket (:mod:`burncoll.node.lanes`).
     lane: bool = False
+    #: The digest of the node table the dialer holds
+    #: (:func:`burncoll.node.membership.table_digest`).
+    table: str = ""
 
     def to_json(self) -> JsonObject:
         message: JsonObject = {"type": self.KIND, "node": self.node, "session": self.session}
         if self.lane:
             message["lane"] = True
+        if self.table:
+            message["table"] = self.table
         return message
 
     @classmethod
@@ -61,8 +68,13 @@ class Hello:
         lane = message.get("lane", False)
         if not isinstance(lane, bool):
             raise MalformedMessage(f"hello from node {node} with a lane flag {lane!r}")
+        table = message.get("table", "")
+        if not (isinstance(table, str) and len(table) <= _DIGEST_HEX
+                and all(c in "0123456789abcdef" for c in table)):
+            raise MalformedMessage(f"hello from node {node} with a table digest that is not "
+                                   f"up to {_DIGEST_HEX} lowercase hex digits")
         assert isinstance(node, int) and isinstance(session, int)
-        return cls(node, session, lane)
+        return cls(node, session, lane, table)
 
 
 @dataclass(frozen=True, slots=True)

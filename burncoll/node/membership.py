@@ -10,6 +10,8 @@ turns what other members say about a failure into the error this node raises.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +26,8 @@ from burncoll.errors import (
 from burncoll.node.mailbox import Mailbox
 from burncoll.node.member_messages import Abort, Hello
 
-__all__ = ["Membership", "NodeInfo", "error_from_abort", "explain_lost"]
+__all__ = ["Membership", "NodeInfo", "TableMismatch", "error_from_abort", "explain_lost",
+           "table_digest"]
 
 _ERRORS_BY_NAME: dict[str, type[CollectiveError]] = {
     cls.__name__: cls
@@ -52,6 +55,24 @@ class NodeInfo:
         return f"node {self.index} (peers {list(self.peer_ids)}, {self.host}:{self.port})"
 
 
+class TableMismatch(ProtocolError):
+    """Member ``node``'s hello carries the digest of another node table than this node's."""
+
+    def __init__(self, node: int, message: str) -> None:
+        super().__init__(message)
+        self.node = node
+
+
+def table_digest(session: int, nodes: Sequence[NodeInfo], secret: str | None) -> str:
+    """A digest of everything the orchestrator's table says (but the receiver's own index):
+    members that hold the same table compute the same, and every schedule they build from
+    it is the same (32 hex digits)."""
+    listed = [[n.index, n.host, n.port, list(n.peer_ids), n.local_ring, n.host_id, n.lanes]
+              for n in nodes]
+    text = json.dumps([session, secret, listed], separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
 def number_hosts(nodes: Sequence[NodeInfo]) -> tuple[int, ...]:
     """The host of each of ``nodes``, numbered from 0 in node order (equal host ids: equal
     numbers); ``()`` when a node's host is unknown (``shared_memory: false``, no ``/proc``):
@@ -73,6 +94,8 @@ class Membership:
         #: The session's secret (hex), when the orchestrator gave one: the token of member
         #: connections when no token is configured.
         self.secret: str | None = None
+        #: The table's :func:`table_digest` (every member says it in its hello).
+        self.digest = ""
         #: Set once the session is known.
         self.known = asyncio.Event()
 
@@ -82,6 +105,7 @@ class Membership:
         self.node_index = node_index
         self.nodes = tuple(nodes)
         self.secret = secret
+        self.digest = table_digest(session, self.nodes, secret)
         self.known.set()
 
     def others(self) -> list[NodeInfo]:
@@ -102,6 +126,16 @@ class Membership:
             # a node of an earlier (failed) session reusing this address: never mix the two
             raise ProtocolError(f"hello from node {node} of another session "
                                 f"({hello.session!r})")
+        if hello.table != self.digest:
+            # an authenticated member of this session, told something else by the orchestrator
+            raise TableMismatch(node,
+                f"{self.describe(node)} holds another table of session {self.session:x} than "
+                f"{self.describe(self.node_index)} does (their digests differ: the members, "
+                "their addresses, hosts or the session's secret): the orchestrator told its "
+                "members different things, so they would build different schedules. It is "
+                "faulty, or not the one program every node runs (a group's orchestrator runs "
+                "in its rank 0's process); run every node and the orchestrator from the same "
+                "burncoll")
         return node
 
 

@@ -41,6 +41,8 @@ FINGERPRINT = {"num_nodes": 2, "transport": "websocket", "integrity": False}
 #: (message, the dict sent for it before the types, the conversation it belongs to)
 EVERY_MESSAGE: list[tuple[ControlMessage, dict[str, Any], str]] = [
     (Hello(1, 77), {"type": "hello", "node": 1, "session": 77}, "member"),
+    (Hello(1, 77, True, "0f" * 16), {"type": "hello", "node": 1, "session": 77, "lane": True,
+                                     "table": "0f" * 16}, "member"),
     (Bye(2), {"type": "bye", "node": 2}, "member"),
     (Abort(0, "MismatchError", "all_reduce #3: shapes differ"),
      {"type": "abort", "node": 0, "error": "MismatchError",
@@ -154,7 +156,7 @@ def test_a_join_names_every_field_that_is_wrong() -> None:
     assert text.count(";") == 3, text  # host, port, peer_ids, fingerprint
 
 
-TABLE = EVERY_MESSAGE[9][1]
+TABLE = next(sent for _, sent, _ in EVERY_MESSAGE if sent["type"] == "table")
 
 MALFORMED_TABLES = [
     ({"session": "9"}, "session must be an int"),
@@ -188,6 +190,10 @@ MALFORMED_MEMBER_MESSAGES = [
     ({"type": "hello", "node": True, "session": 1}, "hello from an unknown node True"),
     ({"type": "hello", "node": 1}, "hello from node 1 without its session"),
     ({"type": "hello", "node": 1, "session": "7"}, "hello from node 1 of another session ('7')"),
+    ({"type": "hello", "node": 1, "session": 7, "table": 5}, "with a table digest that is not"),
+    ({"type": "hello", "node": 1, "session": 7, "table": "AB"}, "with a table digest that is not"),
+    ({"type": "hello", "node": 1, "session": 7, "table": "a" * 65},
+     "with a table digest that is not"),
     ({"type": "bye", "node": "1"}, "malformed bye message: node must be an int >= 0"),
     ({"type": "abort", "node": 0, "error": "X"}, "malformed abort message: message must be"),
     ({"type": "abort", "node": 0, "error": 3, "message": "m"}, "error must be a string"),
