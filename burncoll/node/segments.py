@@ -19,9 +19,10 @@ operation's pieces go whole on the lanes (the exchange), and every later one tak
 (:meth:`HostSegments.all_reduce` returns ``False``).
 
 **Each piece** (round ``3 + 2p`` and ``4 + 2p`` of piece ``p``): a node writes its piece into
-its segment's slot and says so on every lane; once every node has, it reduces its own chunk
-of the piece (``even_layout`` over the nodes) over every node's slot in node order, into its
-segment's result area, and says so; once every node has, it copies every node's result chunk
+its segment's slot -- all but its own chunk (``even_layout`` over the nodes), which only it
+reads, from its array -- and says so on every lane; once every node has, it reduces its own
+chunk of the piece over every node's in node order, into its segment's result area, and says
+so; once every node has, it copies every node's result chunk
 into its output. A node writes its slot again only after every node reduced (the second
 round), and its result area only after every node finished copying (the next first round),
 so nothing is read while it is written. Every message is a DATA header naming the operation,
@@ -63,8 +64,10 @@ from burncoll.transport.wire import DataHeader, encode_data_header
 
 __all__ = ["PIECE_BYTES", "SEGMENT_BYTES", "HostSegments", "segment_bytes"]
 
-#: The largest piece of an array that goes through the segments at once (its slot's size).
-PIECE_BYTES = 8 << 20
+#: The largest piece of an array that goes through the segments at once (its slot's size):
+#: two rounds of messages per piece, so larger pieces wait less (4 node processes, 256 MiB:
+#: ~400 ms against ~420 with 8 MiB; docs/performance.md), for 48 MiB of shared memory a node.
+PIECE_BYTES = 32 << 20
 #: A segment: the shared mail (:mod:`burncoll.node.shared_mail`) first, then (from
 #: :data:`SEGMENT_NODES` nodes) the slot from the next page on, and the result area: a result
 #: chunk is at most half a piece (2 nodes or more), plus an element.
@@ -153,10 +156,12 @@ class HostSegments:
         if len(maps) != self._nodes:  # (closed by a node leaving after a failure)
             raise CollectiveError(f"{op.label}: the shared segments were closed")
         slots = [np.frombuffer(maps[n], dtype, size, _SLOT_AT) for n in range(self._nodes)]
-        slots[self._me][...] = piece
-        self._round(op, check, round_)
         layout = even_layout(size, self._nodes)
         a, b = layout[self._me]
+        slots[self._me][:a] = piece[:a]  # (only this node reads its own chunk: from
+        slots[self._me][b:] = piece[b:]  # its array, a copy's memory traffic fewer)
+        slots[self._me] = piece
+        self._round(op, check, round_)
         mine = np.frombuffer(maps[self._me], dtype, b - a, _RESULT_AT)
         _reduce(op.reduce_op or ReduceOp.SUM, [s[a:b] for s in slots], mine)
         self._round(op, check, round_ + 1)

@@ -40,7 +40,7 @@ from tests.harness import (
 )
 
 #: Each call: (dtype, elements, reduce op, how the result is asked for).
-CALLS = [("float32", 2_500_003, "sum", "fresh"),  # 10 MiB: two pieces, the last uneven
+CALLS = [("float32", 2_500_003, "sum", "fresh"),  # 10 MiB: 3 pieces (below), the last uneven
          ("float64", 300_001, "max", "out"),
          ("int64", 300_000, "prod", "in place"),
          ("float32", 1 << 20, "mean", "fresh"),
@@ -71,6 +71,8 @@ def _call(comm: burncoll.Communicator, node: int, call: int) -> np.ndarray:
 def _node_main(argv: list[str]) -> None:
     """``NODE NODES ORCH_ADDRESS TRANSPORT DIES`` (``DIES``: the node that exits after the
     first call, or -1): print one JSON record."""
+    # Pieces of 4 MiB (a slot holds PIECE_BYTES): a few MiB test the rounds of many pieces.
+    segments_module.PIECE_BYTES = 4 << 20
     comm, node, nodes, dies = register_node_process(argv)
     record: dict[str, Any] = {"node": node, "results": []}
     try:
