@@ -21,7 +21,6 @@ import argparse
 import collections
 import json
 import statistics
-import subprocess
 import sys
 import time
 from types import FrameType
@@ -31,6 +30,7 @@ import numpy as np
 
 import burncoll
 from burncoll.bench.load import cpu_load
+from burncoll.bench.node_scripts import node_script_parser, node_zero_line
 
 
 def node(index: int, args: argparse.Namespace) -> None:
@@ -84,35 +84,21 @@ def count_calls(comm: burncoll.Communicator, x: np.ndarray, ops: int, top: int, 
 
 
 def one_run(args: argparse.Namespace) -> dict[str, Any]:
-    with burncoll.start_orchestrator(transport=args.transport) as orch:
-        procs = [subprocess.Popen(
-            [sys.executable, __file__, "--node", str(i), "--address", orch.address,
-             "--transport", args.transport, "--bytes", str(args.bytes),
-             "--iters", str(args.iters), "--nodes", str(args.nodes), "--top", str(args.top)]
-            + (["--count-calls"] if args.count_calls else []),
-            stdout=subprocess.PIPE, text=True)
-            for i in range(args.nodes)]
-        out = [p.communicate(timeout=600)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise SystemExit("a node failed")
-    result: dict[str, Any] = json.loads(out[0].strip().splitlines()[-1])
+    line = node_zero_line(__file__, args.nodes, args.transport, [
+        "--bytes", str(args.bytes), "--iters", str(args.iters), "--nodes", str(args.nodes),
+        "--top", str(args.top)] + (["--count-calls"] if args.count_calls else []))
+    result: dict[str, Any] = json.loads(line)
     return result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nodes", type=int, default=2)
+    parser = node_script_parser(__doc__ or "", iters=2000)
     parser.add_argument("--bytes", type=int, default=8)
-    parser.add_argument("--iters", type=int, default=2000)
-    parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--load", type=int, default=0)
-    parser.add_argument("--transport", default="tcp")
     parser.add_argument("--count-calls", action="store_true",
                         help="count the calls of one operation on node 0 instead of timing")
     parser.add_argument("--top", type=int, default=0, help="with --count-calls: list the N "
                         "functions called most")
-    parser.add_argument("--node", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--address", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.node is not None:
         node(args.node, args)

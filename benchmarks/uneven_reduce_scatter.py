@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import threading
 import time
 
 import numpy as np
 
 import burncoll
+from burncoll.bench.node_scripts import node_script_parser, node_zero_line
 
 
 def node(index: int, args: argparse.Namespace) -> None:
@@ -61,28 +60,15 @@ def node(index: int, args: argparse.Namespace) -> None:
 
 
 def one_run(args: argparse.Namespace) -> float:
-    with burncoll.start_orchestrator(transport=args.transport) as orch:
-        procs = [subprocess.Popen(
-            [sys.executable, __file__, "--node", str(i), "--address", orch.address,
-             "--transport", args.transport, "--nodes", str(args.nodes),
-             "--devices", str(args.devices), "--mib", str(args.mib), "--iters", str(args.iters)],
-            stdout=subprocess.PIPE, text=True) for i in range(args.nodes)]
-        out = [p.communicate(timeout=600)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise SystemExit("a node failed")
-    return float(json.loads(out[0].strip().splitlines()[-1]))
+    return float(json.loads(node_zero_line(__file__, args.nodes, args.transport, [
+        "--nodes", str(args.nodes), "--devices", str(args.devices), "--mib", str(args.mib),
+        "--iters", str(args.iters)])))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nodes", type=int, default=2)
+    parser = node_script_parser(__doc__ or "", iters=8)
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--mib", type=int, default=16)
-    parser.add_argument("--iters", type=int, default=8)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--transport", default="tcp")
-    parser.add_argument("--node", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--address", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.node is not None:
         node(args.node, args)
