@@ -15,7 +15,7 @@ from burncoll.buckets import all_reduce_tree
 from burncoll.compression import COMPRESSIONS
 from burncoll.config import CollectiveConfig
 from burncoll.dtypes import SUPPORTED_DTYPES, dtype_from_name, is_inexact
-from burncoll.errors import UsageError
+from burncoll.errors import CollectiveError, ConfigError, UsageError
 from burncoll.groups import Groups
 from burncoll.local.calls import Call
 from burncoll.local.plans import choose
@@ -212,9 +212,20 @@ class Communicator(RootedOps, Groups, PointToPoint):
     def _issue(self, label: str, fn: Callable[[], Any], async_op: bool) -> Any:
         """Run ``fn`` (one operation) in program order: now, or queued behind this peer's
         operations in flight; with ``async_op``, return its :class:`~burncoll.Work` at once."""
+        def reported() -> Any:
+            try:
+                return fn()
+            except (UsageError, ConfigError):  # (the caller's mistake: the session goes on)
+                raise
+            except CollectiveError:
+                link = self._server.link
+                if link is not None:  # (finish() then does not raise it again)
+                    link.failure_reported = True
+                raise
+
         if async_op:
-            return self._ops.submit(fn, label)
-        return self._ops.run(fn, label)
+            return self._ops.submit(reported, label)
+        return self._ops.run(reported, label)
 
     def _compression(self, x: Array, given: str | None) -> str | None:
         """The wire format of an all-reduce of ``x``: ``given`` (checked), else the config's

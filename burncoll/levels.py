@@ -103,6 +103,9 @@ class GlobalLink(Protocol):
     #: The host of each node, numbered from 0 in node order (equal: they share memory);
     #: ``()`` when some node's host is unknown.
     hosts: tuple[int, ...]
+    #: Whether a call of this node raised a CollectiveError (set by the API): closing the
+    #: link then does not raise the session's failure again.
+    failure_reported: bool
 
     def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0,
                    out: HostArray | None = None, *, path: GlobalPath) -> None:

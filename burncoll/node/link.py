@@ -59,8 +59,7 @@ T = TypeVar("T")
 class NodeLink:
     """This node's membership of a multi-node collective."""
 
-    def __init__(self, io: IoLoop, service: DataService, orchestrator: OrchestratorClient
-                 ) -> None:
+    def __init__(self, io: IoLoop, service: DataService, orchestrator: OrchestratorClient) -> None:
         self._io = io
         self._service = service
         self._orch = orchestrator
@@ -79,12 +78,11 @@ class NodeLink:
         self.one_host = bool(self.hosts) and max(self.hosts) == 0
         self._local: LocalPeers | None = None
         self._closed = False
+        self.failure_reported = False  # (GlobalLink's: set by the API)
         self._p2p = NodePointToPoint(io, service, self.peer_ids, self.node_of)
         #: The exchange on caller sockets, when every node offers them.
-        self._lanes = LaneExchange(
-            service, self._executor, self._call,
-            lambda error: io.loop.call_soon_threadsafe(service.fail, error),
-        ) if service.uses_lanes else None
+        self._lanes = LaneExchange(service, self._executor, self._call, lambda error: (
+            io.loop.call_soon_threadsafe(service.fail, error))) if service.uses_lanes else None
         #: The shared segments of one host's node processes (set up at first use).
         self._segments = HostSegments(self._lanes) if self._lanes and self.one_host else None
         self.host_segments = self._segments is not None
@@ -357,9 +355,11 @@ class NodeLink:
             self.abort_now(local)
         error: BaseException | None = None
         try:
-            if self._service.mailbox.error is None:  # (ends early if the session fails)
+            if (failed := self._service.mailbox.error) is None:  # (ends early if it fails)
                 finishing = self._orch.finish(deadline, self._service.failure)
                 self._io.run(finishing, deadline, "finish")
+            elif isinstance(failed, CollectiveError) and not self.failure_reported:
+                raise failed  # (it failed after this node's calls returned: say so once)
         except CollectiveError as exc:
             error = exc
         finally:

@@ -67,3 +67,50 @@ def test_finish_raises_the_failure_of_the_session_at_once(transport: str) -> Non
     assert isinstance(out[1], burncoll.CollectiveError), out
     assert "node 0" in str(out[1]) and "orchestrator" not in str(out[1]), out
     assert out["seconds"] < 10, out  # (the deadline is 20 s away)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "quic"])
+def test_finish_raises_a_failure_that_came_after_the_nodes_last_call(transport: str) -> None:
+    """Node 1's broadcast returns; node 0 then fails the session (its all-reduce meets the
+    broadcast), and only after that does node 1 call finish(): the failure is already in, and
+    finish() raises it, naming node 0. Node 0, whose own call raised it, finishes quietly."""
+    out: dict[Any, Any] = {}
+    failed = threading.Event()
+    with burncoll.start_orchestrator(transport=transport) as orch:
+
+        def node(rank: int) -> None:
+            cfg = burncoll.CollectiveConfig(num_nodes=2, node_rank=rank, num_devices=1,
+                                            global_address=orch.address, transport=transport,
+                                            timeout=20.0)
+            comm = burncoll.register(rank, 0, cfg)
+            x = np.arange(4, dtype=np.float32)
+            try:
+                if rank == 1:
+                    out["broadcast"] = comm.broadcast(x, root=1)
+                    failed.wait(30)
+                    time.sleep(0.5)  # (node 0's abort arrives meanwhile)
+                else:
+                    try:
+                        out["all_reduce"] = comm.all_reduce(x)
+                    finally:
+                        failed.set()
+            except burncoll.CollectiveError as exc:
+                out[("call", rank)] = exc
+            try:
+                comm.finish()
+                out[("finish", rank)] = "finished"
+            except burncoll.CollectiveError as exc:
+                out[("finish", rank)] = exc
+
+        threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert isinstance(out[("call", 0)], burncoll.MismatchError), out
+    assert out[("finish", 0)] == "finished", out
+    if ("call", 1) not in out:  # (its broadcast returned: finish() says what failed)
+        np.testing.assert_array_equal(out["broadcast"], np.arange(4, dtype=np.float32))
+        assert isinstance(out[("finish", 1)], burncoll.CollectiveError), out
+        assert "node 0" in str(out[("finish", 1)]), out
