@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,34 +23,17 @@ import pytest
 import burncoll
 
 
-@pytest.mark.parametrize("transport", ["tcp", "websocket", "quic"])
-def test_finish_raises_the_failure_of_the_session_at_once(transport: str) -> None:
-    out: dict[int, Any] = {}
+def _two_nodes(transport: str, body: Callable[[int, burncoll.Communicator, np.ndarray], None]
+               ) -> None:
+    """``body(rank, comm, x)`` on nodes 0 and 1, threads of this process, at a real
+    orchestrator; both must end within 60 s."""
     with burncoll.start_orchestrator(transport=transport) as orch:
 
         def node(rank: int) -> None:
             cfg = burncoll.CollectiveConfig(num_nodes=2, node_rank=rank, num_devices=1,
                                             global_address=orch.address, transport=transport,
                                             timeout=20.0)
-            comm = burncoll.register(rank, 0, cfg)
-            x = np.arange(4, dtype=np.float32)
-            if rank == 1:
-                started = time.monotonic()
-                try:
-                    out["broadcast"] = comm.broadcast(x, root=1)
-                    comm.finish()
-                    out[1] = "finished"
-                except burncoll.CollectiveError as exc:
-                    out[1] = exc
-                out["seconds"] = time.monotonic() - started
-                return
-            try:
-                out[0] = comm.all_reduce(x)
-            except burncoll.CollectiveError as exc:
-                out[0] = exc
-            finally:
-                with contextlib.suppress(burncoll.CollectiveError):  # (its own error says why)
-                    comm.finish()
+            body(rank, burncoll.register(rank, 0, cfg), np.arange(4, dtype=np.float32))
 
         threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
         for t in threads:
@@ -57,6 +41,32 @@ def test_finish_raises_the_failure_of_the_session_at_once(transport: str) -> Non
         for t in threads:
             t.join(60)
     assert not any(t.is_alive() for t in threads)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "websocket", "quic"])
+def test_finish_raises_the_failure_of_the_session_at_once(transport: str) -> None:
+    out: dict[Any, Any] = {}
+
+    def node(rank: int, comm: burncoll.Communicator, x: np.ndarray) -> None:
+        if rank == 1:
+            started = time.monotonic()
+            try:
+                out["broadcast"] = comm.broadcast(x, root=1)
+                comm.finish()
+                out[1] = "finished"
+            except burncoll.CollectiveError as exc:
+                out[1] = exc
+            out["seconds"] = time.monotonic() - started
+            return
+        try:
+            out[0] = comm.all_reduce(x)
+        except burncoll.CollectiveError as exc:
+            out[0] = exc
+        finally:
+            with contextlib.suppress(burncoll.CollectiveError):  # (its own error says why)
+                comm.finish()
+
+    _two_nodes(transport, node)
     assert isinstance(out[0], burncoll.MismatchError), out
     # node 1's broadcast returned (or found the mismatch itself, looking at the caller sockets
     # or the shared mail where node 0's exchange went), and finish() said what failed
@@ -76,38 +86,27 @@ def test_finish_raises_a_failure_that_came_after_the_nodes_last_call(transport: 
     finish() raises it, naming node 0. Node 0, whose own call raised it, finishes quietly."""
     out: dict[Any, Any] = {}
     failed = threading.Event()
-    with burncoll.start_orchestrator(transport=transport) as orch:
 
-        def node(rank: int) -> None:
-            cfg = burncoll.CollectiveConfig(num_nodes=2, node_rank=rank, num_devices=1,
-                                            global_address=orch.address, transport=transport,
-                                            timeout=20.0)
-            comm = burncoll.register(rank, 0, cfg)
-            x = np.arange(4, dtype=np.float32)
-            try:
-                if rank == 1:
-                    out["broadcast"] = comm.broadcast(x, root=1)
-                    failed.wait(30)
-                    time.sleep(0.5)  # (node 0's abort arrives meanwhile)
-                else:
-                    try:
-                        out["all_reduce"] = comm.all_reduce(x)
-                    finally:
-                        failed.set()
-            except burncoll.CollectiveError as exc:
-                out[("call", rank)] = exc
-            try:
-                comm.finish()
-                out[("finish", rank)] = "finished"
-            except burncoll.CollectiveError as exc:
-                out[("finish", rank)] = exc
+    def node(rank: int, comm: burncoll.Communicator, x: np.ndarray) -> None:
+        try:
+            if rank == 1:
+                out["broadcast"] = comm.broadcast(x, root=1)
+                failed.wait(30)
+                time.sleep(0.5)  # (node 0's abort arrives meanwhile)
+            else:
+                try:
+                    out["all_reduce"] = comm.all_reduce(x)
+                finally:
+                    failed.set()
+        except burncoll.CollectiveError as exc:
+            out[("call", rank)] = exc
+        try:
+            comm.finish()
+            out[("finish", rank)] = "finished"
+        except burncoll.CollectiveError as exc:
+            out[("finish", rank)] = exc
 
-        threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-    assert not any(t.is_alive() for t in threads)
+    _two_nodes(transport, node)
     assert isinstance(out[("call", 0)], burncoll.MismatchError), out
     assert out[("finish", 0)] == "finished", out
     if ("call", 1) not in out:  # (its broadcast returned: finish() says what failed)
