@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from burncoll import objects
-from burncoll.backends import get_backend
+from burncoll.backends import foreign_array, get_backend
 from burncoll.backends.base import Array, Backend, Device
 from burncoll.backends.out_arrays import check_out
 from burncoll.buckets import all_reduce_tree
@@ -293,10 +293,7 @@ class Communicator(RootedOps, Groups, PointToPoint):
     def _accept(self, kind: OpKind, x: Array | None) -> Array:
         backend = self._backend
         if not backend.is_array(x):
-            raise UsageError(
-                f"{kind.label}: expected an array of backend {backend.name!r}, got "
-                f"{type(x).__name__}; convert it first (the backend is set in CollectiveConfig)"
-            )
+            raise UsageError(f"{kind.label}: {foreign_array(x, backend.name)}")
         byteorder = getattr(x, "dtype", None)
         if isinstance(byteorder, np.dtype) and not byteorder.isnative:
             # the wire carries native-order elements: convert (a copy), as NumPy would

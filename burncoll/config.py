@@ -39,6 +39,7 @@ import yaml
 
 from burncoll.backends import BACKEND_NAMES
 from burncoll.compression import COMPRESSIONS
+from burncoll.config_names import refuse_unknown_names, warn_unknown_variables
 from burncoll.config_nodes import check_node_fields, launcher_values
 from burncoll.config_values import ENV_PREFIX, parse_env, parse_host_port, parse_strategy_field
 from burncoll.config_values import check_timeout as check_timeout_field
@@ -161,6 +162,7 @@ class CollectiveConfig:
     def __new__(cls, *args: Any, **kwargs: Any) -> CollectiveConfig:
         """Remember which fields the caller gave: those win over every environment variable."""
         self = super().__new__(cls)
+        refuse_unknown_names(kwargs, (f.name for f in fields(cls)), "CollectiveConfig(...)")
         given = [f.name for f in fields(cls)][: len(args)] + list(kwargs)
         object.__setattr__(self, "_given", frozenset(given))
         return self
@@ -168,6 +170,7 @@ class CollectiveConfig:
     def __post_init__(self) -> None:
         code: frozenset[str] = getattr(self, "_given", frozenset())
         from_env: set[str] = set()
+        warn_unknown_variables(f.name for f in fields(self))
         for f in fields(self):
             raw = os.environ.get(ENV_PREFIX + f.name.upper())
             if raw is not None and f.name not in code:
@@ -272,13 +275,7 @@ class CollectiveConfig:
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "mapping") -> CollectiveConfig:
         """Build from a mapping of field names to values; unknown keys are an error."""
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(str(k) for k in data if k not in names)
-        if unknown:
-            raise ConfigError(
-                f"unknown key(s) {', '.join(unknown)} in {source}; "
-                f"valid keys: {', '.join(sorted(names))}"
-            )
+        refuse_unknown_names(data, (f.name for f in fields(cls)), source)
         return cls(**{str(k): v for k, v in data.items()})
 
     def replace(self, **changes: Any) -> CollectiveConfig:

@@ -125,6 +125,16 @@ _ENV_PARSERS: dict[str, Callable[[str], Any]] = {
 }
 
 
+#: What each parser accepts, as its error says.
+_ACCEPTS: dict[Callable[[str], Any], str] = {
+    int: "an integer",
+    _parse_optional_int: "an integer, or none",
+    float: "a number of seconds",
+    _parse_bool: "true or false (also 1/0, yes/no, on/off)",
+    _parse_optional_bool: "true, false or auto (also 1/0, yes/no, on/off)",
+}
+
+
 def parse_env(name: str, raw: str) -> Any:
     """The value of environment variable ``BURNCOLL_<NAME>`` for config field ``name``."""
     parser = _ENV_PARSERS.get(name, str)
@@ -132,7 +142,8 @@ def parse_env(name: str, raw: str) -> Any:
         return parser(raw)
     except ValueError:
         raise ConfigError(
-            f"environment variable {ENV_PREFIX}{name.upper()}={raw!r} is not a valid {name}"
+            f"environment variable {ENV_PREFIX}{name.upper()}={raw!r} is not a valid {name}: "
+            f"expected {_ACCEPTS.get(parser, 'a ' + name)}"
         ) from None
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "Device",
     "backend_for_array",
     "combine",
+    "foreign_array",
     "get_backend",
     "installed_backends",
 ]
@@ -95,6 +96,23 @@ def backend_for_array(x: object) -> Backend:
     raise UsageError(
         f"expected a numpy, jax or cupy array, got {type(x).__module__}.{type(x).__qualname__}"
     )
+
+
+#: How each backend's arrays are called in messages.
+_ARRAY_NAMES = {"numpy": "numpy.ndarray", "jax": "jax.Array", "cupy": "cupy.ndarray"}
+
+
+def foreign_array(x: object, backend: str) -> str:
+    """Why ``x`` is no array of ``backend``, and what to do: the backend to choose when ``x``
+    is an array of another one (``backend="jax"``), else what to convert it to."""
+    try:
+        other = backend_for_array(x).name
+    except UsageError:
+        return (f"expected an array of backend {backend!r}, got {type(x).__name__}; convert "
+                "it first (the backend is set in CollectiveConfig)")
+    return (f"a {_ARRAY_NAMES[other]} was given to a communicator of backend {backend!r}: "
+            f"pass backend={other!r} to CollectiveConfig, or convert the array to a "
+            f"{_ARRAY_NAMES[backend]}")
 
 
 def _has_gpu(backend: Backend) -> bool:

@@ -53,7 +53,7 @@ import numpy as np  # noqa: E402
 
 #: The members' token (>= 16 bytes); children read it from :data:`TOKEN_ENV`.
 TOKEN = "the members' token, 32 bytes ok"
-TOKEN_ENV = "BURNCOLL_TEST_VICTIM_TOKEN"
+TOKEN_ENV = "VICTIMS_TEST_TOKEN"
 #: Where the victims listen and legitimate nodes connect from.
 HOST = "127.0.0.1"
 #: The soft open-file limit of every victim process (the common default).

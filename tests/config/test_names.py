@@ -1,0 +1,111 @@
+"""Misspelt names: keyword arguments, YAML keys and ``BURNCOLL_*`` variables get a "did you
+mean"; a variable nothing reads warns instead of being ignored without a word."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+
+from burncoll import CollectiveConfig, ConfigError
+from burncoll.config_names import OTHER_VARIABLES, warn_unknown_variables
+from burncoll.launch import node_environment
+
+REPO = Path(__file__).resolve().parents[2]
+FIELDS = tuple(CollectiveConfig.__dataclass_fields__)
+
+
+def _warnings_of(build: type[CollectiveConfig]) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build()
+    return [str(w.message) for w in caught]
+
+
+def test_a_misspelt_variable_warns_once_naming_the_right_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BURNCOLL_TIMEOT", "5")
+    first = _warnings_of(CollectiveConfig)
+    assert first == ["environment variable BURNCOLL_TIMEOT is not a burncoll setting and is "
+                     "ignored (did you mean 'BURNCOLL_TIMEOUT'?)"]
+    assert _warnings_of(CollectiveConfig) == []  # once per process
+    assert CollectiveConfig().timeout == 60.0
+
+
+def test_a_variable_unlike_any_setting_warns_without_a_guess() -> None:
+    with pytest.warns(UserWarning, match="BURNCOLL_ZZZ is not a burncoll setting") as caught:
+        assert warn_unknown_variables(FIELDS, {"BURNCOLL_ZZZ": "1", "HOME": "/"}) == [
+            "BURNCOLL_ZZZ"]
+    assert "did you mean" not in str(caught[0].message)
+
+
+def test_the_variables_launch_sets_for_its_nodes_are_not_flagged() -> None:
+    env = node_environment(1, 2, 3, "127.0.0.1:1", "tcp", {"BURNCOLL_AUTH_TOKEN": "t" * 20})
+    assert any(k.startswith("BURNCOLL_") for k in env)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert warn_unknown_variables(FIELDS, env) == []
+
+
+def test_every_variable_the_code_and_docs_name_is_known() -> None:
+    """A ``BURNCOLL_*`` name in burncoll/ or docs/ is a field's variable or one of
+    ``OTHER_VARIABLES``, so a documented or internal variable never draws the warning."""
+    known = {"BURNCOLL_" + name.upper() for name in FIELDS} | OTHER_VARIABLES
+    files = [*REPO.joinpath("burncoll").rglob("*.py"), *REPO.joinpath("docs").glob("*.md"),
+             *REPO.joinpath("configs").glob("*.yaml"), REPO / "README.md"]
+    named = {m for f in files for m in re.findall(r"\bBURNCOLL_\w*[A-Z0-9]", f.read_text())}
+    # a marker on a bench worker's output line, and the misspelling the docs show
+    not_variables = {"BURNCOLL_PEER_RESULT", "BURNCOLL_TIMEOT"}
+    assert named - not_variables - known == set()
+    assert len(named & known) > 10
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"timeot": 5}, "unknown config field(s) 'timeot' (did you mean 'timeout'?) in "
+                     "CollectiveConfig(...)"),
+     ({"num_device": 2, "backend": "numpy"}, "'num_device' (did you mean 'num_devices'?)")],
+)
+def test_a_misspelt_keyword_names_the_field(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        CollectiveConfig(**kwargs)  # type: ignore[arg-type]
+    assert message in str(info.value)
+    assert "the fields are" not in str(info.value)
+    with pytest.raises(ConfigError, match="did you mean 'timeout'"):
+        CollectiveConfig().replace(timeot=5)
+
+
+def test_a_misspelt_yaml_key_names_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("backend: numpy\ntimout: 5\n")
+    with pytest.raises(ConfigError) as info:
+        CollectiveConfig.from_yaml(path)
+    assert str(info.value) == (f"unknown config field(s) 'timout' (did you mean 'timeout'?) "
+                               f"in {path}")
+
+
+def test_a_key_unlike_any_field_lists_the_fields() -> None:
+    with pytest.raises(ConfigError) as info:
+        CollectiveConfig.from_mapping({"colour": "blue"})
+    assert str(info.value).startswith("unknown config field(s) 'colour' in mapping; the "
+                                      "fields are: auth_token, auth_token_file, backend, ")
+    assert str(info.value).endswith(", transport")
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "accepted"),
+    [("BURNCOLL_SHARED_MEMORY", "maybe", "expected true or false (also 1/0, yes/no, on/off)"),
+     ("BURNCOLL_TLS", "sometimes", "expected true, false or auto (also 1/0, yes/no, on/off)"),
+     ("BURNCOLL_NUM_NODES", "two", "expected an integer, or none"),
+     ("BURNCOLL_TIMEOUT", "soon", "expected a number of seconds")],
+)
+def test_a_bad_variable_value_lists_what_it_accepts(
+        monkeypatch: pytest.MonkeyPatch, variable: str, value: str, accepted: str) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError) as info:
+        CollectiveConfig()
+    assert str(info.value).startswith(f"environment variable {variable}={value!r} is not a "
+                                      "valid ")
+    assert str(info.value).endswith(accepted)
