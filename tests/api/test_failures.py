@@ -77,6 +77,11 @@ def test_register_times_out_when_a_local_peer_never_registers() -> None:
     assert time.monotonic() - start < 2.0
 
 
+def _jax_array() -> object:
+    jnp = pytest.importorskip("jax.numpy")
+    return jnp.ones(2)
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
@@ -87,6 +92,8 @@ def test_register_times_out_when_a_local_peer_never_registers() -> None:
         (lambda c: c.all_gather(np.float64(1.0)), "expected an array"),
         (lambda c: c.reduce_scatter(np.array(1.0)), "at least one dimension"),
         (lambda c: c.all_reduce(np.array(["a"])), "dtype"),
+        (lambda c: c.all_reduce(_jax_array()), "a jax.Array was given to a communicator of "
+                                               "backend 'numpy': pass backend='jax'"),
     ],
 )
 def test_usage_errors_are_raised_before_anything_is_sent(call: object, message: str) -> None:
