@@ -5,8 +5,10 @@ read; until it succeeds the transport reads no more than
 :data:`~burncoll.transport.base.PREAUTH_BYTES` from the other side. Three CONTROL frames
 (:mod:`burncoll.transport.wire`)::
 
-    server -> client  {"type": "challenge", "nonce": hex(Ns), "version": 2, "integrity": I}
-    client -> server  {"type": "response", "nonce": hex(Nc), "mac": hex(HMAC(K, Lc|Ns|Nc|B|F))}
+    server -> client  {"type": "challenge", "nonce": hex(Ns), "version": 2, "integrity": I,
+                       "token": T}
+    client -> server  {"type": "response", "nonce": hex(Nc), "mac": hex(HMAC(K, Lc|Ns|Nc|B|F)),
+                       "token": T}
     server -> client  {"type": "welcome", "mac": hex(HMAC(K, Ls|Nc|Ns|B|F))}
                   or  {"type": "denied", "reason": "..."}
 
@@ -14,7 +16,10 @@ read; until it succeeds the transport reads no more than
 without fail to authenticate each other instead of silently agreeing); ``Ns``/``Nc`` are 32
 fresh random bytes each; HMAC is HMAC-SHA256 (RFC 2104); ``Lc``/``Ls`` are distinct labels, so
 the server's proof can never be replayed as a client's response or the other way round.
-Fresh nonces on both sides defeat replays; digests are compared in constant time.
+Fresh nonces on both sides defeat replays; digests are compared in constant time. ``T`` says
+whether the sender has a token at all (not in the MAC: it only chooses the error message, so
+that a process without a token is told so rather than that the tokens differ; that a side has
+none is no secret, since anyone may connect to it then).
 
 ``B`` is the **channel binding** each end computes for itself
 (:meth:`~burncoll.transport.base.Connection.channel_binding`, RFC 5929
@@ -57,6 +62,18 @@ _SERVER_LABEL = b"burncoll-auth-v2 server"
 _INTEGRITY_FLAG = b"integrity"
 _NONCE_BYTES = 32
 _WRONG_TOKEN = "wrong auth token"
+_NO_TOKEN = "no auth token"
+_UNEXPECTED_TOKEN = "unexpected auth token"
+_HOW_TO_SET = ("BURNCOLL_AUTH_TOKEN=<token> or BURNCOLL_AUTH_TOKEN_FILE=<path> in the "
+               "environment, auth_token_file in the config, or `burncoll orchestrator "
+               "--auth-token-file PATH`")
+#: What the side that connected is told, by the reason it was refused for.
+_HINTS = {
+    _NO_TOKEN: "it requires an auth token and this process has none: set here the token the "
+               f"orchestrator and the other nodes have ({_HOW_TO_SET})",
+    _UNEXPECTED_TOKEN: "it has no auth token and this process has one: give it the same token "
+                       f"({_HOW_TO_SET}), or run every node and the orchestrator without one",
+}
 _MISMATCH_HINT = (
     "the node and the orchestrator were given different auth tokens; set the same "
     "BURNCOLL_AUTH_TOKEN on every node and on the orchestrator"
@@ -138,7 +155,8 @@ async def authenticate_server(conn: Connection, token: str | None, timeout: floa
     try:
         async with asyncio.timeout(limit):
             await _send_control(conn, {"type": "challenge", "nonce": server_nonce.hex(),
-                                       "version": AUTH_VERSION, "integrity": integrity})
+                                       "version": AUTH_VERSION, "integrity": integrity,
+                                       "token": token is not None})
             try:
                 reply = await _recv_control(conn, ("response",))
                 client_nonce = _nonce(reply)
@@ -149,11 +167,7 @@ async def authenticate_server(conn: Connection, token: str | None, timeout: floa
                 ) from exc
             expected = _mac(token, _CLIENT_LABEL, server_nonce, client_nonce, binding, integrity)
             if not _mac_matches(reply, expected):
-                await _deny(conn, _WRONG_TOKEN)
-                relay = _RELAY_HINT if binding else ""
-                raise AuthenticationError(
-                    f"{conn.remote} presented a wrong auth token; {_MISMATCH_HINT}{relay}"
-                )
+                raise await _refuse(conn, token, reply.get("token"), binding)
             proof = _mac(token, _SERVER_LABEL, client_nonce, server_nonce, binding, integrity)
             await _send_control(conn, {"type": "welcome", "mac": proof})
     except TimeoutError as exc:
@@ -161,6 +175,25 @@ async def authenticate_server(conn: Connection, token: str | None, timeout: floa
             f"{conn.remote} did not complete authentication within {limit:g} s"
         ) from exc
     return _secured(conn, token, server_nonce, client_nonce, binding, integrity, server=True)
+
+
+async def _refuse(conn: Connection, token: str | None, theirs: object, binding: bytes
+                  ) -> AuthenticationError:
+    """Deny a client whose proof did not match, saying whether it lacks a token, has one where
+    this side has none, or has another; the error to raise here."""
+    if token is not None and theirs is False:
+        await _deny(conn, _NO_TOKEN)
+        return AuthenticationError(
+            f"{conn.remote} connected without an auth token and this side requires one: set "
+            f"there the token the orchestrator and the other nodes have ({_HOW_TO_SET})")
+    if token is None and theirs is True:
+        await _deny(conn, _UNEXPECTED_TOKEN)
+        return AuthenticationError(
+            f"{conn.remote} presented an auth token and this side has none: give this side "
+            f"the same token ({_HOW_TO_SET}), or run every node without one")
+    await _deny(conn, _WRONG_TOKEN)
+    return AuthenticationError(f"{conn.remote} presented a wrong auth token; {_MISMATCH_HINT}"
+                               + (_RELAY_HINT if binding else ""))
 
 
 async def _deny(conn: Connection, reason: str) -> None:
@@ -189,7 +222,8 @@ async def authenticate_client(conn: Connection, token: str | None, timeout: floa
             server_nonce = _nonce(challenge)
             client_nonce = secrets.token_bytes(_NONCE_BYTES)
             mac = _mac(token, _CLIENT_LABEL, server_nonce, client_nonce, binding, integrity)
-            await _send_control(conn, {"type": "response", "nonce": client_nonce.hex(), "mac": mac})
+            await _send_control(conn, {"type": "response", "nonce": client_nonce.hex(),
+                                       "mac": mac, "token": token is not None})
             verdict = await _recv_control(conn, ("welcome", "denied"))
     except TimeoutError as exc:
         raise AuthenticationError(
@@ -228,7 +262,7 @@ def _check_challenge(conn: Connection, challenge: dict[str, Any], integrity: boo
 def _denied(conn: Connection, message: dict[str, Any], binding: bytes = b""
             ) -> AuthenticationError:
     reason = str(message.get("reason", "no reason given"))[:200]
-    hint = ""
+    hint = f": {_HINTS[reason]}" if reason in _HINTS else ""
     if reason == _WRONG_TOKEN:
         hint = f": {_MISMATCH_HINT}" + (_RELAY_HINT if binding else "")
     return AuthenticationError(f"{conn.remote} refused this connection ({reason}){hint}")

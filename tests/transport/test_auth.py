@@ -86,16 +86,25 @@ def test_the_same_token_passes_both_ways(make: MakeTransport, token: str | None)
 
 
 @pytest.mark.parametrize(
-    ("server_token", "client_token"),
-    [("right", "wrong"), (None, "token"), ("token", None), ("token", "token ")],
+    ("server_token", "client_token", "server_says", "client_says"),
+    [("right", "wrong", "presented a wrong auth token", "(wrong auth token): the node and the "
+                                                        "orchestrator were given different"),
+     ("token", "token ", "presented a wrong auth token", "given different auth tokens"),
+     # a side without a token is told so, and which side lacks it
+     (None, "token", "presented an auth token and this side has none",
+      "(unexpected auth token): it has no auth token and this process has one"),
+     ("token", None, "connected without an auth token and this side requires one",
+      "(no auth token): it requires an auth token and this process has none")],
 )
 def test_different_tokens_fail_on_both_sides_quickly(
-    make: MakeTransport, server_token: str | None, client_token: str | None
+    make: MakeTransport, server_token: str | None, client_token: str | None, server_says: str,
+    client_says: str,
 ) -> None:
     server, client, elapsed = run(_exchange(make, _server(server_token), _client(client_token)))
     assert isinstance(server, AuthenticationError), server
     assert isinstance(client, AuthenticationError), client
-    assert "BURNCOLL_AUTH_TOKEN" in str(client) and "different auth tokens" in str(client)
+    assert server_says in str(server) and client_says in str(client), (server, client)
+    assert "BURNCOLL_AUTH_TOKEN" in str(client) and "BURNCOLL_AUTH_TOKEN" in str(server)
     assert elapsed < QUICK
 
 
