@@ -25,13 +25,22 @@ class ReduceOp(enum.IntEnum):
     ``BAND``, ``BOR`` and ``BXOR`` (bitwise AND, OR, XOR) take integer and bool arrays only.
     """
 
+    #: The element-wise sum (``"sum"``).
     SUM = 1
+    #: The sum divided by the number of peers (``"mean"`` or ``"avg"``); integer inputs give
+    #: float64.
     MEAN = 2
+    #: The element-wise maximum (``"max"``).
     MAX = 3
+    #: The element-wise minimum (``"min"``).
     MIN = 4
+    #: The element-wise product (``"prod"``).
     PROD = 5
+    #: Bitwise AND (``"band"``); integer and bool arrays only.
     BAND = 6
+    #: Bitwise OR (``"bor"``); integer and bool arrays only.
     BOR = 7
+    #: Bitwise XOR (``"bxor"``); integer and bool arrays only.
     BXOR = 8
 
     @property

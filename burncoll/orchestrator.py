@@ -117,6 +117,7 @@ class Orchestrator:
         self._tasks: set[asyncio.Task[None]] = set()
         self._telling_finished = 0  # sessions whose ``finished`` messages are being sent
         self._listener: Listener | None = None
+        #: The transport nodes reach it by: ``"websocket"``, ``"quic"`` or ``"tcp"``.
         self.transport = transport
         try:
             self._listener = self._io.submit(
@@ -129,7 +130,9 @@ class Orchestrator:
         except BaseException:
             self._io.stop()
             raise
+        #: The address it listens on.
         self.host = self._listener.host
+        #: The port it listens on (the one chosen when it was asked for port 0).
         self.port = self._listener.port
 
     @property

@@ -152,6 +152,7 @@ class Tree(Strategy):
     ``arity`` must be ``>= 1`` (:class:`ValueError` otherwise); ``Tree(1)`` is a chain.
     """
 
+    #: The number of children of each node of the tree (``"tree:3"`` is ``Tree(3)``).
     arity: int
 
     def __post_init__(self) -> None:

@@ -305,5 +305,7 @@ def test_mkdocs_build_strict_passes_and_documents_every_public_name(site: Path) 
     html = (site / "api" / "index.html").read_text()
     missing = [n for n in burncoll.__all__ if f'id="burncoll.{n}"' not in html]
     assert not missing, f"no entry on the built API page for {missing}"
+    assert "Rendezvous" not in html, "an internal constructor shows on the API page"
+    assert "stylesheets/extra.css" in html  # long code lines wrap (see test_api_reference)
     changelog = (site / "changelog" / "index.html").read_text()
     assert "Unreleased" in changelog and "0.1.0" in changelog
