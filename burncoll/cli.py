@@ -173,7 +173,9 @@ def _add_launch_arguments(launch: argparse.ArgumentParser) -> None:
     launch.add_argument("--node-address", default=None,
                         help="with --nnodes: the address of this host that the others reach "
                              "(default: the interface that routes to --master-addr)")
-    launch.add_argument("--devices", type=int, default=1)
+    launch.add_argument("--devices", type=int, default=1,
+                        help="devices (peer threads) per node: its BURNCOLL_NUM_DEVICES "
+                             "(default 1)")
     launch.add_argument("--max-restarts", type=_count(0), default=0,
                         help="when a node fails, stop this launcher's nodes and start them "
                              "again, up to K times (default 0)")
@@ -184,13 +186,15 @@ def _add_launch_arguments(launch: argparse.ArgumentParser) -> None:
     launch.add_argument("--min-nodes-wait", type=float, default=30.0, metavar="SECONDS",
                         help="with --min-nodes: how long the missing hosts get once M have "
                              "joined (default 30)")
-    launch.add_argument("--transport", choices=TRANSPORT_NAMES, default="websocket")
+    launch.add_argument("--transport", choices=TRANSPORT_NAMES, default="websocket",
+                        help="how the nodes talk (default websocket)")
     _add_token_arguments(launch, "default: $BURNCOLL_AUTH_TOKEN or $BURNCOLL_AUTH_TOKEN_FILE; "
                                  "else with --nodes a fresh random token for this run, with "
                                  "--nnodes none, which only a loopback --master-addr allows")
     _add_mode_arguments(launch)
-    launch.add_argument("script")
-    launch.add_argument("script_args", nargs=argparse.REMAINDER)
+    launch.add_argument("script", help="the Python script every node process runs")
+    launch.add_argument("script_args", nargs=argparse.REMAINDER,
+                        help="arguments passed on to the script")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,8 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     orch = sub.add_parser("orchestrator", help="run the rendezvous server for multi-node runs")
     orch.add_argument("--host", default="127.0.0.1",
                       help="address to bind (default loopback; 0.0.0.0 to accept other machines)")
-    orch.add_argument("--port", type=int, default=29400)
-    orch.add_argument("--transport", choices=TRANSPORT_NAMES, default="websocket")
+    orch.add_argument("--port", type=int, default=29400,
+                      help="port to listen on (default 29400; 0 for a free one, printed)")
+    orch.add_argument("--transport", choices=TRANSPORT_NAMES, default="websocket",
+                      help="how nodes reach it: the nodes' transport (default websocket)")
     _add_token_arguments(orch, "default: $BURNCOLL_AUTH_TOKEN or $BURNCOLL_AUTH_TOKEN_FILE; "
                                "required unless --host is loopback or --insecure is given")
     orch.add_argument("--insecure", action="store_true",
@@ -233,9 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
     launch.set_defaults(func=_launch, launch_parser=launch)
 
     demo = sub.add_parser("demo", help="data-parallel training demo on the NumPy backend")
-    demo.add_argument("--nodes", type=int, default=1)
-    demo.add_argument("--devices", type=int, default=4)
-    demo.add_argument("--steps", type=int, default=1000)
+    demo.add_argument("--nodes", type=int, default=1,
+                      help="node processes on this machine (default 1)")
+    demo.add_argument("--devices", type=int, default=4,
+                      help="devices (peer threads) per node (default 4)")
+    demo.add_argument("--steps", type=int, default=1000,
+                      help="training steps (default 1000)")
     demo.set_defaults(func=_demo)
 
     try:
