@@ -39,7 +39,7 @@ import yaml
 
 from burncoll.backends import BACKEND_NAMES
 from burncoll.compression import COMPRESSIONS
-from burncoll.config_names import refuse_unknown_names, warn_unknown_variables
+from burncoll.config_names import nearest, refuse_unknown_names, warn_unknown_variables
 from burncoll.config_nodes import check_node_fields, launcher_values
 from burncoll.config_values import ENV_PREFIX, parse_env, parse_host_port, parse_strategy_field
 from burncoll.config_values import check_timeout as check_timeout_field
@@ -363,12 +363,11 @@ def _require_int(cfg: CollectiveConfig, name: str, minimum: int, optional: bool)
 
 
 def _validate(cfg: CollectiveConfig) -> None:
-    if cfg.backend not in BACKEND_NAMES:
-        raise ConfigError(
-            f"backend={cfg.backend!r}: expected one of {', '.join(BACKEND_NAMES)}")
-    if cfg.transport not in TRANSPORT_NAMES:
-        raise ConfigError(
-            f"transport={cfg.transport!r}: expected one of {', '.join(TRANSPORT_NAMES)}")
+    for name, names in (("backend", BACKEND_NAMES), ("transport", TRANSPORT_NAMES)):
+        value = getattr(cfg, name)
+        if value not in names:
+            raise ConfigError(f"{name}={value!r}: expected one of {', '.join(names)}"
+                              f"{nearest(str(value), names)}")
     _require_int(cfg, "num_devices", 1, optional=False)
     _require_int(cfg, "num_nodes", 1, optional=True)
     _require_int(cfg, "data_service_port", 0, optional=True)

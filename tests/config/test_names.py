@@ -109,3 +109,17 @@ def test_a_bad_variable_value_lists_what_it_accepts(
     assert str(info.value).startswith(f"environment variable {variable}={value!r} is not a "
                                       "valid ")
     assert str(info.value).endswith(accepted)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"transport": "websockt"}, "transport='websockt': expected one of websocket, quic, tcp "
+                                 "(did you mean 'websocket'?)"),
+     ({"backend": "jaxx"}, "backend='jaxx': expected one of numpy, jax, cupy (did you mean "
+                           "'jax'?)"),
+     ({"backend": "torch"}, "backend='torch': expected one of numpy, jax, cupy")],
+)
+def test_a_misspelt_choice_names_the_nearest(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        CollectiveConfig(**kwargs)  # type: ignore[arg-type]
+    assert str(info.value) == message
