@@ -60,5 +60,5 @@ def warn_unknown_variables(fields: Iterable[str],
     for name in new:
         hint = nearest(name.removeprefix(ENV_PREFIX), suffixes).replace("'", "'" + ENV_PREFIX, 1)
         warnings.warn(f"environment variable {name} is not a burncoll setting and is ignored"
-                      f"{hint}", UserWarning, stacklevel=5)
+                      f"{hint}", UserWarning, stacklevel=4)
     return new
