@@ -1,4 +1,4 @@
-"""The shape the code keeps (CONTRIBUTING.md): small modules, short functions, no stubs.
+"""The shape the code keeps (CONTRIBUTING.md): one concept per module, short functions, no stubs.
 
 These are limits a reviewer would otherwise have to count by hand; the layer contracts are
 checked by ``lint-imports`` in CI.
@@ -14,8 +14,10 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "burncoll"
 SOURCES = sorted(PACKAGE.rglob("*.py"))
 
-#: "About 400 lines": a module may run a little over rather than split a class in two.
-MODULE_LINES = 420
+#: One concept per module; split only where a concept splits. This bound only catches a
+#: module that has grown several concepts: a tighter cap moved code between files instead of
+#: removing it, so a module may hold its whole concept up to here.
+MODULE_LINES = 700
 FUNCTION_LINES = 60
 
 
@@ -31,7 +33,7 @@ def test_the_package_has_sources() -> None:
 def test_modules_and_functions_stay_small(path: Path) -> None:
     text = path.read_text(encoding="utf-8")
     lines = text.count("\n")
-    assert lines <= MODULE_LINES, f"{path.name} has {lines} lines; split it by what it does"
+    assert lines <= MODULE_LINES, f"{path.name} has {lines} lines; more than one concept?"
     long = [f"{f.name} ({(f.end_lineno or f.lineno) - f.lineno + 1} lines)"
             for f in _functions(ast.parse(text))
             if (f.end_lineno or f.lineno) - f.lineno + 1 > FUNCTION_LINES]
