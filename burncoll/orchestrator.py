@@ -62,7 +62,6 @@ from burncoll.node.control import (
     decode_from_node,
     encode,
     kind_of,
-    tell,
 )
 from burncoll.node.json_fields import MalformedMessage
 from burncoll.orchestrator_waiting import (
@@ -77,7 +76,7 @@ from burncoll.secure_defaults import check_bind_address, check_tls_mode, check_t
 from burncoll.transport import TRANSPORT_NAMES, TlsSettings, get_transport
 from burncoll.transport.admission import BoundedLog
 from burncoll.transport.auth import authenticate_server
-from burncoll.transport.base import Connection, Listener
+from burncoll.transport.base import Connection, Listener, tell
 from burncoll.transport.wire import CONTROL_LIMIT, decode
 
 __all__ = ["Orchestrator", "start_orchestrator"]

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Sequence
 
-from burncoll.node.control import ControlMessage, tell
-from burncoll.transport.base import Buffer, Connection, FastPath, Placer
+from burncoll.node.control import ControlMessage
+from burncoll.transport.base import Buffer, Connection, FastPath, Placer, tell
 from burncoll.transport.shm import RingSender
 
 __all__ = ["MemberConnections"]

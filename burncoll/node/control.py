@@ -5,7 +5,7 @@ this module, which holds their whole conversation: the node sends :class:`Join`,
 :class:`Finish`, :class:`Leave`; the orchestrator answers with :class:`Table`,
 :class:`Refused`, :class:`Notice`, :class:`Finished`, :class:`NodeLost`. Two members of a
 session talk with the messages of :mod:`burncoll.node.member_messages`, built on what is here:
-the frame (:func:`encode`, :func:`kind_of`, :func:`tell`), the shapes several messages share
+the frame (:func:`encode`, :func:`kind_of`), the shapes several messages share
 and the decoding by type.
 
 Each message encodes to the JSON object sent before these types existed (same keys, same
@@ -18,22 +18,18 @@ is unpickled: JSON only.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, Self, TypeAlias, TypeVar
 
-from burncoll.errors import TransportError
 from burncoll.node.json_fields import Fields, JsonObject, is_int
-from burncoll.transport.base import Connection
 from burncoll.transport.wire import Frame, encode_control
 
 __all__ = [
     "MAX_FIELD_BYTES", "MAX_NODE_PEERS", "MAX_PEER_ID", "MAX_SESSION", "AboutNode",
     "ControlMessage", "Finish", "Finished", "FromNode", "FromOrchestrator", "Join", "Leave",
     "NodeLost", "Notice", "Refused", "Table", "TableEntry", "decode_by_type",
-    "decode_from_node", "decode_from_orchestrator", "encode", "kind_of", "tell",
+    "decode_from_node", "decode_from_orchestrator", "encode", "kind_of",
 ]
 
 #: Most peer ids one node may register (devices on one node).
@@ -63,19 +59,6 @@ def encode(message: ControlMessage, session: int = 0) -> bytes:
 def kind_of(frame: Frame) -> str | None:
     """The ``"type"`` of a CONTROL frame; ``None`` for a DATA frame (for error messages)."""
     return None if frame.control is None else str(frame.control["type"])
-
-
-async def tell(conn: Connection, message: ControlMessage, timeout: float, *, session: int = 0,
-               lock: asyncio.Lock | None = None) -> bool:
-    """Best effort: send ``message`` on ``conn`` (under ``lock``, if given), within
-    ``timeout``; ``False`` when the other end is gone or too slow (never an error: the
-    caller has nothing better to do about a closed peer)."""
-    try:
-        async with asyncio.timeout(timeout), lock or contextlib.nullcontext():
-            await conn.send([encode(message, session)])
-    except (TransportError, TimeoutError):
-        return False
-    return True
 
 
 # -- the shapes several messages share -------------------------------------------------------

@@ -25,12 +25,11 @@ from burncoll.node.control import (
     decode_from_orchestrator,
     encode,
     kind_of,
-    tell,
 )
 from burncoll.node.json_fields import MalformedMessage
 from burncoll.node.membership import NodeInfo
 from burncoll.transport.auth import authenticate_client
-from burncoll.transport.base import Connection, Transport
+from burncoll.transport.base import Connection, Transport, tell
 from burncoll.transport.wire import decode
 
 __all__ = ["OrchestratorClient"]

@@ -12,11 +12,14 @@ Connections are used from one asyncio event loop (the node's I/O loop).
 from __future__ import annotations
 
 import abc
+import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from burncoll.transport.wire import Placed
+from burncoll.errors import TransportError
+from burncoll.transport.wire import Placed, encode_control
 
 __all__ = [
     "PREAUTH_BYTES",
@@ -31,6 +34,7 @@ __all__ = [
     "Transport",
     "byte_view",
     "format_address",
+    "tell",
 ]
 
 #: Most bytes a transport reads from a connection before it is :meth:`Connection.authenticated`
@@ -116,6 +120,25 @@ class Connection(abc.ABC):
         ``b""`` on a connection without TLS. A relay that terminates TLS presents another
         certificate, so the two ends compute different bindings and authentication fails."""
 
+
+
+class ControlMessage(Protocol):
+    """A control message (:mod:`burncoll.node.control`): its JSON object."""
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+async def tell(conn: Connection, message: ControlMessage, timeout: float, *, session: int = 0,
+               lock: asyncio.Lock | None = None) -> bool:
+    """Best effort: send ``message`` on ``conn`` (under ``lock``, if given), within
+    ``timeout``; ``False`` when the other end is gone or too slow (never an error: the
+    caller has nothing better to do about a closed peer)."""
+    try:
+        async with asyncio.timeout(timeout), lock or contextlib.nullcontext():
+            await conn.send([encode_control(message.to_json(), session)])
+    except (TransportError, TimeoutError):
+        return False
+    return True
 
 #: ``placer(first_bytes, size)``: where a large incoming payload of ``size`` bytes is received,
 #: chosen from its first bytes (the frame header): ``(offset, memory)`` or ``None`` for "in a
