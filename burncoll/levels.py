@@ -70,7 +70,7 @@ class GlobalOp:
 
     def fingerprint(self) -> tuple[object, ...]:
         """What every node's call must agree on; a frame's header carries the same tuple
-        (:meth:`burncoll.transport.wire.DataHeader.fingerprint`)."""
+        (:meth:`burncoll.protocol.wire.DataHeader.fingerprint`)."""
         return (self.kind, self.reduce_op, self.dtype, self.shape, self.root)
 
     @property

@@ -1,6 +1,6 @@
 """Enumerations shared by every layer: the reduce operations and the collective kinds.
 
-Their integer codes travel on the wire (``transport/wire.py``); never renumber them.
+Their integer codes travel on the wire (``protocol/wire.py``); never renumber them.
 """
 
 from __future__ import annotations

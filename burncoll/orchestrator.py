@@ -37,7 +37,7 @@ any other ``num_nodes`` at once. State is bounded (:mod:`burncoll.orchestrator_w
 waiting registrations and their peer ids are capped, and so is each join (its peer ids, the
 bytes of its fingerprint and meta); beyond, a join is refused with a logged reason. A waiting
 node whose connection closes (or that says ``leave``) is forgotten. The messages are the
-dataclasses of :mod:`burncoll.node.control`.
+dataclasses of :mod:`burncoll.protocol.control`.
 
 After the table the nodes talk peer to peer; the orchestrator can die without disturbing the
 operations under way (only ``finish`` and new registrations need it).
@@ -51,7 +51,15 @@ import logging
 
 from burncoll.errors import AuthenticationError, ConfigError, ProtocolError, TransportError
 from burncoll.ioloop import IoLoop
-from burncoll.node.control import (
+from burncoll.orchestrator_waiting import (
+    MAX_WAITING,
+    DuplicatePeers,
+    Group,
+    Member,
+    Session,
+    WaitingRoom,
+)
+from burncoll.protocol.control import (
     Finish,
     Finished,
     Join,
@@ -63,21 +71,13 @@ from burncoll.node.control import (
     encode,
     kind_of,
 )
-from burncoll.node.json_fields import MalformedMessage
-from burncoll.orchestrator_waiting import (
-    MAX_WAITING,
-    DuplicatePeers,
-    Group,
-    Member,
-    Session,
-    WaitingRoom,
-)
+from burncoll.protocol.fields import MalformedMessage
+from burncoll.protocol.wire import CONTROL_LIMIT, decode
 from burncoll.secure_defaults import check_bind_address, check_tls_mode, check_token
 from burncoll.transport import TRANSPORT_NAMES, TlsSettings, get_transport
 from burncoll.transport.admission import BoundedLog
 from burncoll.transport.auth import authenticate_server
 from burncoll.transport.base import Connection, Listener, tell
-from burncoll.transport.wire import CONTROL_LIMIT, decode
 
 __all__ = ["Orchestrator", "start_orchestrator"]
 

@@ -5,12 +5,12 @@ Waiting registrations are grouped by their config fingerprint; a group becomes a
 :class:`Session` when it holds its ``num_nodes`` members. Peer ids must be unique within a
 group. With a token, a registration whose fingerprint differs from a group already waiting is
 refused (a genuine misconfiguration); without one it waits apart, and both sides get a
-:class:`~burncoll.node.control.Notice` naming the differences (see the orchestrator's
+:class:`~burncoll.protocol.control.Notice` naming the differences (see the orchestrator's
 docstring for why).
 
 State is bounded: at most :data:`MAX_WAITING` registrations and :data:`MAX_WAITING_PEERS` peer
-ids wait at once; each join is itself bounded (:data:`~burncoll.node.control.MAX_NODE_PEERS`
-peer ids, :data:`~burncoll.node.control.MAX_FIELD_BYTES` of fingerprint and of meta); each
+ids wait at once; each join is itself bounded (:data:`~burncoll.protocol.control.MAX_NODE_PEERS`
+peer ids, :data:`~burncoll.protocol.control.MAX_FIELD_BYTES` of fingerprint and of meta); each
 waiting node is sent at most :data:`MAX_NOTICES` notices.
 """
 
@@ -20,8 +20,8 @@ import secrets
 from dataclasses import dataclass, field
 
 from burncoll.errors import ConfigError
-from burncoll.node.control import Join, Notice, Table, TableEntry
-from burncoll.node.json_fields import JsonObject, canonical
+from burncoll.protocol.control import Join, Notice, Table, TableEntry
+from burncoll.protocol.fields import JsonObject, canonical
 from burncoll.transport.base import Connection
 
 __all__ = [

@@ -62,7 +62,7 @@ from burncoll.ioloop import CLEANUP_GRACE
 from burncoll.levels import MAX_TAG, HostArray
 from burncoll.local.post import Letter, Receipt
 from burncoll.local.rendezvous import Rendezvous
-from burncoll.transport.wire import MAX_NDIM
+from burncoll.protocol.wire import MAX_NDIM
 from burncoll.work import Work
 
 __all__ = ["PointToPoint"]

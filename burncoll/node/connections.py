@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Sequence
 
-from burncoll.node.control import ControlMessage
+from burncoll.protocol.control import ControlMessage
 from burncoll.transport.base import Buffer, Connection, FastPath, Placer, tell
 from burncoll.transport.shm import RingSender
 

@@ -20,7 +20,7 @@ received (:class:`~burncoll.node.inbox.Inbox`) and sent
 A member connection that breaks without ``bye``, or that sends bytes that are not a valid
 frame, fails the session with :class:`~burncoll.PeerLost` / :class:`~burncoll.ProtocolError`
 on every node; a failing node tells the others why
-(:class:`~burncoll.node.member_messages.Abort`).
+(:class:`~burncoll.protocol.members.Abort`).
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ from burncoll.node.dialing import Dialing
 from burncoll.node.inbox import Inbox
 from burncoll.node.lanes import READY, Lanes
 from burncoll.node.mailbox import Mailbox
-from burncoll.node.member_messages import Abort, Bye, Status, StatusQuery
 from burncoll.node.membership import Membership, NodeInfo, TableMismatch, explain_lost
 from burncoll.node.p2p_outbox import Outbox
 from burncoll.node.placement import placer_for
 from burncoll.node.reading import MemberReader
+from burncoll.protocol.members import Abort, Bye, Status, StatusQuery
 from burncoll.transport.base import Buffer, Connection, Listener, Transport
 from burncoll.transport.shm import RingReceiver, RingSender
 from burncoll.transport.stream_connection import StreamConnection
@@ -92,7 +92,7 @@ class DataService:
         #: Called once when the session fails because of another node (set by the link).
         self.on_failure: Callable[[BaseException], None] = lambda error: None
         #: Answers a status query: what this node's peers are doing (its local level's
-        #: report, see :class:`~burncoll.node.member_messages.Status`).
+        #: report, see :class:`~burncoll.protocol.members.Status`).
         self.status: Callable[[], Mapping[str, object]] = lambda: {}
 
     # -- what the executor and the link read ---------------------------------------------------

@@ -7,7 +7,7 @@ session's secret, which the orchestrator hands every member with its table -- so
 who reaches a data port cannot pose as a member. The accepting side therefore waits (at most
 :data:`~burncoll.transport.base.PREAUTH_SECONDS`) until it knows the session before it
 challenges the dialer. The dialer's first frame is
-:class:`~burncoll.node.member_messages.Hello`, naming its node and the session.
+:class:`~burncoll.protocol.members.Hello`, naming its node and the session.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import logging
 import time
 
 from burncoll.errors import AuthenticationError, ProtocolError, TransportError
-from burncoll.node.control import encode, kind_of
-from burncoll.node.member_messages import Hello, decode_member
 from burncoll.node.membership import Membership, NodeInfo, TableMismatch
+from burncoll.protocol.control import encode, kind_of
+from burncoll.protocol.members import Hello, decode_member
+from burncoll.protocol.wire import decode
 from burncoll.transport.admission import BoundedLog
 from burncoll.transport.auth import authenticate_client, authenticate_server
 from burncoll.transport.base import PREAUTH_SECONDS, Connection, Transport
 from burncoll.transport.stream_connection import StreamConnection
-from burncoll.transport.wire import decode
 
 __all__ = ["Dialing"]
 

@@ -26,10 +26,10 @@ from burncoll.backends.numpy import host_ufunc
 from burncoll.dtypes import dtype_from_name
 from burncoll.errors import UsageError
 from burncoll.levels import GlobalOp, HostArray
-from burncoll.node.checks import Check
 from burncoll.node.receives import FrameKey, Receives
 from burncoll.ops import ReduceOp
-from burncoll.transport.wire import DataHeader, Frame, encode_data_header
+from burncoll.protocol.checks import Check
+from burncoll.protocol.wire import DataHeader, Frame, encode_data_header
 
 if TYPE_CHECKING:
     from burncoll.node.executor import GlobalExecutor

@@ -22,12 +22,12 @@ from collections.abc import Sequence
 
 from burncoll.errors import CollectiveError, CollectiveTimeout
 from burncoll.levels import GlobalOp, HostArray
-from burncoll.node.checks import Check, header_check, protocol_error, timed_out
 from burncoll.node.mailbox import PART_BYTES, Receives
 from burncoll.node.ports import Ports
 from burncoll.node.walk import PLACE_MIN_BYTES, ReceivePart, SendPart, Transfer, Walk, receives
+from burncoll.protocol.checks import Check, header_check, protocol_error, timed_out
+from burncoll.protocol.wire import DataHeader, Frame, encode_data_header
 from burncoll.strategies import Schedule
-from burncoll.transport.wire import DataHeader, Frame, encode_data_header
 
 __all__ = ["PART_BYTES", "GlobalExecutor"]
 
@@ -51,7 +51,7 @@ class GlobalExecutor:
 
     def checker(self, op: GlobalOp) -> Check:
         """``check(header)``: the error of a frame that is not of this node's call ``op``
-        (see :func:`~burncoll.node.checks.header_check`), or ``None``."""
+        (see :func:`~burncoll.protocol.checks.header_check`), or ``None``."""
         return header_check(op, self.me, self.describe)
 
     def receives(self, op: GlobalOp, schedule: Schedule, chunks: Sequence[HostArray | None],

@@ -43,9 +43,9 @@ import numpy as np
 from burncoll.dtypes import dtype_from_name
 from burncoll.errors import ProtocolError
 from burncoll.levels import HostArray
-from burncoll.node.checks import array_bytes, memory_bytes
 from burncoll.node.mailbox import PART_BYTES
-from burncoll.transport.wire import DataHeader, Frame
+from burncoll.protocol.checks import array_bytes, memory_bytes
+from burncoll.protocol.wire import DataHeader, Frame
 
 __all__ = ["HELD_BYTES", "HELD_MESSAGES", "Inbox", "Message", "P2PKey", "memory_bytes"]
 

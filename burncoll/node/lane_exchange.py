@@ -24,7 +24,6 @@ import numpy as np
 from burncoll.dtypes import dtype_from_name
 from burncoll.errors import CollectiveError, PeerLost, ProtocolError
 from burncoll.levels import GlobalOp, HostArray
-from burncoll.node.checks import Check, order_mismatch, protocol_error
 from burncoll.node.exchange import (
     exchange_parts,
     payload_bytes,
@@ -34,14 +33,15 @@ from burncoll.node.lanes import LaneClosed, LaneOdd, LaneTimeout, LaneWoken, Mai
 from burncoll.node.receives import Receives
 from burncoll.node.spinning import usable_cpus
 from burncoll.node.watch import Watch
-from burncoll.transport.base import Buffer
-from burncoll.transport.wire import (
+from burncoll.protocol.checks import Check, order_mismatch, protocol_error
+from burncoll.protocol.wire import (
     FIXED_HEADER_BYTES,
     MAX_NDIM,
     DataHeader,
     decode_data_head,
     restamped,
 )
+from burncoll.transport.base import Buffer
 
 if TYPE_CHECKING:
     from burncoll.node.data_service import DataService

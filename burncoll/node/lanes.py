@@ -30,7 +30,7 @@ one per round of the segments (each header names its operation and round).
 sender announces allocates nothing. The header is then decoded and checked as the mailbox
 checks a frame (session, operation number, channel, round, sender, chunk, offset, size,
 fingerprint). A message that announces another length is read only as far as its header
-(at most :data:`~burncoll.transport.wire.MAX_NDIM` shape entries) and reported from it.
+(at most :data:`~burncoll.protocol.wire.MAX_NDIM` shape entries) and reported from it.
 
 **Shared mail.** Among node processes of one host, once their shared segments are set up,
 the messages go through the shared mail instead (:mod:`burncoll.node.shared_mail`) and the
@@ -58,8 +58,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 from burncoll.node.spinning import Spinning, Yielding
+from burncoll.protocol.wire import FIXED_HEADER_BYTES, announced_lengths
 from burncoll.transport.base import Buffer
-from burncoll.transport.wire import FIXED_HEADER_BYTES, announced_lengths
 
 __all__ = ["READY", "LaneClosed", "LaneOdd", "LaneTimeout", "LaneWoken", "Lanes"]
 

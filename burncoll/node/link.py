@@ -25,8 +25,6 @@ from burncoll.dtypes import dtype_from_name
 from burncoll.errors import CollectiveError, CollectiveTimeout, PeerLost
 from burncoll.ioloop import IoLoop
 from burncoll.levels import Exchange, GlobalOp, GlobalPath, HostArray, LocalPeers, SharedSegments
-from burncoll.node.checks import Check
-from burncoll.node.control import Join
 from burncoll.node.data_service import DataService
 from burncoll.node.exchange import (
     exchange_all_reduce,
@@ -45,6 +43,8 @@ from burncoll.node.p2p_link import NodePointToPoint
 from burncoll.node.receives import Receives
 from burncoll.node.segments import HostSegments
 from burncoll.node.watch import Watch
+from burncoll.protocol.checks import Check
+from burncoll.protocol.control import Join
 from burncoll.strategies import Ring, Schedule, Strategy
 from burncoll.strategies.layout import even_layout
 from burncoll.transport import get_transport

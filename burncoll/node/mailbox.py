@@ -61,7 +61,7 @@ from burncoll.node.receives import (
 )
 from burncoll.node.receives import describe_part as _part
 from burncoll.node.watch import Watch
-from burncoll.transport.wire import DataHeader, Frame
+from burncoll.protocol.wire import DataHeader, Frame
 
 __all__ = [
     "HELD_BYTES",

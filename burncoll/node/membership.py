@@ -1,7 +1,7 @@
 """Session membership: who this node is in its session, and how other members' failures are
 told.
 
-The orchestrator's table (:class:`~burncoll.node.control.Table`) says which session this node
+The orchestrator's table (:class:`~burncoll.protocol.control.Table`) says which session this node
 belongs to, its index, every member and the session's secret. :class:`Membership` keeps that,
 checks a dialer's ``hello`` against it, and names members in errors. The rest of the module
 turns what other members say about a failure into the error this node raises.
@@ -24,7 +24,7 @@ from burncoll.errors import (
     ProtocolError,
 )
 from burncoll.node.mailbox import Mailbox
-from burncoll.node.member_messages import Abort, Hello
+from burncoll.protocol.members import Abort, Hello
 
 __all__ = ["Membership", "NodeInfo", "TableMismatch", "error_from_abort", "explain_lost",
            "table_digest"]

@@ -13,7 +13,8 @@ from burncoll.errors import (
     ProtocolError,
     TransportError,
 )
-from burncoll.node.control import (
+from burncoll.node.membership import NodeInfo
+from burncoll.protocol.control import (
     Finish,
     Finished,
     Join,
@@ -26,11 +27,10 @@ from burncoll.node.control import (
     encode,
     kind_of,
 )
-from burncoll.node.json_fields import MalformedMessage
-from burncoll.node.membership import NodeInfo
+from burncoll.protocol.fields import MalformedMessage
+from burncoll.protocol.wire import decode
 from burncoll.transport.auth import authenticate_client
 from burncoll.transport.base import Connection, Transport, tell
-from burncoll.transport.wire import decode
 
 __all__ = ["OrchestratorClient"]
 

@@ -25,10 +25,10 @@ from concurrent.futures import Future
 from burncoll.errors import CollectiveError, CollectiveTimeout, MismatchError
 from burncoll.ioloop import IoLoop
 from burncoll.levels import HostArray
-from burncoll.node.control import encode
 from burncoll.node.data_service import DataService
-from burncoll.node.member_messages import MAX_REFUSAL, P2PAck
 from burncoll.node.p2p_outbox import message_parts
+from burncoll.protocol.control import encode
+from burncoll.protocol.members import MAX_REFUSAL, P2PAck
 
 __all__ = ["NodePointToPoint"]
 

@@ -4,7 +4,7 @@ A message from rank ``src`` to rank ``dst`` under ``tag`` (its *key*) gets the n
 that key, counted from 0 -- the receiver expects exactly that one
 (:mod:`burncoll.node.inbox`). :func:`message_parts` cuts it into DATA frames of op kind
 :attr:`~burncoll.ops.OpKind.P2P`. The receiving node acknowledges each message once a recv
-took it, or refused it (:class:`~burncoll.node.member_messages.P2PAck`); the :class:`Outbox`
+took it, or refused it (:class:`~burncoll.protocol.members.P2PAck`); the :class:`Outbox`
 holds a future per message sent and not acknowledged yet, and checks every acknowledgement:
 only the node the message went to may acknowledge it, only once, and in the order the key's
 messages were sent (a receiver takes them in that order). Anything else is a
@@ -25,10 +25,10 @@ from burncoll.errors import ProtocolError
 from burncoll.levels import HostArray
 from burncoll.node.inbox import P2PKey
 from burncoll.node.mailbox import PART_BYTES
-from burncoll.node.member_messages import P2PAck
 from burncoll.ops import OpKind
+from burncoll.protocol.members import P2PAck
+from burncoll.protocol.wire import DataHeader, encode_data_header
 from burncoll.transport.base import Buffer
-from burncoll.transport.wire import DataHeader, encode_data_header
 
 __all__ = ["Outbox", "message_parts"]
 

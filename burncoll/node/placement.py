@@ -13,8 +13,8 @@ from __future__ import annotations
 import functools
 
 from burncoll.node.mailbox import Mailbox
+from burncoll.protocol.wire import peek_part
 from burncoll.transport.base import Placer
-from burncoll.transport.wire import peek_part
 
 __all__ = ["place", "placer_for"]
 

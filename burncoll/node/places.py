@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from burncoll.levels import HostArray
-from burncoll.transport.wire import Frame
+from burncoll.protocol.wire import Frame
 
 __all__ = ["Place", "ReducePlace", "settled"]
 

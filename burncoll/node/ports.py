@@ -13,8 +13,8 @@ from typing import Protocol
 
 from burncoll.node.mailbox import FrameKey
 from burncoll.node.places import Place
+from burncoll.protocol.wire import Frame
 from burncoll.transport.base import Buffer
-from burncoll.transport.wire import Frame
 
 __all__ = ["Inbox", "Member", "Ports"]
 

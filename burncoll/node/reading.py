@@ -5,9 +5,9 @@ of this session, on the connection this node dialed (the only one array data com
 reader stops reading while the mailbox holds too many frames of operations not started here
 (see :mod:`burncoll.node.mailbox`: backpressure, not hoarding). Point-to-point messages (op
 kind P2P) go to the :class:`~burncoll.node.inbox.Inbox` instead, which bounds them likewise.
-CONTROL frames carry :class:`~burncoll.node.member_messages.Abort` (another node failed),
-:class:`~burncoll.node.member_messages.Bye` (a node leaving cleanly), status queries and
-:class:`~burncoll.node.member_messages.P2PAck` (a message this node sent was received).
+CONTROL frames carry :class:`~burncoll.protocol.members.Abort` (another node failed),
+:class:`~burncoll.protocol.members.Bye` (a node leaving cleanly), status queries and
+:class:`~burncoll.protocol.members.P2PAck` (a message this node sent was received).
 
 A connection that breaks without ``bye``, or that sends bytes that are not a valid frame, fails
 the session with :class:`~burncoll.PeerLost` / :class:`~burncoll.ProtocolError`.
@@ -22,12 +22,12 @@ from typing import Protocol
 from burncoll.errors import PeerLost, ProtocolError, TransportError
 from burncoll.node.inbox import Inbox
 from burncoll.node.mailbox import Mailbox
-from burncoll.node.member_messages import Abort, Bye, P2PAck, Status, StatusQuery, decode_member
 from burncoll.node.membership import Membership, error_from_abort
 from burncoll.node.p2p_outbox import Outbox
 from burncoll.ops import OpKind
+from burncoll.protocol.members import Abort, Bye, P2PAck, Status, StatusQuery, decode_member
+from burncoll.protocol.wire import Frame, FrameType, decode
 from burncoll.transport.base import Connection
-from burncoll.transport.wire import Frame, FrameType, decode
 
 __all__ = ["MemberReader", "ReaderService"]
 

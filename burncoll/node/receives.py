@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from burncoll.errors import ProtocolError
-from burncoll.transport.wire import DataHeader
+from burncoll.protocol.wire import DataHeader
 
 __all__ = [
     "PART_BYTES",

@@ -52,15 +52,15 @@ import numpy as np
 from burncoll.backends.numpy import host_ufunc
 from burncoll.errors import CollectiveError, ProtocolError
 from burncoll.levels import GlobalOp, HostArray
-from burncoll.node.checks import Check
 from burncoll.node.exchange import require_separate_out
 from burncoll.node.lane_exchange import LaneExchange
 from burncoll.node.shared_mail import MAIL_AREA_BYTES, ORDERED_STORES, SharedMail
 from burncoll.ops import ReduceOp
+from burncoll.protocol.checks import Check
+from burncoll.protocol.wire import DataHeader, encode_data_header
 from burncoll.strategies.auto import SEGMENT_NODES
 from burncoll.strategies.layout import even_layout
 from burncoll.transport.ring_files import close_ring, map_offered, new_ring
-from burncoll.transport.wire import DataHeader, encode_data_header
 
 __all__ = ["PIECE_BYTES", "SEGMENT_BYTES", "HostSegments", "segment_bytes"]
 

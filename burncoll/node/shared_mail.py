@@ -46,8 +46,8 @@ from typing import Any
 
 import numpy as np
 
+from burncoll.protocol.wire import FIXED_HEADER_BYTES, MAX_NDIM
 from burncoll.transport.base import Buffer
-from burncoll.transport.wire import FIXED_HEADER_BYTES, MAX_NDIM
 
 __all__ = ["MAIL_BYTES", "ORDERED_STORES", "SharedMail"]
 

@@ -41,14 +41,14 @@ from burncoll.compression import WIRE_ITEMSIZE, encode, quantize, wire_values
 from burncoll.dtypes import dtype_from_name
 from burncoll.errors import CollectiveError, ProtocolError
 from burncoll.levels import GlobalOp, HostArray
-from burncoll.node.checks import Check, expected_bytes, part_of, protocol_error
 from burncoll.node.mailbox import PART_BYTES, FrameKey, Receives
 from burncoll.node.pipeline import Pipeline
 from burncoll.node.places import Place, ReducePlace
 from burncoll.node.step_buffers import copy_unwritten, step_buffers, wire_settled
 from burncoll.ops import ROW_KINDS
+from burncoll.protocol.checks import Check, expected_bytes, part_of, protocol_error
+from burncoll.protocol.wire import DataHeader, Frame
 from burncoll.strategies import Action, Schedule, Step
-from burncoll.transport.wire import DataHeader, Frame
 
 __all__ = [
     "PLACE_MIN_BYTES",

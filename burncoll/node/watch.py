@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from burncoll.node.receives import FrameKey
-    from burncoll.transport.wire import Frame
+    from burncoll.protocol.wire import Frame
 
 __all__ = ["Watch"]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from burncoll.errors import ConfigError
+from burncoll.protocol.wire import DEFAULT_MAX_MESSAGE_BYTES
 from burncoll.transport.base import Connection, Listener, TlsSettings, Transport
-from burncoll.transport.wire import DEFAULT_MAX_MESSAGE_BYTES
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",

@@ -4,7 +4,7 @@ streams' framing; see :class:`MessageAssembler`)."""
 from __future__ import annotations
 
 from burncoll.errors import ProtocolError
-from burncoll.transport.wire import LENGTH_PREFIX_BYTES
+from burncoll.protocol.wire import LENGTH_PREFIX_BYTES
 
 __all__ = ["MessageAssembler", "MessageTooBig"]
 

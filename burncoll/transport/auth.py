@@ -3,7 +3,7 @@
 Runs first on every connection (orchestrator and data service), before any array byte is
 read; until it succeeds the transport reads no more than
 :data:`~burncoll.transport.base.PREAUTH_BYTES` from the other side. Three CONTROL frames
-(:mod:`burncoll.transport.wire`)::
+(:mod:`burncoll.protocol.wire`)::
 
     server -> client  {"type": "challenge", "nonce": hex(Ns), "version": 2, "integrity": I,
                        "token": T}
@@ -50,9 +50,9 @@ import secrets
 from typing import Any
 
 from burncoll.errors import AuthenticationError, ProtocolError, TransportError
+from burncoll.protocol.wire import FrameType, decode, encode_control
 from burncoll.transport.base import PREAUTH_SECONDS, Connection
 from burncoll.transport.integrity import IntegrityConnection, derive_keys
-from burncoll.transport.wire import FrameType, decode, encode_control
 
 __all__ = ["AUTH_VERSION", "authenticate_client", "authenticate_server"]
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from burncoll.errors import TransportError
-from burncoll.transport.wire import Placed, encode_control
+from burncoll.protocol.control import ControlMessage, encode
+from burncoll.protocol.wire import Placed
 
 __all__ = [
     "PREAUTH_BYTES",
@@ -87,7 +88,7 @@ class Connection(abc.ABC):
 
     @abc.abstractmethod
     async def recv(self) -> Buffer | Placed:
-        """Receive the next whole message (a :class:`~burncoll.transport.wire.Placed` only
+        """Receive the next whole message (a :class:`~burncoll.protocol.wire.Placed` only
         after :meth:`FastPath.place_with`).
 
         Raises :class:`~burncoll.TransportError` when the connection closes (cleanly or not)
@@ -121,13 +122,6 @@ class Connection(abc.ABC):
         certificate, so the two ends compute different bindings and authentication fails."""
 
 
-
-class ControlMessage(Protocol):
-    """A control message (:mod:`burncoll.node.control`): its JSON object."""
-
-    def to_json(self) -> dict[str, Any]: ...
-
-
 async def tell(conn: Connection, message: ControlMessage, timeout: float, *, session: int = 0,
                lock: asyncio.Lock | None = None) -> bool:
     """Best effort: send ``message`` on ``conn`` (under ``lock``, if given), within
@@ -135,7 +129,7 @@ async def tell(conn: Connection, message: ControlMessage, timeout: float, *, ses
     caller has nothing better to do about a closed peer)."""
     try:
         async with asyncio.timeout(timeout), lock or contextlib.nullcontext():
-            await conn.send([encode_control(message.to_json(), session)])
+            await conn.send([encode(message, session)])
     except (TransportError, TimeoutError):
         return False
     return True

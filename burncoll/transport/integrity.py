@@ -30,8 +30,8 @@ import hmac
 from collections.abc import Sequence
 
 from burncoll.errors import ProtocolError
+from burncoll.protocol.wire import Placed
 from burncoll.transport.base import Buffer, Connection, byte_view
-from burncoll.transport.wire import Placed
 
 __all__ = ["TAG_BYTES", "IntegrityConnection", "derive_keys"]
 

@@ -35,6 +35,7 @@ from aioquic.quic.connection import QuicConnection
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from burncoll.errors import ConfigError, TransportError
+from burncoll.protocol.wire import DEFAULT_MAX_MESSAGE_BYTES
 from burncoll.transport.admission import Admission
 from burncoll.transport.base import PREAUTH_SECONDS, Handler, TlsSettings, Transport
 from burncoll.transport.quic_connection import PREAMBLE, QuicProtocol, QuicStreamConnection
@@ -53,7 +54,6 @@ from burncoll.transport.tls import (
     configure_quic_server,
     listener_binding,
 )
-from burncoll.transport.wire import DEFAULT_MAX_MESSAGE_BYTES
 
 __all__ = ["ALPN", "MAX_DATAGRAM_SIZE", "QuicTransport"]
 

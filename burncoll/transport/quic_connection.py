@@ -29,11 +29,11 @@ from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection
 
 from burncoll.errors import ProtocolError, TransportError
+from burncoll.protocol.wire import LENGTH_PREFIX_BYTES
 from burncoll.transport.admission import Ticket
 from burncoll.transport.assembler import MessageAssembler, MessageTooBig
 from burncoll.transport.base import PREAUTH_BYTES, Buffer, Connection
 from burncoll.transport.quic_credit import GatedConnection, working_window
-from burncoll.transport.wire import LENGTH_PREFIX_BYTES
 
 __all__ = ["PREAMBLE", "QuicProtocol", "QuicStreamConnection"]
 

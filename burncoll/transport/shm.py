@@ -14,7 +14,7 @@ sender closes the descriptor it offered once answered (or at close). From then o
 message is copied into the ring and only a 12-byte descriptor (its length) travels on the
 connection, in order with every other message; the receiver copies it out -- straight into
 the memory its placer chose -- or, where no place was chosen, lends it where it lies until
-its next ``recv`` (a :class:`~burncoll.transport.wire.Placed` with ``lent``: the node combines
+its next ``recv`` (a :class:`~burncoll.protocol.wire.Placed` with ``lent``: the node combines
 a part it reduces straight out of the ring, and copies anything else out), and acknowledges
 the bytes it consumed, a quarter ring at a time, which the sender may then overwrite. That is
 one copy on each side at most and no system call per byte, as NCCL's SHM transport and Open
@@ -42,9 +42,9 @@ import threading
 from collections.abc import Sequence
 
 from burncoll.errors import ProtocolError, TransportError
+from burncoll.protocol.wire import FIXED_HEADER_BYTES, MAX_NDIM, Placed
 from burncoll.transport.base import Buffer, Connection, FastPath, Placer, byte_view
 from burncoll.transport.ring_files import close_ring, host_identity, map_offered, new_ring
-from burncoll.transport.wire import FIXED_HEADER_BYTES, MAX_NDIM, Placed
 
 __all__ = ["MIN_BYTES", "RING_BYTES", "RingReceiver", "RingSender", "host_identity"]
 

@@ -34,6 +34,7 @@ from collections.abc import Callable
 import numpy as np
 
 from burncoll.errors import ProtocolError, TransportError
+from burncoll.protocol.wire import Placed
 from burncoll.transport.admission import Admission, Ticket
 from burncoll.transport.base import PREAUTH_BYTES, Buffer, Placer, format_address
 from burncoll.transport.stream_send import (
@@ -44,7 +45,6 @@ from burncoll.transport.stream_send import (
     host_of,
     set_no_delay,
 )
-from burncoll.transport.wire import Placed
 from burncoll.transport.writer import SocketWriter, fresh_error
 
 __all__ = ["RECV_QUEUE_BYTES", "SCRATCH_BYTES", "StreamProtocol"]
@@ -271,7 +271,7 @@ class StreamProtocol(StreamSending, asyncio.BufferedProtocol):
         where its bytes go: ``placer(have, size)`` returns ``(head, destination)`` -- the
         message's first ``head`` bytes (all in ``have``) are kept apart and the rest is read
         straight into ``destination`` -- and the message is delivered as a
-        :class:`~burncoll.transport.wire.Placed`.
+        :class:`~burncoll.protocol.wire.Placed`.
         """
         if message and self.placer is not None:
             placement = self.placer(have, size)

@@ -13,10 +13,10 @@ import socket
 from collections.abc import Sequence
 
 from burncoll.errors import TransportError
+from burncoll.protocol.wire import Placed
 from burncoll.transport.base import Buffer, Connection, Placer, byte_view
 from burncoll.transport.stream import StreamProtocol
 from burncoll.transport.stream_send import JOIN_BYTES
-from burncoll.transport.wire import Placed
 
 __all__ = ["StreamConnection"]
 

@@ -1,7 +1,7 @@
 """Plain TCP transport: length-prefixed messages on the zero-copy stream core.
 
 Wire: the client opens with an 8-byte preamble (:data:`PREAMBLE`); after it, each message is
-an 8-byte little-endian length (:data:`~burncoll.transport.wire.LENGTH_PREFIX_BYTES`) followed by
+an 8-byte little-endian length (:data:`~burncoll.protocol.wire.LENGTH_PREFIX_BYTES`) followed by
 that many bytes, in both directions. Authentication (:mod:`burncoll.transport.auth`) runs above
 it, as on every transport. No TLS: choose ``websocket`` with TLS settings (wss) to encrypt.
 
@@ -16,13 +16,13 @@ import asyncio
 from collections.abc import Callable
 
 from burncoll.errors import ProtocolError, TransportError
+from burncoll.protocol.wire import DEFAULT_MAX_MESSAGE_BYTES, LENGTH_PREFIX_BYTES
 from burncoll.transport.admission import Admission, stranger_log
 from burncoll.transport.base import Handler, Transport
 from burncoll.transport.stream import StreamProtocol
 from burncoll.transport.stream_connection import StreamConnection
 from burncoll.transport.stream_listener import StreamListener, listen_stream
 from burncoll.transport.stream_send import JOIN_BYTES
-from burncoll.transport.wire import DEFAULT_MAX_MESSAGE_BYTES, LENGTH_PREFIX_BYTES
 
 __all__ = ["PREAMBLE", "TcpProtocol", "TcpTransport"]
 

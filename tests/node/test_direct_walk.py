@@ -15,8 +15,9 @@ import pytest
 
 from burncoll.errors import MismatchError, ProtocolError
 from burncoll.levels import HostArray
-from burncoll.node.checks import header_check
 from burncoll.ops import OpKind
+from burncoll.protocol.checks import header_check
+from burncoll.protocol.wire import DataHeader
 from burncoll.strategies._checks import validate_schedule
 from burncoll.strategies.direct import (
     all_to_all_schedule,
@@ -26,7 +27,6 @@ from burncoll.strategies.direct import (
     reduce_scatter_schedule,
     scatter_schedule,
 )
-from burncoll.transport.wire import DataHeader
 from tests.node.test_walk import _op, describe, simulate
 
 PART = 64  # bytes: blocks travel in several parts

@@ -27,13 +27,13 @@ from hypothesis import strategies as st
 
 import burncoll.node.inbox as inbox_module
 from burncoll.errors import CollectiveTimeout, ProtocolError
-from burncoll.node.control import encode
 from burncoll.node.inbox import Inbox
-from burncoll.node.json_fields import MalformedMessage
-from burncoll.node.member_messages import P2PAck, decode_member
 from burncoll.node.p2p_outbox import Outbox, message_parts
 from burncoll.ops import OpKind, ReduceOp
-from burncoll.transport.wire import DataHeader, Frame, decode, encode_control, encode_data_header
+from burncoll.protocol.control import encode
+from burncoll.protocol.fields import MalformedMessage
+from burncoll.protocol.members import P2PAck, decode_member
+from burncoll.protocol.wire import DataHeader, Frame, decode, encode_control, encode_data_header
 from tests.node.test_part_checks import _close, _pair
 
 #: Ranks 0 and 1 live on this node (0), ranks 2 and 3 on node 1 (which sends).

@@ -29,7 +29,7 @@ import pytest
 
 import burncoll
 from burncoll.node.lanes import LaneClosed, LaneOdd, Lanes, LaneTimeout, LaneWoken
-from burncoll.transport.wire import FIXED_HEADER_BYTES, decode_data_head, encode_data_header
+from burncoll.protocol.wire import FIXED_HEADER_BYTES, decode_data_head, encode_data_header
 from tests.harness import run_nodes
 
 # -- the engine, on socket pairs ------------------------------------------------------------
@@ -46,7 +46,7 @@ def _pair() -> tuple[Lanes, Lanes]:
 
 def _frame(payload: bytes, **fields: Any) -> bytes:
     from burncoll.ops import OpKind, ReduceOp
-    from burncoll.transport.wire import DataHeader
+    from burncoll.protocol.wire import DataHeader
 
     h = DataHeader(session=7, seq=3, op_kind=OpKind.ALL_REDUCE, reduce_op=ReduceOp.SUM,
                    dtype="uint8", shape=(len(payload),), root=-1, src=0, round=0, channel=0,

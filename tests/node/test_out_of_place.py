@@ -35,9 +35,9 @@ from burncoll.node.executor import PART_BYTES, GlobalExecutor
 from burncoll.node.mailbox import Mailbox
 from burncoll.node.membership import NodeInfo
 from burncoll.ops import OpKind, ReduceOp
+from burncoll.protocol.wire import decode
 from burncoll.strategies import Centralized, Ring, Schedule, Strategy, Tree
 from burncoll.strategies.layout import even_layout
-from burncoll.transport.wire import decode
 from tests import forked
 
 REPO = Path(__file__).resolve().parents[2]

@@ -23,23 +23,23 @@ import numpy as np
 import pytest
 
 import burncoll
-import burncoll.node.checks as checks_module
 import burncoll.node.executor as executor_module
 import burncoll.node.mailbox as mailbox_module
+import burncoll.protocol.checks as checks_module
 from burncoll.errors import AuthenticationError, ProtocolError
 from burncoll.levels import GlobalOp
-from burncoll.node.checks import expected_bytes
 from burncoll.node.data_service import DataService
 from burncoll.node.executor import PART_BYTES, GlobalExecutor
 from burncoll.node.mailbox import HELD_BYTES, HELD_FRAMES, Mailbox, Receives
 from burncoll.node.membership import NodeInfo
 from burncoll.node.placement import place
 from burncoll.ops import OpKind, ReduceOp
+from burncoll.protocol.checks import expected_bytes
+from burncoll.protocol.wire import DataHeader, Frame, decode, encode_control, encode_data_header
 from burncoll.strategies import Ring, Strategy, Tree
 from burncoll.strategies.layout import even_layout
 from burncoll.transport import get_transport
 from burncoll.transport.auth import authenticate_client
-from burncoll.transport.wire import DataHeader, Frame, decode, encode_control, encode_data_header
 from tests.node.test_out_of_place import _MemoryService
 
 SEQ = 4

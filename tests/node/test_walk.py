@@ -28,14 +28,14 @@ import pytest
 from burncoll import compression
 from burncoll.errors import MismatchError, ProtocolError
 from burncoll.levels import GlobalOp, HostArray
-from burncoll.node.checks import header_check
 from burncoll.node.mailbox import FrameKey, Mailbox
 from burncoll.node.places import ReducePlace
 from burncoll.node.walk import AwaitChunk, ReceivePart, SendPart, Transfer, Walk, receives
 from burncoll.ops import OpKind, ReduceOp
+from burncoll.protocol.checks import header_check
+from burncoll.protocol.wire import DataHeader, Frame, FrameType
 from burncoll.strategies import ByHost, Centralized, Ring, Schedule, Strategy, Tree
 from burncoll.strategies.layout import even_layout, sizes_layout
-from burncoll.transport.wire import DataHeader, Frame, FrameType
 
 STRATEGIES: list[Strategy] = [Centralized(), Tree(2), Tree(3), Ring()]
 WORLDS = range(2, 10)

@@ -20,7 +20,7 @@ from burncoll.errors import CollectiveTimeout, MismatchError, ProtocolError
 from burncoll.node.mailbox import Mailbox, Receives
 from burncoll.node.watch import Watch
 from burncoll.ops import OpKind, ReduceOp
-from burncoll.transport.wire import DataHeader, Frame, decode, encode_data_header
+from burncoll.protocol.wire import DataHeader, Frame, decode, encode_data_header
 
 SEQ = 3
 SIZE = 16

@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 import burncoll
+from burncoll.protocol.wire import FrameType, Placed, decode
 from burncoll.transport import get_transport as real_get_transport
 from burncoll.transport.base import Buffer, Connection, Handler, Listener, Transport
-from burncoll.transport.wire import FrameType, Placed, decode
 
 _print_lock = threading.Lock()
 

@@ -47,12 +47,12 @@ from websockets.client import ClientProtocol
 from websockets.uri import parse_uri
 
 from burncoll.errors import CollectiveError
+from burncoll.protocol.wire import FrameType, decode, encode_control
 from burncoll.transport import TlsSettings, get_transport
 from burncoll.transport.base import Buffer, Connection
 from burncoll.transport.quic import ALPN
 from burncoll.transport.quic_connection import PREAMBLE as QUIC_PREAMBLE
 from burncoll.transport.tcp import PREAMBLE as TCP_PREAMBLE
-from burncoll.transport.wire import FrameType, decode, encode_control
 
 #: The victims' address.
 HOST = "127.0.0.1"

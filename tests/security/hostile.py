@@ -23,11 +23,11 @@ from aioquic.quic.configuration import QuicConfiguration
 
 from burncoll.errors import TransportError
 from burncoll.ops import OpKind, ReduceOp
+from burncoll.protocol.wire import DataHeader, encode_control, encode_data_header
 from burncoll.transport.base import Connection, Transport
 from burncoll.transport.quic import ALPN, QuicTransport
 from burncoll.transport.quic_connection import QuicStreamConnection
 from burncoll.transport.websocket import WebSocketConnection, WebSocketTransport
-from burncoll.transport.wire import DataHeader, encode_control, encode_data_header
 
 HOST = "127.0.0.1"
 #: How long an attack waits for the listener to drop it.

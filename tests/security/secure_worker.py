@@ -47,10 +47,10 @@ from typing import Any
 import numpy as np
 
 import burncoll
+from burncoll.protocol.wire import encode_control
 from burncoll.transport import get_transport
 from burncoll.transport.auth import authenticate_client
 from burncoll.transport.websocket import WebSocketConnection
-from burncoll.transport.wire import encode_control
 from tests.security.hostile import WS_BAD_FRAMING, WS_OVERSIZED_FROM_SERVER, malformed
 
 #: Elements per all-reduce (400 kB of float64, so frames are not trivially small).
@@ -118,9 +118,9 @@ def corrupt_schedule(comm: burncoll.Communicator, kind: str) -> None:
 
     from burncoll.node.executor import PART_BYTES
     from burncoll.ops import OpKind
+    from burncoll.protocol.wire import decode, encode_data_header
     from burncoll.strategies import Tree
     from burncoll.strategies.layout import even_layout
-    from burncoll.transport.wire import decode, encode_data_header
 
     link = _link(comm)  # (a test double: the node's internals)
     service = link._service
@@ -180,7 +180,7 @@ def corrupt_schedule(comm: burncoll.Communicator, kind: str) -> None:
 
 def _flood_header() -> bytes:
     from burncoll.ops import OpKind, ReduceOp
-    from burncoll.transport.wire import DataHeader, encode_data_header
+    from burncoll.protocol.wire import DataHeader, encode_data_header
 
     return encode_data_header(DataHeader(
         session=0, seq=0, op_kind=OpKind.ALL_REDUCE, reduce_op=ReduceOp.SUM, dtype="float64",

@@ -23,7 +23,7 @@ import pytest
 
 import burncoll
 from burncoll.node.dialing import Dialing
-from burncoll.transport.wire import decode_data_head, encode_data_header
+from burncoll.protocol.wire import decode_data_head, encode_data_header
 from tests.node.test_lanes import _lanes_of, _two_nodes
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import burncoll
-from burncoll.transport.wire import FIXED_HEADER_BYTES, announced_lengths
+from burncoll.protocol.wire import FIXED_HEADER_BYTES, announced_lengths
 from tests.security.test_hostile_lanes import WHY, _tamper, hostile_second_call
 
 #: What node 0's error must say, by kind (its slot 0 was never written: its first message

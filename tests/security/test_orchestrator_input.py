@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 import burncoll
+from burncoll.protocol.wire import decode, encode_control
 from burncoll.transport import get_transport
 from burncoll.transport.auth import authenticate_client
 from burncoll.transport.base import Connection
-from burncoll.transport.wire import decode, encode_control
 
 from .hostile import malformed
 

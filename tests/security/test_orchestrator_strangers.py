@@ -23,12 +23,12 @@ import pytest
 import burncoll
 from burncoll import orchestrator_waiting
 from burncoll.launch import node_environment
-from burncoll.node.control import Join
 from burncoll.node.orchestrator_client import OrchestratorClient
+from burncoll.protocol.control import Join
+from burncoll.protocol.wire import decode, encode_control
 from burncoll.transport import get_transport
 from burncoll.transport.auth import authenticate_client
 from burncoll.transport.base import Connection
-from burncoll.transport.wire import decode, encode_control
 from tests import forked
 
 NODE = Path(__file__).resolve().parents[1] / "cli" / "allreduce_node.py"

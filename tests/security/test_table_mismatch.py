@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 import burncoll
-from burncoll.node.control import Table, TableEntry
 from burncoll.orchestrator_waiting import Member, Session
+from burncoll.protocol.control import Table, TableEntry
 from tests.harness import run_nodes
 
 NODES = 3

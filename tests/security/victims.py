@@ -469,8 +469,8 @@ def _advertise(port: int) -> None:
     is at ``port`` (a relay's), not where it listens."""
     import dataclasses
 
-    from burncoll.node.control import Join
     from burncoll.node.orchestrator_client import OrchestratorClient
+    from burncoll.protocol.control import Join
 
     join = OrchestratorClient.join
 

@@ -17,13 +17,13 @@ from collections.abc import Callable
 import pytest
 
 from burncoll.errors import TransportError
+from burncoll.protocol.wire import Placed
 from burncoll.transport.admission import LOG_BURST, Admission, source_group
 from burncoll.transport.auth import authenticate_client, authenticate_server
 from burncoll.transport.base import Connection, TlsSettings, Transport
 from burncoll.transport.stream_listener import StreamListener
 from burncoll.transport.tcp import TcpTransport
 from burncoll.transport.websocket import WebSocketTransport
-from burncoll.transport.wire import Placed
 from tests.transport.support import HOST, run, serving
 
 STREAM_TRANSPORTS = [pytest.param(TcpTransport, id="tcp"),

@@ -13,9 +13,9 @@ import pytest
 
 from burncoll.errors import AuthenticationError
 from burncoll.ops import OpKind
+from burncoll.protocol.wire import DataHeader, decode, encode_control, encode_data_header
 from burncoll.transport.auth import authenticate_client, authenticate_server
 from burncoll.transport.base import Connection
-from burncoll.transport.wire import DataHeader, decode, encode_control, encode_data_header
 
 from .support import EACH_PROTOCOL, HOST, MakeTransport, run, serving
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from burncoll.errors import ProtocolError
+from burncoll.protocol.wire import Placed, decode, encode_control, peek_part
 from burncoll.transport.base import FastPath
-from burncoll.transport.wire import Placed, decode, encode_control, peek_part
 from tests.transport.support import ALL_TRANSPORTS, MakeTransport, connected, run
 
 SIZE = 1 << 20
@@ -67,7 +67,7 @@ def test_masked_websocket_frames_are_never_placed() -> None:
 
 def test_a_placed_message_decodes_like_a_whole_one() -> None:
     from burncoll.ops import OpKind, ReduceOp
-    from burncoll.transport.wire import DataHeader, encode_data_header
+    from burncoll.protocol.wire import DataHeader, encode_data_header
 
     payload = np.arange(10, dtype=np.float32)
     header = DataHeader(session=7, seq=3, op_kind=OpKind.ALL_REDUCE, reduce_op=ReduceOp.SUM,

@@ -26,13 +26,13 @@ from typing import Any
 import pytest
 
 from burncoll.errors import ProtocolError, TransportError
+from burncoll.protocol.wire import Placed
 from burncoll.transport.admission import Admission
 from burncoll.transport.base import PREAUTH_BYTES, Connection, TlsSettings, Transport
 from burncoll.transport.stream import StreamProtocol
 from burncoll.transport.tcp import PREAMBLE, TcpTransport
 from burncoll.transport.tls import listener_binding
 from burncoll.transport.websocket import WebSocketTransport
-from burncoll.transport.wire import Placed
 from burncoll.transport.ws_frames import frame_header, mask_in_place
 from tests import forked
 from tests.transport.support import HOST, connected, run, serving, trust

@@ -42,6 +42,7 @@ from aioquic.quic.packet_builder import QuicPacketBuilder
 from aioquic.quic.rangeset import RangeSet
 
 from burncoll.errors import ProtocolError, TransportError
+from burncoll.protocol.wire import Placed
 from burncoll.transport.assembler import MessageAssembler, MessageTooBig
 from burncoll.transport.auth import authenticate_client, authenticate_server
 from burncoll.transport.base import PREAUTH_BYTES, Connection, TlsSettings
@@ -50,7 +51,6 @@ from burncoll.transport.quic_connection import PREAMBLE, QuicStreamConnection
 from burncoll.transport.quic_credit import PREAUTH_WINDOW, working_window
 from burncoll.transport.quic_server import QuicListener, source_of
 from burncoll.transport.tls import listener_binding, make_self_signed
-from burncoll.transport.wire import Placed
 
 from .support import HOST, run
 

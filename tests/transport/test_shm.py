@@ -22,9 +22,9 @@ import pytest
 
 import burncoll
 from burncoll.errors import ProtocolError, TransportError
+from burncoll.protocol.wire import Placed
 from burncoll.transport import ring_files, shm
 from burncoll.transport.base import Connection
-from burncoll.transport.wire import Placed
 from tests.transport.support import EACH_PROTOCOL, MakeTransport, connected, run
 
 SIZES = [10, shm.MIN_BYTES - 1, shm.MIN_BYTES, 3 << 20, shm.MAX_BYTES, shm.MAX_BYTES + 1,

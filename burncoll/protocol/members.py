@@ -5,7 +5,7 @@ says :class:`Bye`, a failing one :class:`Abort`; a member whose operation timed 
 others :class:`StatusQuery` and they answer :class:`Status`
 (:mod:`burncoll.node.data_service`, :mod:`burncoll.node.reading`); the receiver of a
 point-to-point message acknowledges it with :class:`P2PAck`. The orchestrator never sees
-them, so they live apart from its conversation (:mod:`burncoll.node.control`, whose frame,
+them, so they live apart from its conversation (:mod:`burncoll.protocol.control`, whose frame,
 shapes and checks they share): same JSON objects, same bytes, the same strict decoding.
 """
 
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import ClassVar, TypeAlias
 
 from burncoll.levels import MAX_TAG
-from burncoll.node.control import MAX_PEER_ID, MAX_SESSION, AboutNode, decode_by_type
-from burncoll.node.json_fields import Fields, JsonObject, MalformedMessage, count, int_tuple, is_int
-from burncoll.transport.wire import Frame
+from burncoll.protocol.control import MAX_PEER_ID, MAX_SESSION, AboutNode, decode_by_type
+from burncoll.protocol.fields import Fields, JsonObject, MalformedMessage, count, int_tuple, is_int
+from burncoll.protocol.wire import Frame
 
 __all__ = [
     "MAX_REFUSAL", "Abort", "Bye", "Hello", "MemberMessage", "P2PAck", "Status", "StatusQuery",

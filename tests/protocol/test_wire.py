@@ -1,4 +1,4 @@
-"""The frame codec (``burncoll/transport/wire.py``): round trips, rejections and fuzzing."""
+"""The frame codec (``burncoll/protocol/wire.py``): round trips, rejections and fuzzing."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from burncoll.dtypes import SUPPORTED_DTYPES
 from burncoll.errors import ProtocolError
 from burncoll.ops import OpKind, ReduceOp
-from burncoll.transport.wire import (
+from burncoll.protocol.wire import (
     CONTROL_LIMIT,
     FIXED_HEADER_BYTES,
     MAX_NDIM,

@@ -20,8 +20,8 @@ from burncoll.dtypes import dtype_from_name
 from burncoll.errors import CollectiveError, CollectiveTimeout, MismatchError, ProtocolError
 from burncoll.levels import GlobalOp
 from burncoll.ops import ROW_KINDS, OpKind, ReduceOp
+from burncoll.protocol.wire import DataHeader
 from burncoll.strategies.layout import even_layout
-from burncoll.transport.wire import DataHeader
 
 __all__ = [
     "Check",

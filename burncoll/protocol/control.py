@@ -4,13 +4,13 @@ Two conversations use them. A node and the orchestrator (:mod:`burncoll.orchestr
 this module, which holds their whole conversation: the node sends :class:`Join`,
 :class:`Finish`, :class:`Leave`; the orchestrator answers with :class:`Table`,
 :class:`Refused`, :class:`Notice`, :class:`Finished`, :class:`NodeLost`. Two members of a
-session talk with the messages of :mod:`burncoll.node.member_messages`, built on what is here:
+session talk with the messages of :mod:`burncoll.protocol.members`, built on what is here:
 the frame (:func:`encode`, :func:`kind_of`), the shapes several messages share
 and the decoding by type.
 
 Each message encodes to the JSON object sent before these types existed (same keys, same
 order, so the same bytes). Decoding checks every field: a message whose fields are not what
-its type says raises :class:`~burncoll.node.json_fields.MalformedMessage` (a
+its type says raises :class:`~burncoll.protocol.fields.MalformedMessage` (a
 :class:`~burncoll.ProtocolError`) naming each field that is wrong. A type the receiver does
 not expect is ignored (the ``decode_*`` functions return ``None``), as it always was. Nothing
 is unpickled: JSON only.
@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, Self, TypeAlias, TypeVar
 
-from burncoll.node.json_fields import Fields, JsonObject, is_int
-from burncoll.transport.wire import Frame, encode_control
+from burncoll.protocol.fields import Fields, JsonObject, is_int
+from burncoll.protocol.wire import Frame, encode_control
 
 __all__ = [
     "MAX_FIELD_BYTES", "MAX_NODE_PEERS", "MAX_PEER_ID", "MAX_SESSION", "AboutNode",

@@ -1,6 +1,6 @@
 """Reading the fields of a JSON message with every type and range checked.
 
-The control messages (:mod:`burncoll.node.control`) come from other processes, some of which
+The control messages (:mod:`burncoll.protocol.control`) come from other processes, some of which
 may be strangers: a field is used only once it is known to be what the message type says.
 :class:`Fields` notes every field that is not, so that one error names them all.
 """

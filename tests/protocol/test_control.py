@@ -1,4 +1,4 @@
-"""The control messages (``burncoll.node.control``), without sockets.
+"""The control messages (``burncoll.protocol.control``), without sockets.
 
 Each message encodes to the very bytes sent before it had a type (the JSON objects below are
 what the node and the orchestrator sent as dicts), decodes back to itself, and a message whose
@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from burncoll.errors import ProtocolError
-from burncoll.node.control import (
+from burncoll.ops import OpKind, ReduceOp
+from burncoll.protocol.control import (
     MAX_FIELD_BYTES,
     MAX_NODE_PEERS,
     ControlMessage,
@@ -30,10 +31,9 @@ from burncoll.node.control import (
     encode,
     kind_of,
 )
-from burncoll.node.json_fields import MalformedMessage
-from burncoll.node.member_messages import Abort, Bye, Hello, Status, StatusQuery, decode_member
-from burncoll.ops import OpKind, ReduceOp
-from burncoll.transport.wire import DataHeader, decode, encode_control, encode_data_header
+from burncoll.protocol.fields import MalformedMessage
+from burncoll.protocol.members import Abort, Bye, Hello, Status, StatusQuery, decode_member
+from burncoll.protocol.wire import DataHeader, decode, encode_control, encode_data_header
 
 SECRET = "ab" * 32
 FINGERPRINT = {"num_nodes": 2, "transport": "websocket", "integrity": False}

@@ -1,0 +1,9 @@
+"""What travels between processes, and the checks on it: pure code, no I/O, no clock.
+
+:mod:`.wire` is the frame codec (a fixed binary header, then raw bytes); :mod:`.control` the
+control messages of a node and the orchestrator, :mod:`.members` those between two members of
+a session, both read through :mod:`.fields`, which checks every field; :mod:`.checks` what a
+received DATA header must say before a byte of its part is used. The node level
+(:mod:`burncoll.node`), the orchestrator (:mod:`burncoll.orchestrator`) and the transports
+(:mod:`burncoll.transport`) all build on it.
+"""
