@@ -35,7 +35,7 @@ class _RefuseArgvToken(argparse.Action):
 def _token(args: argparse.Namespace) -> str | None:
     """The token of ``--auth-token-file``, else of the environment (``BURNCOLL_AUTH_TOKEN``,
     ``BURNCOLL_AUTH_TOKEN_FILE``; both set: they must agree), else ``None``."""
-    from burncoll.secure_defaults import resolve_token
+    from burncoll.config.security import resolve_token
 
     if args.auth_token_file is not None:
         return resolve_token(None, args.auth_token_file)

@@ -44,7 +44,7 @@ import numpy as np
 
 from burncoll.backends.base import Device
 from burncoll.config import CollectiveConfig
-from burncoll.config_values import parse_host_port
+from burncoll.config.values import parse_host_port
 from burncoll.errors import ProtocolError, TransportError, UsageError
 from burncoll.local.rendezvous import Rendezvous
 from burncoll.orchestrator import Orchestrator, start_orchestrator

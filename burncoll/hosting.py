@@ -15,7 +15,7 @@ import atexit
 import threading
 
 from burncoll.config import CollectiveConfig
-from burncoll.config_values import parse_host_port
+from burncoll.config.values import parse_host_port
 from burncoll.errors import TransportError
 from burncoll.orchestrator import Orchestrator, start_orchestrator
 

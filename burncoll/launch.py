@@ -45,10 +45,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO
 
-from burncoll.addresses import route_address
+from burncoll.config.addresses import route_address
+from burncoll.config.security import check_token, is_loopback
 from burncoll.errors import ConfigError
 from burncoll.orchestrator import start_orchestrator
-from burncoll.secure_defaults import check_token, is_loopback
 
 __all__ = [
     "RESTART_COUNT_ENV",

@@ -49,6 +49,7 @@ import asyncio
 import contextlib
 import logging
 
+from burncoll.config.security import check_bind_address, check_tls_mode, check_token
 from burncoll.errors import AuthenticationError, ConfigError, ProtocolError, TransportError
 from burncoll.ioloop import IoLoop
 from burncoll.orchestrator_waiting import (
@@ -73,7 +74,6 @@ from burncoll.protocol.control import (
 )
 from burncoll.protocol.fields import MalformedMessage
 from burncoll.protocol.wire import CONTROL_LIMIT, decode
-from burncoll.secure_defaults import check_bind_address, check_tls_mode, check_token
 from burncoll.transport import TRANSPORT_NAMES, TlsSettings, get_transport
 from burncoll.transport.admission import BoundedLog
 from burncoll.transport.auth import authenticate_server

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from burncoll.config_values import parse_env
+from burncoll.config.values import parse_env
 from burncoll.errors import (
     BackendUnavailable,
     CollectiveAborted,

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from burncoll.config import CollectiveConfig
-from burncoll.config_values import parse_host_port
+from burncoll.config.values import parse_host_port
 from burncoll.dtypes import dtype_from_name
 from burncoll.errors import CollectiveError, CollectiveTimeout, PeerLost
 from burncoll.ioloop import IoLoop

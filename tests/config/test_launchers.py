@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 
-from burncoll.errors import ConfigError
-from burncoll.launchers import (
+from burncoll.config.launchers import (
     LAUNCHERS,
     MAX_HOSTS,
     LaunchEnvironment,
@@ -28,6 +27,7 @@ from burncoll.launchers import (
     detect_launcher,
     expand_hostlist,
 )
+from burncoll.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -395,7 +395,7 @@ def test_derived_port_of_other_text() -> None:
 
 CHILD = """
 import dataclasses, json, os
-from burncoll.launchers import detect_launcher
+from burncoll.config.launchers import detect_launcher
 found = detect_launcher()
 print("LAUNCH " + json.dumps({"found": found and dataclasses.asdict(found),
                               "master_port": os.environ.get("MASTER_PORT")}), flush=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from burncoll import CollectiveConfig, ConfigError
-from burncoll.config_names import OTHER_VARIABLES, warn_unknown_variables
+from burncoll.config.names import OTHER_VARIABLES, warn_unknown_variables
 from burncoll.launch import node_environment
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ import pytest
 
 import burncoll
 from burncoll import CollectiveConfig, ConfigError
-from burncoll.secure_defaults import is_loopback
+from burncoll.config.security import is_loopback
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "a-long-enough-token-for-tests"  # 29 bytes: no short-token warning

@@ -152,7 +152,7 @@ def test_each_mistake_draws_the_message_the_table_shows(
         mistake: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for name in ("RANK", "WORLD_SIZE", "BURNCOLL_TIMEOT", "BURNCOLL_SHARED_MEMORY"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr("burncoll.config_names._warned", set())  # "once per process": again
+    monkeypatch.setattr("burncoll.config.names._warned", set())  # "once per process": again
     message = MISTAKES[mistake](monkeypatch, tmp_path)
     row = table()[mistake]
     assert reads_as(message, row), f"the table says\n  {row}\nbut the message is\n  {message}"

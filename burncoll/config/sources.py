@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from burncoll.addresses import resolves_to_loopback, route_address
-from burncoll.config_values import parse_host_port
+from burncoll.config.addresses import resolves_to_loopback, route_address
+from burncoll.config.launchers import detect_launcher
+from burncoll.config.values import parse_host_port
 from burncoll.errors import ConfigError
-from burncoll.launchers import detect_launcher
 
 __all__ = ["check_node_fields", "launcher_values"]
 

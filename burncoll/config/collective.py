@@ -8,7 +8,7 @@ One rule decides where each field's value comes from, first match wins:
    hands each node its settings that way);
 3. a YAML file (:meth:`CollectiveConfig.from_yaml`);
 4. the variables of the launcher that started the process (torchrun, SLURM, Open MPI, MPICH;
-   :mod:`burncoll.launchers`): ``num_nodes``, ``node_rank``, ``global_address``;
+   :mod:`burncoll.config.launchers`): ``num_nodes``, ``node_rank``, ``global_address``;
 5. the field's default.
 
 In short: the nearer to the code, the stronger, and a file is overridden by the environment,
@@ -17,7 +17,7 @@ world_size=...)`` ignores ``RANK`` / ``WORLD_SIZE`` when given them. ``Collectiv
 timeout=5)`` stays 5 whatever ``BURNCOLL_TIMEOUT`` says; a YAML ``timeout: 5`` does not.
 
 A multi-node config without ``node_address`` uses this machine's
-address toward the rendezvous host (:mod:`burncoll.config_nodes`).
+address toward the rendezvous host (:mod:`burncoll.config.sources`).
 
 Secure by default: a multi-node config whose ``node_address`` is not a loopback address
 (``127.0.0.0/8``, ``::1``, ``localhost``) must carry an ``auth_token`` (or ``auth_token_file``)
@@ -39,17 +39,17 @@ import yaml
 
 from burncoll.backends import BACKEND_NAMES
 from burncoll.compression import COMPRESSIONS
-from burncoll.config_names import nearest, refuse_unknown_names, warn_unknown_variables
-from burncoll.config_nodes import check_node_fields, launcher_values
-from burncoll.config_values import ENV_PREFIX, parse_env, parse_host_port, parse_strategy_field
-from burncoll.config_values import check_timeout as check_timeout_field
-from burncoll.errors import ConfigError
-from burncoll.secure_defaults import (
+from burncoll.config.names import nearest, refuse_unknown_names, warn_unknown_variables
+from burncoll.config.security import (
     HOW_TO_SET_A_TOKEN,
     check_bind_address,
     check_tls_mode,
     resolve_token,
 )
+from burncoll.config.sources import check_node_fields, launcher_values
+from burncoll.config.values import ENV_PREFIX, parse_env, parse_host_port, parse_strategy_field
+from burncoll.config.values import check_timeout as check_timeout_field
+from burncoll.errors import ConfigError
 from burncoll.strategies import Auto, Strategy
 from burncoll.transport import TRANSPORT_NAMES
 from burncoll.transport.base import TlsSettings

@@ -11,7 +11,7 @@ import threading
 import warnings
 from collections.abc import Iterable, Mapping
 
-from burncoll.config_values import ENV_PREFIX
+from burncoll.config.values import ENV_PREFIX
 from burncoll.errors import ConfigError
 
 __all__ = ["OTHER_VARIABLES", "nearest", "refuse_unknown_names", "warn_unknown_variables"]
