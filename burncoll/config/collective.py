@@ -1,23 +1,9 @@
 """``CollectiveConfig``: one frozen dataclass describing a collective, validated on creation.
 
-One rule decides where each field's value comes from, first match wins:
-
-1. the code's arguments: the constructor, :meth:`~CollectiveConfig.from_mapping`,
-   :meth:`~CollectiveConfig.replace` and the ``with_*`` builders;
-2. a ``BURNCOLL_<FIELD>`` environment variable (``BURNCOLL_NUM_NODES=2``; ``burncoll launch``
-   hands each node its settings that way);
-3. a YAML file (:meth:`CollectiveConfig.from_yaml`);
-4. the variables of the launcher that started the process (torchrun, SLURM, Open MPI, MPICH;
-   :mod:`burncoll.config.launchers`): ``num_nodes``, ``node_rank``, ``global_address``;
-5. the field's default.
-
-In short: the nearer to the code, the stronger, and a file is overridden by the environment,
-as pydantic-settings orders its sources and as torch's ``init_process_group(rank=...,
-world_size=...)`` ignores ``RANK`` / ``WORLD_SIZE`` when given them. ``CollectiveConfig(
-timeout=5)`` stays 5 whatever ``BURNCOLL_TIMEOUT`` says; a YAML ``timeout: 5`` does not.
-
-A multi-node config without ``node_address`` uses this machine's
-address toward the rendezvous host (:mod:`burncoll.config.sources`).
+Where each field's value comes from (the code, then ``BURNCOLL_<FIELD>`` variables, then a
+YAML file, then a launcher's variables, then the default) is one rule, in
+:mod:`burncoll.config.sources`. A multi-node config without ``node_address`` uses this
+machine's address toward the rendezvous host.
 
 Secure by default: a multi-node config whose ``node_address`` is not a loopback address
 (``127.0.0.0/8``, ``::1``, ``localhost``) must carry an ``auth_token`` (or ``auth_token_file``)
@@ -39,16 +25,16 @@ import yaml
 
 from burncoll.backends import BACKEND_NAMES
 from burncoll.compression import COMPRESSIONS
-from burncoll.config.names import nearest, refuse_unknown_names, warn_unknown_variables
+from burncoll.config.names import nearest, refuse_unknown_names
 from burncoll.config.security import (
     HOW_TO_SET_A_TOKEN,
     check_bind_address,
     check_tls_mode,
     resolve_token,
 )
-from burncoll.config.sources import check_node_fields, launcher_values
-from burncoll.config.values import ENV_PREFIX, parse_env, parse_host_port, parse_strategy_field
+from burncoll.config.sources import check_node_fields, file_values, resolve
 from burncoll.config.values import check_timeout as check_timeout_field
+from burncoll.config.values import parse_host_port, parse_strategy_field
 from burncoll.errors import ConfigError
 from burncoll.strategies import Auto, Strategy
 from burncoll.transport import TRANSPORT_NAMES
@@ -74,8 +60,9 @@ class CollectiveConfig:
 
     Build it with keywords, ``with_<field>(value)`` builders, :meth:`from_yaml`, or
     ``BURNCOLL_<FIELD>`` environment variables and launcher variables for the fields not
-    given (the order is in this module's docstring). Invalid values raise
-    :class:`~burncoll.ConfigError` naming the field and what it accepts.
+    given; first match wins: the code, a variable, a YAML file, the launcher, the default
+    (:mod:`burncoll.config.sources`). Invalid values raise :class:`~burncoll.ConfigError`
+    naming the field and what it accepts.
     """
 
     #: Array library: ``"numpy"`` (CPU), ``"jax"`` or ``"cupy"``.
@@ -169,15 +156,8 @@ class CollectiveConfig:
 
     def __post_init__(self) -> None:
         code: frozenset[str] = getattr(self, "_given", frozenset())
-        from_env: set[str] = set()
-        warn_unknown_variables(f.name for f in fields(self))
-        for f in fields(self):
-            raw = os.environ.get(ENV_PREFIX + f.name.upper())
-            if raw is not None and f.name not in code:
-                object.__setattr__(self, f.name, parse_env(f.name, raw))
-                from_env.add(f.name)
-        for name, value in launcher_values(code, frozenset(from_env), self.num_nodes,
-                                           self.node_rank).items():
+        so_far = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in resolve(code, so_far).items():  # the environment, the launcher
             object.__setattr__(self, name, value)
         for name in _STRATEGY_FIELDS:
             object.__setattr__(self, name, parse_strategy_field(name, getattr(self, name)))
@@ -266,11 +246,7 @@ class CollectiveConfig:
             data = {}
         if not isinstance(data, Mapping):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of field: value")
-        # a BURNCOLL_<FIELD> variable overrides the file (the file is not the code's argument)
-        overridden = {k for k in data
-                      if isinstance(k, str) and ENV_PREFIX + k.upper() in os.environ}
-        kept = {k: v for k, v in data.items() if k not in overridden}
-        return cls.from_mapping(kept, source=str(path))
+        return cls.from_mapping(file_values(data), source=str(path))
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "mapping") -> CollectiveConfig:

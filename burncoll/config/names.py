@@ -57,8 +57,9 @@ def warn_unknown_variables(fields: Iterable[str],
         new = [k for k in stray if k not in _warned]
         _warned.update(new)
     suffixes = sorted(k.removeprefix(ENV_PREFIX) for k in known)  # the prefix matches anyway
-    for name in new:
+    for name in new:  # shown at the line that made the config: above us are sources.resolve,
+        # CollectiveConfig.__post_init__ and its __init__
         hint = nearest(name.removeprefix(ENV_PREFIX), suffixes).replace("'", "'" + ENV_PREFIX, 1)
         warnings.warn(f"environment variable {name} is not a burncoll setting and is ignored"
-                      f"{hint}", UserWarning, stacklevel=4)
+                      f"{hint}", UserWarning, stacklevel=5)
     return new

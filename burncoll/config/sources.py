@@ -1,20 +1,61 @@
-"""The config fields that say where a node stands: its rank, the number of nodes, the
-rendezvous address and its own address, filled from a launcher's variables when the code and
-the ``BURNCOLL_*`` variables leave them unset (the order is in :mod:`burncoll.config`)."""
+"""Where each value of a :class:`~burncoll.CollectiveConfig` comes from, first match wins:
+
+1. the code's arguments: the constructor, :meth:`~burncoll.CollectiveConfig.from_mapping`,
+   :meth:`~burncoll.CollectiveConfig.replace` and the ``with_*`` builders;
+2. a ``BURNCOLL_<FIELD>`` environment variable (``BURNCOLL_NUM_NODES=2``; ``burncoll launch``
+   hands each node its settings that way);
+3. a YAML file (:meth:`~burncoll.CollectiveConfig.from_yaml`);
+4. the variables of the launcher that started the process (torchrun, SLURM, Open MPI, MPICH;
+   :mod:`burncoll.config.launchers`): ``num_nodes``, ``node_rank``, ``global_address``;
+5. the field's default.
+
+In short: the nearer to the code, the stronger, and a file is overridden by the environment,
+as pydantic-settings orders its sources and as torch's ``init_process_group(rank=...,
+world_size=...)`` ignores ``RANK`` / ``WORLD_SIZE`` when given them. ``CollectiveConfig(
+timeout=5)`` stays 5 whatever ``BURNCOLL_TIMEOUT`` says; a YAML ``timeout: 5`` does not.
+
+The whole rule is here: :func:`file_values` drops what a variable overrides from a file,
+whose other values then count as the code's; every config, however made, calls
+:func:`resolve` once the code's values (and the defaults) are set, for 2 and 4. Last,
+:func:`check_node_fields` checks where a node stands (its rank, the rendezvous address) and
+finds its own address when a multi-node config has none.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import Any
 
 from burncoll.config.addresses import resolves_to_loopback, route_address
 from burncoll.config.launchers import detect_launcher
-from burncoll.config.values import parse_host_port
+from burncoll.config.names import warn_unknown_variables
+from burncoll.config.values import ENV_PREFIX, parse_env, parse_host_port
 from burncoll.errors import ConfigError
 
-__all__ = ["check_node_fields", "launcher_values"]
+__all__ = ["check_node_fields", "file_values", "resolve"]
 
 #: The fields a launcher's variables (torchrun, SLURM, mpirun) can fill.
 LAUNCHER_FIELDS = ("num_nodes", "node_rank", "global_address")
+
+
+def file_values(data: Mapping[Any, Any]) -> dict[Any, Any]:
+    """A file's values without those a ``BURNCOLL_<FIELD>`` variable overrides (the file is
+    not the code's argument, so the environment wins over it)."""
+    return {k: v for k, v in data.items()
+            if not (isinstance(k, str) and ENV_PREFIX + k.upper() in os.environ)}
+
+
+def resolve(code: frozenset[str], so_far: Mapping[str, Any]) -> dict[str, Any]:
+    """The values that the environment, then the launcher, give the fields the code did not
+    (``code``); ``so_far``: every field's value, the code's or the default. Warns about each
+    ``BURNCOLL_*`` variable that is no field's (:func:`~.names.warn_unknown_variables`)."""
+    warn_unknown_variables(so_far)
+    from_env = {name: parse_env(name, raw) for name in so_far if name not in code
+                and (raw := os.environ.get(ENV_PREFIX + name.upper())) is not None}
+    now = {**so_far, **from_env}
+    return from_env | launcher_values(code, frozenset(from_env), now["num_nodes"],
+                                      now["node_rank"])
 
 
 def launcher_values(code: frozenset[str], env: frozenset[str], num_nodes: int | None,

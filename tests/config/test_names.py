@@ -34,6 +34,15 @@ def test_a_misspelt_variable_warns_once_naming_the_right_one(
     assert CollectiveConfig().timeout == 60.0
 
 
+def test_the_warning_points_at_the_line_that_made_the_config(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BURNCOLL_TIMEOT", "5")
+    monkeypatch.setattr("burncoll.config.names._warned", set())  # "once per process": again
+    with pytest.warns(UserWarning, match="BURNCOLL_TIMEOT") as caught:
+        CollectiveConfig()
+    assert [w.filename for w in caught] == [__file__]
+
+
 def test_a_variable_unlike_any_setting_warns_without_a_guess() -> None:
     with pytest.warns(UserWarning, match="BURNCOLL_ZZZ is not a burncoll setting") as caught:
         assert warn_unknown_variables(FIELDS, {"BURNCOLL_ZZZ": "1", "HOME": "/"}) == [
