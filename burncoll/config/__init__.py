@@ -1,12 +1,6 @@
-"""Configuration: :class:`CollectiveConfig` and where each of its values comes from.
-
-:mod:`.collective` is the frozen dataclass and its validation; :mod:`.sources` fills the
-fields the code left unset from a launcher's variables (:mod:`.launchers`: torchrun, SLURM,
-Open MPI, MPICH) and finds this node's address (:mod:`.addresses`); :mod:`.values` reads
-``host:port``, strategy names and ``BURNCOLL_*`` text; :mod:`.names` refuses unknown fields
-and warns about unknown variables; :mod:`.security` holds the secure defaults (tokens,
-loopback, TLS) that the orchestrator and the CLI check as well.
-"""
+"""Configuration: :class:`CollectiveConfig` (:mod:`.collective`), where each of its values
+comes from (:mod:`.sources`: the environment, a file, :mod:`.launchers`), and the checks and
+parsers they share (:mod:`.values`, :mod:`.names`, :mod:`.security`, :mod:`.addresses`)."""
 
 from burncoll.config.collective import CollectiveConfig
 

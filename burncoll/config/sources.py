@@ -14,11 +14,9 @@ as pydantic-settings orders its sources and as torch's ``init_process_group(rank
 world_size=...)`` ignores ``RANK`` / ``WORLD_SIZE`` when given them. ``CollectiveConfig(
 timeout=5)`` stays 5 whatever ``BURNCOLL_TIMEOUT`` says; a YAML ``timeout: 5`` does not.
 
-The whole rule is here: :func:`file_values` drops what a variable overrides from a file,
-whose other values then count as the code's; every config, however made, calls
-:func:`resolve` once the code's values (and the defaults) are set, for 2 and 4. Last,
-:func:`check_node_fields` checks where a node stands (its rank, the rendezvous address) and
-finds its own address when a multi-node config has none.
+:func:`file_values` keeps a file's values that no variable overrides (they then count as
+the code's); every config calls :func:`resolve` for 2 and 4. :func:`check_node_fields` checks
+the rank and rendezvous address, and finds a multi-node config's missing ``node_address``.
 """
 
 from __future__ import annotations
