@@ -43,6 +43,7 @@ from burncoll.node.membership import Membership, NodeInfo, TableMismatch, explai
 from burncoll.node.p2p_outbox import Outbox
 from burncoll.node.placement import placer_for
 from burncoll.node.reading import MemberReader
+from burncoll.node.remote_failure import fail_when_done, finished_below, in_flight_before
 from burncoll.transport.base import Buffer, Connection, Listener, Transport
 from burncoll.transport.shm import RingReceiver, RingSender
 from burncoll.transport.stream_connection import StreamConnection
@@ -85,6 +86,9 @@ class DataService:
         self._statuses: dict[int, Status] = {}
         self._status_event = asyncio.Event()
         self._failed = asyncio.Event()  # set with the session's failure
+        #: Another node's failure, held while this node finishes what that node had finished.
+        self.held: BaseException | None = None
+        self._holding: asyncio.Task[None] | None = None
         #: A member's hello said it holds another table; the members whose hello came in.
         self._table_refused = asyncio.Event()
         self._hellos: set[int] = set()
@@ -350,8 +354,9 @@ class DataService:
         A :class:`~burncoll.PeerLost` seen here gets what the other nodes need to act on it:
         the operation it interrupted, how far into it, and a hint.
         """
-        if self.mailbox.error is not None:
-            return
+        if self.mailbox.error is not None or (
+                self.held not in (None, error) and type(error) is PeerLost):
+            return  # (a node lost while another's failure is held: that node, leaving after it)
         if tell and type(error) is PeerLost:
             error = PeerLost(explain_lost(str(error), self.mailbox, self.timeout))
         self.mailbox.fail(error)
@@ -364,7 +369,20 @@ class DataService:
         self.on_failure(error)
         if tell and self.connections.out:
             self._telling = asyncio.get_running_loop().create_task(self.tell_all(
-                Abort(self.node_index, type(error).__name__, str(error))))
+                Abort(self.node_index, type(error).__name__, str(error),
+                      finished_below(self.status()))))
+
+    def fail_remote(self, error: BaseException, done_before: int | None) -> None:
+        """Another node's failure: at once, or held while an operation of this node that the
+        failing node finished (below ``done_before``) is in flight (:mod:`.remote_failure`)."""
+        if done_before is not None and in_flight_before(self.status(), done_before):
+            if self.held is None:
+                self.held = error
+                self._holding = asyncio.get_running_loop().create_task(fail_when_done(
+                    lambda: self.fail(error, tell=False), self.status, done_before,
+                    self.timeout))
+            return
+        self.fail(self.held or error, tell=False)
 
     async def flush_abort(self) -> None:
         """Wait until the abort message of a local failure is sent (bounded by tell_all), so
