@@ -373,16 +373,14 @@ class DataService:
                       finished_below(self.status()))))
 
     def fail_remote(self, error: BaseException, done_before: int | None) -> None:
-        """Another node's failure: at once, or held while an operation of this node that the
-        failing node finished (below ``done_before``) is in flight (:mod:`.remote_failure`)."""
-        if done_before is not None and in_flight_before(self.status(), done_before):
-            if self.held is None:
-                self.held = error
-                self._holding = asyncio.get_running_loop().create_task(fail_when_done(
-                    lambda: self.fail(error, tell=False), self.status, done_before,
-                    self.timeout))
-            return
-        self.fail(self.held or error, tell=False)
+        """Another node's failure: now, or held while an operation it had finished (below
+        ``done_before``) is in flight here (:mod:`burncoll.node.remote_failure`)."""
+        if done_before is None or not in_flight_before(self.status(), done_before):
+            self.fail(self.held or error, tell=False)
+        elif self.held is None:
+            self.held = error
+            self._holding = asyncio.get_running_loop().create_task(fail_when_done(
+                lambda: self.fail(error, tell=False), self.status, done_before, self.timeout))
 
     async def flush_abort(self) -> None:
         """Wait until the abort message of a local failure is sent (bounded by tell_all), so
@@ -414,6 +412,8 @@ class DataService:
         self.lanes.close()
         for reader in list(self._readers):  # one paused by backpressure reads no more
             reader.cancel()
+        if self._holding is not None:  # (leaving: no operation waits for the held failure)
+            self._holding.cancel()
         if self._listener is not None:
             await self._listener.close()
 
