@@ -8,8 +8,10 @@ failing this node's operations before ``N`` at once would fail an operation that
 node completed, with the error of a later one (an asynchronous operation's ``Work`` raised
 the mismatch of the operation issued after it). So the abort carries ``N``
 (:attr:`~burncoll.node.member_messages.Abort.done_before`), and this node holds the failure
-while an operation numbered below ``N`` is in flight here, bounded by the timeout (each of
-them ends by its own deadline anyway); then every waiter fails with it, as at once before.
+while an operation numbered below ``N`` is in flight here, for :data:`HOLD_SECONDS` at most
+(or the timeout, if shorter); then every waiter fails with it, as at once before. A node
+lost meanwhile does not cut the hold short (the failing node leaving is one): the held
+failure, which came first, is the one raised.
 """
 
 from __future__ import annotations
@@ -18,10 +20,16 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping
 
-__all__ = ["HOLD_POLL_SECONDS", "fail_when_done", "finished_below", "in_flight_before"]
+__all__ = [
+    "HOLD_POLL_SECONDS", "HOLD_SECONDS", "fail_when_done", "finished_below", "in_flight_before",
+]
 
 #: How often a held failure looks whether the operations it waits for are done.
 HOLD_POLL_SECONDS = 0.005
+#: Most seconds a failure is held: the operations it waits for have all their data on its
+#: way, and only receive and reduce it; one still running after that waits for something
+#: else (a node lost meanwhile), which the held failure then ends.
+HOLD_SECONDS = 5.0
 
 
 def finished_below(status: Mapping[str, object]) -> int | None:
@@ -43,8 +51,8 @@ def in_flight_before(status: Mapping[str, object], seq: int) -> bool:
 async def fail_when_done(fail: Callable[[], None], status: Callable[[], Mapping[str, object]],
                          seq: int, timeout: float) -> None:
     """Call ``fail()`` once no operation numbered below ``seq`` is in flight here, or after
-    ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
+    :data:`HOLD_SECONDS` (``timeout``, if shorter)."""
+    deadline = time.monotonic() + min(timeout, HOLD_SECONDS)
     while in_flight_before(status(), seq) and time.monotonic() < deadline:
         await asyncio.sleep(HOLD_POLL_SECONDS)
     fail()
