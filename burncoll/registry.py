@@ -199,13 +199,15 @@ def warn_unfinished() -> None:
     as torch.distributed warns when ``destroy_process_group()`` was not called: its sockets
     close with the process, and the other nodes see only a connection closed."""
     for server in REGISTRY.unfinished():
-        node = f"node {server.link.node_index} of a multi-node collective" if server.link \
-            else "a one-node collective"
+        link = server.link
+        node = f"node {link.node_index} of a multi-node collective" if link else \
+            "a one-node collective"
+        why = ", so that the other nodes learn that this one left rather than lost it" if \
+            link else ""
         warnings.warn(
             f"burncoll: peer(s) {list(server.peer_ids)} of {node} did not call finish() before "
-            "the program exited; call comm.finish() on every peer when done, so that the "
-            "other nodes learn that this one left rather than lost it", UserWarning,
-            stacklevel=1)
+            f"the program exited; call comm.finish() on every peer when done{why}",
+            UserWarning, stacklevel=1)
 
 
 atexit.register(warn_unfinished)
