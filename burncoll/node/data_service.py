@@ -43,7 +43,7 @@ from burncoll.node.membership import Membership, NodeInfo, TableMismatch, explai
 from burncoll.node.p2p_outbox import Outbox
 from burncoll.node.placement import placer_for
 from burncoll.node.reading import MemberReader
-from burncoll.node.remote_failure import fail_when_done, finished_below, in_flight_before
+from burncoll.node.remote_failure import behind, fail_when_done, first_unfinished
 from burncoll.transport.base import Buffer, Connection, Listener, Transport
 from burncoll.transport.shm import RingReceiver, RingSender
 from burncoll.transport.stream_connection import StreamConnection
@@ -370,12 +370,12 @@ class DataService:
         if tell and self.connections.out:
             self._telling = asyncio.get_running_loop().create_task(self.tell_all(
                 Abort(self.node_index, type(error).__name__, str(error),
-                      finished_below(self.status()))))
+                      first_unfinished(self.status()))))
 
     def fail_remote(self, error: BaseException, done_before: int | None) -> None:
-        """Another node's failure: now, or held while an operation it had finished (below
-        ``done_before``) is in flight here (:mod:`burncoll.node.remote_failure`)."""
-        if done_before is None or not in_flight_before(self.status(), done_before):
+        """Another node's failure: now, or held until this node has finished what that node
+        had (every operation below ``done_before``; :mod:`burncoll.node.remote_failure`)."""
+        if done_before is None or not behind(self.status(), done_before):
             self.fail(self.held or error, tell=False)
         elif self.held is None:
             self.held = error

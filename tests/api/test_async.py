@@ -200,6 +200,32 @@ def test_a_mismatch_reported_by_a_node_ahead_waits_for_the_operation_it_finished
             "MismatchError", "CollectiveAborted")) and got[rank][1] == "CollectiveAborted", got
 
 
+def test_a_broadcast_its_root_finished_completes_on_a_node_that_calls_it_after_the_abort(
+        ) -> None:
+    """Node 0 holds the root: its broadcast is done once sent, and the all-reduce after it
+    is a mismatch there. Node 1's peers issue both only once node 0's abort has reached their
+    node: the broadcast, which node 0 finished, still delivers the root's array, and the
+    mismatch surfaces at the all-reduce's ``wait``."""
+    def work(comm: burncoll.Communicator) -> tuple[list[float], str]:
+        if comm.rank >= 2:  # node 1: wait for node 0's abort (its data service has it)
+            service = comm._server.link._service  # type: ignore[union-attr]
+            end = time.monotonic() + WAIT
+            while service.held is None and service.mailbox.error is None \
+                    and time.monotonic() < end:
+                time.sleep(0.001)
+        first = comm.broadcast(np.arange(3.0) if comm.rank == 0 else None, 0, async_op=True)
+        bad = comm.all_reduce(np.ones(4 + (comm.rank == 1), np.float32), async_op=True)
+        got = first.wait(WAIT).tolist()
+        error = bad.exception(WAIT)
+        assert isinstance(error, burncoll.CollectiveError), error
+        return got, type(error).__name__
+
+    for rank, got in enumerate(_run_nodes(2, 2, work)):
+        assert not isinstance(got, BaseException), (rank, got)
+        assert got[0] == [0.0, 1.0, 2.0], (rank, got)
+        assert got[1] in ("MismatchError", "CollectiveAborted"), (rank, got)
+
+
 def test_wait_with_a_timeout_raises_and_the_operation_completes_later() -> None:
     late = threading.Event()
 
