@@ -81,8 +81,9 @@ class Communicator(RootedOps, Groups, PointToPoint):
         """``x`` reduced element-wise over every peer; bitwise identical on every peer.
 
         ``out``: an array like ``x`` (same shape, dtype and device, writable, contiguous) to
-        write the result into, and which is returned, as NumPy's ``out=``; ``out=x`` reduces
-        in place, like ``torch.distributed.all_reduce``. Reusing ``out`` across calls saves
+        write the result into, and which is returned, as NumPy's ``out=``; ``out=x`` (or
+        another view of exactly ``x``'s elements) reduces in place, like
+        ``torch.distributed.all_reduce``. Reusing ``out`` across calls saves
         allocating (and the kernel zeroing) a new result every time. Mutable backends only
         (NumPy, CuPy); JAX arrays are immutable.
 
@@ -95,17 +96,17 @@ class Communicator(RootedOps, Groups, PointToPoint):
         """
         reduce_op = parse_reduce_op(op)
         wire = self._compression(x, compression)
+        target = out  # where the result goes: x itself when out is x's memory (in place)
         if out is not None:
             x = self._accept(OpKind.ALL_REDUCE, x)
-            self._check_out(x, out, reduce_op)
+            target = self._check_out(x, out, reduce_op)
 
         def run() -> Array:
-            result = _not_none(self._run(OpKind.ALL_REDUCE, x, reduce_op, None, out=out,
+            result = _not_none(self._run(OpKind.ALL_REDUCE, x, reduce_op, None, out=target,
                                          compression=wire))
-            if out is not None and result is not out:
-                self._backend.copy(result, out=out)
-                return out
-            return result
+            if target is not None and result is not target:
+                self._backend.copy(result, out=target)
+            return result if out is None else out
         return self._issue("all_reduce", run, async_op)
 
     def reduce(self, x: Array, root: int, op: ReduceOp | str = "sum", *,
@@ -258,7 +259,9 @@ class Communicator(RootedOps, Groups, PointToPoint):
             )
         return root
 
-    def _check_out(self, x: Array, out: object, op: ReduceOp) -> None:
+    def _check_out(self, x: Array, out: Array, op: ReduceOp) -> Array:
+        """``out`` checked; the array to reduce into: ``x`` itself when ``out`` is ``x``'s
+        memory (``x``, or another view of its elements: in place), else ``out``."""
         backend = self._backend
         check_out(backend, self.device, out, "all_reduce")
         if (backend.dtype_name(out), tuple(backend.shape(out))) != (
@@ -269,9 +272,13 @@ class Communicator(RootedOps, Groups, PointToPoint):
         if op is ReduceOp.MEAN and not is_inexact(dtype_from_name(backend.dtype_name(x))):
             raise UsageError(f"all_reduce: the mean of {backend.dtype_name(x)} is float64, "
                              "which out cannot hold; pass float arrays or omit out")
-        if out is not x and _overlap(x, out):
-            raise UsageError("all_reduce: out overlaps x without being x; pass out=x to "
-                             "reduce in place, or a separate array")
+        if out is x or _same_memory(x, out):
+            return x
+        if _overlap(x, out):
+            raise UsageError("all_reduce: out overlaps x without being x's elements (another "
+                             "start, dtype or strides); pass out=x to reduce in place, or a "
+                             "separate array")
+        return out
 
     def _run(
         self, kind: OpKind, x: Array | None, op: ReduceOp | None, root: int | None,
@@ -319,6 +326,17 @@ def _overlap(a: Array, b: Array) -> bool:
 
         return bool(cupy.may_share_memory(a, b))
     return False
+
+
+def _same_memory(a: Array, b: Array) -> bool:
+    """Whether two arrays of one dtype and shape are views of the same elements: the same
+    first byte and strides (``t.numpy()`` twice, ``x.view()``, ``x[:]``)."""
+    interface = "__cuda_array_interface__" if type(a).__module__.startswith("cupy") else \
+        "__array_interface__"
+    first, second = (getattr(v, interface, None) for v in (a, b))
+    if not isinstance(first, dict) or not isinstance(second, dict):
+        return False
+    return bool(first["data"][0] == second["data"][0] and a.strides == b.strides)
 
 
 def _not_none(x: Array | None) -> Array:

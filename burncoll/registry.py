@@ -9,9 +9,11 @@ register again.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -150,6 +152,13 @@ class Registry:
             group.server = server
             self._cond.notify_all()
 
+    def unfinished(self) -> list[Rendezvous]:
+        """The healthy nodes of this process that no peer closed (every one of a node's peers
+        calls ``finish()``; a failed node's peers were told why already)."""
+        with self._cond:
+            return [g.server for g in self._groups.values() if g.server is not None
+                    and g.server.failure is None and g.server not in self._closed]
+
     def forget(self, server: Rendezvous) -> None:
         with self._cond:
             group = self._groups.get(server.config)
@@ -183,6 +192,25 @@ class Registry:
 
 #: The one registry of this process.
 REGISTRY = Registry()
+
+
+def warn_unfinished() -> None:
+    """(At exit.) A ``UserWarning`` for each node whose peers never all called ``finish()``,
+    as torch.distributed warns when ``destroy_process_group()`` was not called: its sockets
+    close with the process, and the other nodes see only a connection closed."""
+    for server in REGISTRY.unfinished():
+        link = server.link
+        node = f"node {link.node_index} of a multi-node collective" if link else \
+            "a one-node collective"
+        why = ", so that the other nodes learn that this one left rather than lost it" if \
+            link else ""
+        warnings.warn(
+            f"burncoll: peer(s) {list(server.peer_ids)} of {node} did not call finish() before "
+            f"the program exited; call comm.finish() on every peer when done{why}",
+            UserWarning, stacklevel=1)
+
+
+atexit.register(warn_unfinished)
 
 
 def close_node(server: Rendezvous) -> None:

@@ -312,10 +312,11 @@ class Rendezvous:
         """Mark peer ``index`` finished; True for the peer that must close the node.
 
         A healthy collective waits for every local peer to finish so the node leaves the
-        collective once: up to twice the timeout, since other peers may still be inside an
-        operation bounded by the timeout. An aborted one lets each peer go at once.
+        collective once: up to ``config.timeout``, as every other wait (a collective of
+        theirs needs this peer, which has none in flight). An aborted one lets each peer go
+        at once.
         """
-        deadline = time.monotonic() + 2 * self.config.timeout
+        deadline = time.monotonic() + self.config.timeout
         with self._cond:
             if index in self._finished:
                 return False
@@ -328,7 +329,7 @@ class Rendezvous:
                         pid for i, pid in enumerate(self.peer_ids) if i not in self._finished
                     ]
                     raise CollectiveTimeout(
-                        f"finish timed out after {2 * self.config.timeout:g} s: local peer(s) "
+                        f"finish timed out after {self.config.timeout:g} s: local peer(s) "
                         f"{missing} never called finish()"
                     )
                 self._cond.wait(remaining)

@@ -42,6 +42,7 @@ from burncoll.node.membership import Membership, NodeInfo, TableMismatch, explai
 from burncoll.node.p2p_outbox import Outbox
 from burncoll.node.placement import placer_for
 from burncoll.node.reading import MemberReader
+from burncoll.node.remote_failure import behind, fail_when_done, first_unfinished
 from burncoll.protocol.members import Abort, Bye, Status, StatusQuery
 from burncoll.transport.base import Buffer, Connection, Listener, Transport
 from burncoll.transport.shm import RingReceiver, RingSender
@@ -85,6 +86,9 @@ class DataService:
         self._statuses: dict[int, Status] = {}
         self._status_event = asyncio.Event()
         self._failed = asyncio.Event()  # set with the session's failure
+        #: Another node's failure, held while this node finishes what that node had finished.
+        self.held: BaseException | None = None
+        self._holding: asyncio.Task[None] | None = None
         #: A member's hello said it holds another table; the members whose hello came in.
         self._table_refused = asyncio.Event()
         self._hellos: set[int] = set()
@@ -350,8 +354,9 @@ class DataService:
         A :class:`~burncoll.PeerLost` seen here gets what the other nodes need to act on it:
         the operation it interrupted, how far into it, and a hint.
         """
-        if self.mailbox.error is not None:
-            return
+        if self.mailbox.error is not None or (
+                self.held not in (None, error) and type(error) is PeerLost):
+            return  # (a node lost while another's failure is held: that node, leaving after it)
         if tell and type(error) is PeerLost:
             error = PeerLost(explain_lost(str(error), self.mailbox, self.timeout))
         self.mailbox.fail(error)
@@ -364,7 +369,18 @@ class DataService:
         self.on_failure(error)
         if tell and self.connections.out:
             self._telling = asyncio.get_running_loop().create_task(self.tell_all(
-                Abort(self.node_index, type(error).__name__, str(error))))
+                Abort(self.node_index, type(error).__name__, str(error),
+                      first_unfinished(self.status()))))
+
+    def fail_remote(self, error: BaseException, done_before: int | None) -> None:
+        """Another node's failure: now, or held until this node has finished what that node
+        had (every operation below ``done_before``; :mod:`burncoll.node.remote_failure`)."""
+        if done_before is None or not behind(self.status(), done_before):
+            self.fail(self.held or error, tell=False)
+        elif self.held is None:
+            self.held = error
+            self._holding = asyncio.get_running_loop().create_task(fail_when_done(
+                lambda: self.fail(error, tell=False), self.status, done_before, self.timeout))
 
     async def flush_abort(self) -> None:
         """Wait until the abort message of a local failure is sent (bounded by tell_all), so
@@ -396,6 +412,8 @@ class DataService:
         self.lanes.close()
         for reader in list(self._readers):  # one paused by backpressure reads no more
             reader.cancel()
+        if self._holding is not None:  # (leaving: no operation waits for the held failure)
+            self._holding.cancel()
         if self._listener is not None:
             await self._listener.close()
 

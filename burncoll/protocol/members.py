@@ -94,23 +94,30 @@ class StatusQuery(AboutNode):
 @dataclass(frozen=True, slots=True)
 class Abort:
     """A member failed the session: the error's class name and message, for every node to
-    raise (see :func:`burncoll.node.membership.error_from_abort`)."""
+    raise (see :func:`burncoll.node.membership.error_from_abort`), and the operation number
+    below which it had finished every operation (``None``: unknown), for which the failure
+    waits (:mod:`burncoll.node.remote_failure`)."""
 
     KIND: ClassVar[str] = "abort"
     node: int
     error: str
     message: str
+    done_before: int | None = None
 
     def to_json(self) -> JsonObject:
-        return {"type": self.KIND, "node": self.node, "error": self.error,
-                "message": self.message}
+        message: JsonObject = {"type": self.KIND, "node": self.node, "error": self.error,
+                               "message": self.message}
+        if self.done_before is not None:
+            message["done_before"] = self.done_before
+        return message
 
     @classmethod
     def from_json(cls, message: Mapping[str, object]) -> Abort:
         fields = Fields(message, "abort message")
         node, error, text = fields.integer("node", 0), fields.text("error"), fields.text("message")
+        done = fields.integer("done_before", 0) if "done_before" in message else None
         fields.check()
-        return cls(node, error, text)
+        return cls(node, error, text, done)
 
 
 @dataclass(frozen=True, slots=True)

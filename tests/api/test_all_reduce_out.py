@@ -1,8 +1,9 @@
 """``Communicator.all_reduce(x, op, out=...)`` on one node, with real peer threads.
 
-The result is written into ``out`` and ``out`` is returned; ``out=x`` reduces in place; every
-other argument is refused with a :class:`burncoll.UsageError` before the collective starts (so
-a refused call neither hangs nor spoils the next one). The inline path (``auto``, at most
+The result is written into ``out`` and ``out`` is returned; ``out=x`` (or another view of
+exactly x's elements, also across nodes) reduces in place; every other argument is refused
+with a :class:`burncoll.UsageError` before the collective starts (so a refused call neither
+hangs nor spoils the next one). The inline path (``auto``, at most
 ``INLINE_BYTES``) and the fused path (``auto`` above it) write into ``out`` directly; the
 schedules (tree, ring, centralized) copy their result into it. References are float64 NumPy.
 """
@@ -22,7 +23,7 @@ from burncoll.local.plans.inline import inline_results
 from burncoll.strategies.auto import INLINE_BYTES
 from tests.api.test_fused_all_reduce import FusedSpy
 from tests.api.test_single_node_ops import REDUCERS, _close, _config, _inputs
-from tests.harness import run_peers
+from tests.harness import run_nodes, run_peers
 
 #: (strategy, rows): 5 x 3 is inline under auto; 100_000 x 3 (1.2 MB of float32 or int32,
 #: 2.4 MB of float64) is fused under auto, and split into several chunks by the schedules.
@@ -124,6 +125,58 @@ def test_out_is_x_reduces_in_place(
                 assert r.tobytes() == xs[0].tobytes(), f"peer {i}: different bits"
                 _close(r, ref, dtype)
             _expect_path(strategy, n, spy, inline_spy, xs)
+
+
+#: Another array object over exactly x's elements: in place, as ``out=x`` is.
+SAME_MEMORY = {
+    "view": lambda x: x.view(),
+    "whole slice": lambda x: x[:],
+    "from the buffer": lambda x: np.frombuffer(x.data, x.dtype).reshape(x.shape),
+    "reinterpreted twice": lambda x: x.view(np.uint8).view(x.dtype),
+}
+
+
+@pytest.mark.parametrize(("strategy", "rows"), CASES)
+@pytest.mark.parametrize("how", list(SAME_MEMORY))
+def test_out_over_x_s_memory_reduces_in_place_as_out_x_does(
+    spy: FusedSpy, inline_spy: list[list[Any]], strategy: str, rows: int, how: str,
+) -> None:
+    n = 3
+    for op in ("sum", "mean"):
+        xs = _inputs(n, (rows, 3), "float64", seed=rows + len(how))
+        ref = _reference(xs, op)
+        outs = [SAME_MEMORY[how](x) for x in xs]  # (``t.numpy()`` twice, for torch users)
+        for o, x in zip(outs, xs, strict=True):
+            assert o is not x and o.ctypes.data == x.ctypes.data
+        spy.clear()
+        inline_spy.clear()
+        results = run_peers(_config(n, strategy),
+                            lambda c, i: c.all_reduce(xs[i], op=op, out=outs[i]))
+        for i, r in enumerate(results):
+            assert r is outs[i], r
+            assert xs[i].tobytes() == xs[0].tobytes(), f"peer {i}: different bits"
+            _close(xs[i], ref, "float64")
+        _expect_path(strategy, n, spy, inline_spy, xs)  # x itself went down, as for out=x
+
+
+@pytest.mark.parametrize("rows", [5, 100_000])
+@pytest.mark.parametrize("devices", [1, 2])
+def test_out_over_x_s_memory_reduces_in_place_across_nodes(rows: int, devices: int) -> None:
+    world = 2 * devices
+    xs = _inputs(world, (rows, 3), "float32", seed=rows)
+    ref = _reference(xs, "sum")
+
+    def work(comm: burncoll.Communicator) -> np.ndarray:
+        x = xs[comm.rank]
+        return comm.all_reduce(x, out=np.frombuffer(x.data, x.dtype).reshape(x.shape))
+
+    with burncoll.start_orchestrator(transport="websocket", expected_nodes=2) as orch:
+        results = run_nodes(orch.address, 2, devices, work)
+    for rank in range(world):
+        assert isinstance(results[rank], np.ndarray), results[rank]
+        assert results[rank].ctypes.data == xs[rank].ctypes.data
+        assert xs[rank].tobytes() == xs[0].tobytes()
+        _close(xs[rank], ref, "float32")
 
 
 @pytest.mark.parametrize("strategy", ["auto", "tree", "ring", "centralized"])
@@ -243,10 +296,11 @@ REFUSED: dict[str, tuple[np.ndarray, str, Any, str]] = {
                 r"writable and C-contiguous"),
     "read-only x in place": (_read_only((10,)), "sum", None,
                              r"out must be writable and C-contiguous"),
-    "view of x": (_X, "sum", "view", r"out overlaps x without being x; pass out=x"),
-    "partial overlap": (_BUF[:10], "sum", _BUF[5:15], r"out overlaps x without being x"),
-    "same memory reinterpreted": (_BUF[:10], "sum", _BUF[:10].view(np.int32).view(np.float32),
-                                  r"out overlaps x"),
+    "partial overlap": (_BUF[:10], "sum", _BUF[5:15], r"out overlaps x without being x's "
+                        r"elements \(another start, dtype or strides\); pass out=x"),
+    "same start, other dtype": (_BUF[:10], "sum", _BUF[:10].view(np.int32), r"out is int32"),
+    "same start, other strides": (_BUF[:10:2].reshape(5, 1), "sum", _BUF[:5].reshape(5, 1),
+                                  r"out overlaps x without being x's elements"),
     "non-native byte order": (_X, "sum", np.empty(10, ">f4" if np.little_endian else "<f4"),
                               r"out has non-native byte order"),
 }
@@ -257,8 +311,6 @@ def test_refused_out(comm: burncoll.Communicator, case: str) -> None:
     x, op, out, pattern = REFUSED[case]
     if out is None:
         out = x  # in place on an array that cannot be written
-    elif isinstance(out, str) and out == "view":
-        out = x.view()
     kept = x.copy()
     with pytest.raises(burncoll.UsageError, match=pattern):
         comm.all_reduce(x, op=op, out=out)

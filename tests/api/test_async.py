@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import burncoll
+import burncoll.node.link as node_link
 import burncoll.work
 from burncoll.train import all_reduce_tree
 from burncoll.work import OpQueue, Work, when_all
@@ -168,6 +169,61 @@ def test_a_mismatch_issued_async_raises_at_wait_on_every_peer(nodes: int) -> Non
         assert bad in ("MismatchError", "CollectiveAborted"), got
         assert after == "CollectiveAborted", got
     assert any(got[0] == "MismatchError" for got in results)
+
+
+def test_a_mismatch_reported_by_a_node_ahead_waits_for_the_operation_it_finished(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 0 finishes the first all-reduce and finds the mismatch of the second one while
+    node 1 has sent its part of the first but not yet received node 0's: node 0's abort
+    arrives first (a test double holds node 1 there until it has). Node 1's first all-reduce
+    still completes -- node 0 had sent everything for it -- and the mismatch surfaces at the
+    second one's ``wait`` on every peer, not at the first's."""
+    monkeypatch.setenv("BURNCOLL_SHARED_MEMORY", "0")  # (the exchange over member connections)
+    real, held = node_link.exchange_receives, list[bool]()
+
+    def after_the_abort(service: Any, op: Any, buf: Any, channel: int) -> Any:
+        if service.node_index == 1 and op.seq == 0:
+            end = time.monotonic() + WAIT
+            while getattr(service, "held", None) is None and service.mailbox.error is None \
+                    and time.monotonic() < end:
+                time.sleep(0.001)
+            held.append(time.monotonic() < end)
+        return real(service, op, buf, channel)
+
+    monkeypatch.setattr(node_link, "exchange_receives", after_the_abort)
+    with burncoll.start_orchestrator(transport="websocket", expected_nodes=2) as orch:
+        got = run_nodes(orch.address, 2, 2, _mismatch, timeout=10.0, caller_sockets=False)
+    assert held == [True], held  # node 1 waited for the abort (once: its one exchange)
+    for rank in range(4):  # (node 1 may call the second after the failure applied: aborted)
+        assert not isinstance(got[rank], BaseException), (rank, got[rank])
+        assert got[rank][0] in (("MismatchError",) if rank < 2 else (
+            "MismatchError", "CollectiveAborted")) and got[rank][1] == "CollectiveAborted", got
+
+
+def test_a_broadcast_its_root_finished_completes_on_a_node_that_calls_it_after_the_abort(
+        ) -> None:
+    """Node 0 holds the root: its broadcast is done once sent, and the all-reduce after it
+    is a mismatch there. Node 1's peers issue both only once node 0's abort has reached their
+    node: the broadcast, which node 0 finished, still delivers the root's array, and the
+    mismatch surfaces at the all-reduce's ``wait``."""
+    def work(comm: burncoll.Communicator) -> tuple[list[float], str]:
+        if comm.rank >= 2:  # node 1: wait for node 0's abort (its data service has it)
+            service = comm._server.link._service  # type: ignore[union-attr]
+            end = time.monotonic() + WAIT
+            while service.held is None and service.mailbox.error is None \
+                    and time.monotonic() < end:
+                time.sleep(0.001)
+        first = comm.broadcast(np.arange(3.0) if comm.rank == 0 else None, 0, async_op=True)
+        bad = comm.all_reduce(np.ones(4 + (comm.rank == 1), np.float32), async_op=True)
+        got = first.wait(WAIT).tolist()
+        error = bad.exception(WAIT)
+        assert isinstance(error, burncoll.CollectiveError), error
+        return got, type(error).__name__
+
+    for rank, got in enumerate(_run_nodes(2, 2, work)):
+        assert not isinstance(got, BaseException), (rank, got)
+        assert got[0] == [0.0, 1.0, 2.0], (rank, got)
+        assert got[1] in ("MismatchError", "CollectiveAborted"), (rank, got)
 
 
 def test_wait_with_a_timeout_raises_and_the_operation_completes_later() -> None:

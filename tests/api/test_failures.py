@@ -62,9 +62,10 @@ def test_missing_peer_times_out_on_every_other_peer_naming_it() -> None:
             return (time.monotonic() - start, str(exc))
         return "no error"
 
-    results = run_peers(_cfg(3, timeout=2.0), work)
+    timeout = 2.0
+    results = run_peers(_cfg(3, timeout=timeout), work)
     for elapsed, message in results[:2]:
-        assert 1.9 < elapsed < 4.0
+        assert timeout - 0.1 < elapsed < 3 * timeout  # at the deadline (room for load)
         assert "[2]" in message and "all_reduce #0" in message
     assert results[2] == "absent"
 
@@ -74,7 +75,7 @@ def test_register_times_out_when_a_local_peer_never_registers() -> None:
     start = time.monotonic()
     with pytest.raises(burncoll.CollectiveTimeout, match="1 of num_devices=2"):
         burncoll.register(0, 0, cfg)
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 10 * cfg.timeout  # by the deadline, not never
 
 
 def _jax_array() -> object:

@@ -379,7 +379,8 @@ def test_a_corrupted_pipelined_transfer_fails_every_node(
     for s in services:
         s.others = services  # type: ignore[assignment]
     x = [np.arange(301, dtype=np.float64) * (i + 1) for i in range(world)]
-    op = _op(OpKind.ALL_REDUCE, "float64", (301,), reduce_op=ReduceOp.SUM, timeout=3.0)
+    timeout = 10.0
+    op = _op(OpKind.ALL_REDUCE, "float64", (301,), reduce_op=ReduceOp.SUM, timeout=timeout)
     schedule = strategy.all_reduce(world)
     layout = even_layout(301, schedule.num_chunks)
 
@@ -396,7 +397,7 @@ def test_a_corrupted_pipelined_transfer_fails_every_node(
 
     started = time.monotonic()
     results = asyncio.run(every_node())
-    assert time.monotonic() - started < 2.5, "refused at once, not by the timeout"
+    assert time.monotonic() - started < timeout / 2, "refused at once, not by the timeout"
     want = np.sum(np.stack([np.arange(301, dtype=np.float64) * (i + 1) for i in range(world)]),
                   axis=0)
     assert any(isinstance(r, ProtocolError) for r in results), results

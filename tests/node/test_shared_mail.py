@@ -137,7 +137,7 @@ def test_a_node_process_that_dies_is_named_by_every_survivor_at_once() -> None:
     for record in records:
         assert record["raised"].startswith(("PeerLost", "CollectiveAborted")), record
         assert "node 2" in record["raised"], record
-        assert record["seconds"] < 5.0, record  # (the timeout is 20 s)
+        assert record["seconds"] < 20.0 / 2, record  # half the timeout: not at the deadline
 
 
 # -- nodes as threads of this process -----------------------------------------------------
@@ -178,10 +178,11 @@ def test_a_node_that_never_calls_times_out_the_others() -> None:
             return exc, time.monotonic() - started
         raise AssertionError("the all-reduce returned without node 1")
 
-    out = _threads(2, fn, timeout=1.5)
+    timeout = 1.5
+    out = _threads(2, fn, timeout=timeout)
     error, waited = out[0]
     assert "node 1" in str(error) or "[1]" in str(error), error
-    assert 1.0 <= waited < 1.5 + 2.0, waited
+    assert timeout - 0.5 <= waited < 3 * timeout, waited  # at its deadline, not never
 
 
 def test_different_sizes_are_a_mismatch_on_every_node() -> None:
@@ -286,7 +287,7 @@ def test_a_sleeper_on_a_counter_is_woken_by_its_writer_and_never_misses_a_change
 
     started = time.monotonic()
     futex.wait(address, 7, 5.0)  # the counter is 0, not 7: no sleep
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 5.0 / 2
 
     def write_then_wake() -> None:
         time.sleep(0.2)

@@ -145,7 +145,7 @@ def test_killed_node_makes_every_survivor_raise_naming_it(
             assert "node 1 (peers [2, 3]" in r["message"], (pair, r)
             assert r["elapsed"] < timeout + SLACK, (pair, r)
             # afterwards: aborted at once, and leaving does not hang
-            assert r["then"] == "CollectiveAborted" and r["then_s"] < 0.5, (pair, r)
+            assert r["then"] == "CollectiveAborted" and r["then_s"] < timeout / 2, (pair, r)
             assert r["finish_s"] < timeout + SLACK, (pair, r)
             delays.append(r["t"] - killed_at)
     fault_table.add(
@@ -357,7 +357,7 @@ def test_port_in_use_is_an_error_at_register_naming_it(
                 burncoll.register(0, 0, config)
             elapsed = time.monotonic() - started
             assert "port is in use" in str(info.value) and "data_service_port" in str(info.value)
-            assert elapsed < 1.0
+            assert elapsed < config.timeout / 2  # at once, not by the timeout
         with pytest.raises(burncoll.TransportError, match=f"127.0.0.1:{port}.*in use"):
             burncoll.start_orchestrator(port=port, transport=transport)
     fault_table.add(

@@ -777,7 +777,8 @@ def test_one_source_holding_half_open_handshakes_cannot_lock_out_another() -> No
                 await client.send([message])
                 assert await asyncio.wait_for(client.recv(), 5) == message
                 await client.close()
-                assert time.monotonic() - started < 2.0
+                # in before any half-open handshake timed out: by eviction, not a freed slot
+                assert time.monotonic() - started < server.handshake_timeout
             assert server.evictions >= 3
             assert all(task.done() is False for task in tasks)
         finally:
