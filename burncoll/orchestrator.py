@@ -9,6 +9,15 @@ Protocol (CONTROL frames, JSON, after the token challenge):
   lowest peer id); ``secret`` is 32 random bytes (hex), fresh for each session and sent to its
   members only, which they may use to authenticate each other's connections when no token is
   set. Or ``{"type": "refused", "reason"}`` saying why the node cannot join.
+* node -> orchestrator ``{"type": "abandon", "node", "peer_ids", "fingerprint", "error",
+  "reason", "pid"}`` instead of a join: the node failed before it could join (its
+  data-service port in use, a peer id registered twice), with that error's class name and
+  message (at most 2000 characters).
+* orchestrator -> each node waiting with that fingerprint ``{"type": "abandoned", "error",
+  "reason"}``: a node of its collective failed before it formed (or, with a token, was
+  refused: its config differs, or its peer ids clash), so it cannot form; ``reason`` names
+  that node and quotes its error. The waiting node raises an error of class ``error`` (one of
+  burncoll's; else :class:`~burncoll.CollectiveError`) at once, rather than its timeout.
 * orchestrator -> node ``{"type": "notice", "reason"}`` while it waits: other nodes are waiting
   whose config differs from this one's (a few per node; informational).
 * node -> orchestrator ``{"type": "finish"}``; orchestrator -> every node ``{"type":
@@ -25,7 +34,9 @@ waiting depends on whether the orchestrator has a token:
 
 * **With a token**, every registration comes from a process that holds it, so a difference is
   a genuine misconfiguration: the newcomer is refused at once, the message naming each field
-  that differs (``transport: 'quic' here, 'websocket' on the node(s) already waiting``).
+  that differs (``transport: 'quic' here, 'websocket' on the node(s) already waiting``), and
+  the nodes waiting get ``abandoned`` naming it (they would wait for it in vain); so do the
+  nodes of a group in which a newcomer claims peer ids already held.
 * **Without a token** (loopback only, unless ``insecure``) anyone on the machine can register,
   so a difference is no reason to refuse: a stranger that arrives first with ``num_nodes=99``
   must not lock the real nodes out. The newcomer waits in its own group, and both sides get a
@@ -52,6 +63,8 @@ import logging
 from burncoll.errors import AuthenticationError, ConfigError, ProtocolError, TransportError
 from burncoll.ioloop import IoLoop
 from burncoll.node.control import (
+    Abandon,
+    Abandoned,
     Finish,
     Finished,
     Join,
@@ -64,10 +77,10 @@ from burncoll.node.control import (
     kind_of,
     tell,
 )
-from burncoll.node.json_fields import MalformedMessage
+from burncoll.node.json_fields import MalformedMessage, canonical
 from burncoll.orchestrator_waiting import (
     MAX_WAITING,
-    DuplicatePeers,
+    Conflict,
     Group,
     Member,
     Session,
@@ -195,6 +208,13 @@ class Orchestrator:
     async def _join(self, conn: Connection) -> Member | None:
         async with asyncio.timeout(min(self._timeout, JOIN_SECONDS)):
             frame = decode(await conn.recv())
+        if kind_of(frame) == Abandon.KIND:
+            try:
+                await self._abandoned(Abandon.from_json(frame.control or {}))
+            except MalformedMessage as exc:
+                log.warning("orchestrator: ignored a malformed abandon message from %s: %s",
+                            conn.remote, exc)
+            return None
         if kind_of(frame) != Join.KIND:
             raise ProtocolError("expected a join message")
         try:
@@ -203,8 +223,8 @@ class Orchestrator:
         except (MalformedMessage, ConfigError) as exc:
             log.warning("orchestrator: refused node %s: %s", conn.remote, exc)
             await conn.send([encode(Refused(str(exc)))])
-            if isinstance(exc, DuplicatePeers):
-                await self._tell_holder(exc)
+            if isinstance(exc, Conflict):
+                await self._tell_group(exc)
             return None
         if full is not None:
             self._cancel_last_call(member.key)
@@ -215,18 +235,45 @@ class Orchestrator:
                 await tell(m.conn, notice, _TELL_SECONDS)
         return member
 
-    async def _tell_holder(self, duplicate: DuplicatePeers) -> None:
-        """The waiting node whose peer ids a newcomer also claimed learns it at once: with a
-        token every registration comes from the job, so both are misconfigured and the holder
-        is refused too; without one the newcomer may be a stranger, so the holder only gets a
-        notice (which its registration timeout error then shows)."""
-        holder = duplicate.holder
-        if not self._room.refuse_differences:
-            await tell(holder.conn, Notice(duplicate.holder_reason), _TELL_SECONDS)
+    async def _tell_group(self, conflict: Conflict) -> None:
+        """The waiting group a refused newcomer conflicts with learns it at once: with a token
+        every registration comes from the job, so the job is misconfigured and the group
+        fails too (as a ConfigError naming the newcomer and why); without one the newcomer may
+        be a stranger, so only the node whose peer ids it claimed gets a notice (which its
+        registration timeout error then shows)."""
+        if self._room.refuse_differences:
+            await self._fail_waiting(conflict.group, "ConfigError", conflict.their_reason)
+        elif conflict.holder is not None:
+            await tell(conflict.holder.conn, Notice(conflict.their_reason), _TELL_SECONDS)
+
+    async def _abandoned(self, message: Abandon) -> None:
+        """A node failed before it could join: the nodes waiting for it (its config's group)
+        fail at once with its error. Who may say so: any connection that authenticated, so
+        with a token only the job's own processes; without one, any local process, which could
+        end the forming session anyway (by joining in the missing nodes' place and leaving).
+        Elastic (``min_nodes``): the others go on without it, so they only get a notice."""
+        group = self._room.groups.get(canonical(message.fingerprint))
+        reason = (f"node {message.node} (peer ids {list(message.peer_ids[:16])}, pid "
+                  f"{message.pid}) failed before this collective formed, so it cannot form: "
+                  f"{message.reason}")
+        log.warning("orchestrator: %s", reason)
+        if group is None:
             return
-        self._room.unwait(holder)
-        holder.left = True  # refused, not lost: its connection's end is no news
-        await tell(holder.conn, Refused(duplicate.holder_reason), _TELL_SECONDS)
+        if self._min_nodes is None:
+            await self._fail_waiting(group, message.error, reason)
+            return
+        for m in list(group.members):
+            if m.may_notice("failed"):
+                await tell(m.conn, Notice(reason), _TELL_SECONDS)
+
+    async def _fail_waiting(self, group: Group, error: str, reason: str) -> None:
+        """Every member of ``group`` leaves the waiting room, told ``Abandoned``."""
+        members = list(group.members)
+        for m in members:
+            self._room.unwait(m)
+            m.left = True  # refused, not lost: its connection's end is no news
+        await asyncio.gather(*(tell(m.conn, Abandoned(error, reason), _TELL_SECONDS)
+                               for m in members))
 
     def _maybe_last_call(self, key: str) -> None:
         """Elastic (``min_nodes``): once a group holds ``min_nodes`` members, the others get
