@@ -68,7 +68,7 @@ def _launch(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # stop the nodes on the way out
     command = [sys.executable, args.script, *args.script_args]
     if args.nnodes is None:
-        nodes = 2 if args.nodes is None else args.nodes
+        nodes = args.nodes or args.nproc_per_node or 2
         return launch_nodes(command, nodes, args.devices, args.transport, _token(args),
                             integrity=args.integrity, tls=args.tls,
                             max_restarts=args.max_restarts)
@@ -76,7 +76,8 @@ def _launch(args: argparse.Namespace) -> int:
                        args.master_port, args.devices, args.transport, _token(args),
                        integrity=args.integrity, tls=args.tls, max_restarts=args.max_restarts,
                        node_address=args.node_address, min_nodes=args.min_nodes,
-                       min_nodes_wait=args.min_nodes_wait)
+                       min_nodes_wait=args.min_nodes_wait,
+                       nproc_per_node=args.nproc_per_node or 1)
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -100,7 +101,13 @@ def _check_launch_arguments(parser: argparse.ArgumentParser, args: argparse.Name
             parser.error(f"{', '.join(given)} belong(s) to the multi-host form: add --nnodes N "
                          "(the number of hosts), or leave them out and use --nodes N to run "
                          "every node on this machine")
+        if None not in (args.nodes, args.nproc_per_node) and args.nodes != args.nproc_per_node:
+            parser.error(f"--nodes {args.nodes} and --nproc-per-node {args.nproc_per_node} "
+                         "both count the node processes on this machine: give one of them")
         return
+    if args.standalone:
+        parser.error("--standalone runs every node on this machine, --nnodes one launcher per "
+                     "host: leave out one of them")
     missing = [flag for name, flag in list(_HOST_OPTIONS.items())[:3]
                if getattr(args, name) is None]
     if missing:
@@ -163,7 +170,8 @@ def _add_launch_arguments(launch: argparse.ArgumentParser) -> None:
     form.add_argument("--nodes", type=_count(1), default=None,
                       help="run N node processes on this machine (default 2)")
     form.add_argument("--nnodes", type=_count(1), default=None,
-                      help="the number of hosts, one node each; run the launcher on every host")
+                      help="the number of hosts, one node process each (or --nproc-per-node); "
+                           "run the launcher on every host")
     launch.add_argument("--node-rank", type=_count(0), default=None,
                         help="with --nnodes: this host's node rank, in [0, N)")
     launch.add_argument("--master-addr", default=None,
@@ -173,6 +181,14 @@ def _add_launch_arguments(launch: argparse.ArgumentParser) -> None:
     launch.add_argument("--node-address", default=None,
                         help="with --nnodes: the address of this host that the others reach "
                              "(default: the interface that routes to --master-addr)")
+    launch.add_argument("--nproc-per-node", "--nproc_per_node", type=_count(1), default=None,
+                        metavar="N",
+                        help="node processes on this host, as torchrun's: with --nnodes, each "
+                             "host runs N (node ranks R*N to R*N+N-1); without, the same as "
+                             "--nodes N. Each holds --devices peer threads")
+    launch.add_argument("--standalone", action="store_true",
+                        help="as torchrun's: every node on this machine (what the form "
+                             "without --nnodes does anyway)")
     launch.add_argument("--devices", type=int, default=1)
     launch.add_argument("--max-restarts", type=_count(0), default=0,
                         help="when a node fails, stop this launcher's nodes and start them "
@@ -228,7 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "--nodes 2). --nnodes N --node-rank R --master-addr HOST --master-port "
                     "PORT: run once per host, each running node R of N; node rank 0 also runs "
                     "the orchestrator on HOST:PORT. Every host then needs the same token "
-                    "(BURNCOLL_AUTH_TOKEN or a token file) unless HOST is loopback.")
+                    "(BURNCOLL_AUTH_TOKEN or a token file) unless HOST is loopback. Each node "
+                    "process also gets torchrun's variables: RANK (its node rank), WORLD_SIZE "
+                    "(node processes in all), LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (the "
+                    "host's rank), MASTER_ADDR and MASTER_PORT (a free port for the script's "
+                    "own use).")
     _add_launch_arguments(launch)
     launch.set_defaults(func=_launch, launch_parser=launch)
 

@@ -10,14 +10,10 @@ Protocol (CONTROL frames, JSON, after the token challenge):
   members only, which they may use to authenticate each other's connections when no token is
   set. Or ``{"type": "refused", "reason"}`` saying why the node cannot join.
 * node -> orchestrator ``{"type": "abandon", "node", "peer_ids", "fingerprint", "error",
-  "reason", "pid"}`` instead of a join: the node failed before it could join (its
-  data-service port in use, a peer id registered twice), with that error's class name and
-  message (at most 2000 characters).
+  "reason", "pid"}`` instead of a join: it failed before it could join (error class, message).
 * orchestrator -> each node waiting with that fingerprint ``{"type": "abandoned", "error",
   "reason"}``: a node of its collective failed before it formed (or, with a token, was
-  refused: its config differs, or its peer ids clash), so it cannot form; ``reason`` names
-  that node and quotes its error. The waiting node raises an error of class ``error`` (one of
-  burncoll's; else :class:`~burncoll.CollectiveError`) at once, rather than its timeout.
+  refused), naming it and quoting its error; the node raises that class of error at once.
 * orchestrator -> node ``{"type": "notice", "reason"}`` while it waits: other nodes are waiting
   whose config differs from this one's (a few per node; informational).
 * node -> orchestrator ``{"type": "finish"}``; orchestrator -> every node ``{"type":
@@ -63,6 +59,7 @@ import logging
 from burncoll.errors import AuthenticationError, ConfigError, ProtocolError, TransportError
 from burncoll.ioloop import IoLoop
 from burncoll.node.control import (
+    MAX_REASON,
     Abandon,
     Abandoned,
     Finish,
@@ -236,11 +233,9 @@ class Orchestrator:
         return member
 
     async def _tell_group(self, conflict: Conflict) -> None:
-        """The waiting group a refused newcomer conflicts with learns it at once: with a token
-        every registration comes from the job, so the job is misconfigured and the group
-        fails too (as a ConfigError naming the newcomer and why); without one the newcomer may
-        be a stranger, so only the node whose peer ids it claimed gets a notice (which its
-        registration timeout error then shows)."""
+        """The group a refused newcomer conflicts with learns it at once: with a token (the
+        job is misconfigured) it fails too; without one the newcomer may be a stranger, so
+        only the node whose peer ids it claimed gets a notice (its timeout error shows it)."""
         if self._room.refuse_differences:
             await self._fail_waiting(conflict.group, "ConfigError", conflict.their_reason)
         elif conflict.holder is not None:
@@ -257,14 +252,28 @@ class Orchestrator:
                   f"{message.pid}) failed before this collective formed, so it cannot form: "
                   f"{message.reason}")
         log.warning("orchestrator: %s", reason)
-        if group is None:
-            return
+        if group is not None:
+            await self._node_failed(group, message.error, reason)
+
+    async def _node_failed(self, group: Group, error: str, reason: str) -> None:
         if self._min_nodes is None:
-            await self._fail_waiting(group, message.error, reason)
+            await self._fail_waiting(group, error, reason)
             return
         for m in list(group.members):
             if m.may_notice("failed"):
                 await tell(m.conn, Notice(reason), _TELL_SECONDS)
+
+    def node_failed(self, reason: str) -> None:
+        """A node process of this orchestrator's job died before its collective formed (its
+        launcher saw it exit): every node waiting here fails at once with ``reason`` (a
+        :class:`~burncoll.CollectiveError`), as if that node had said ``abandon``; elastic
+        (``min_nodes``), they only get a notice. Blocking, a few seconds at most."""
+        async def each() -> None:
+            for group in list(self._room.groups.values()):
+                await self._node_failed(group, "CollectiveError", reason[:2 * MAX_REASON])
+
+        with contextlib.suppress(Exception):  # best effort: the launcher reports it anyway
+            self._io.submit(each()).result(_TELL_SECONDS + 1)
 
     async def _fail_waiting(self, group: Group, error: str, reason: str) -> None:
         """Every member of ``group`` leaves the waiting room, told ``Abandoned``."""
