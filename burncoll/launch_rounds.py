@@ -41,11 +41,12 @@ def exit_code(returncode: int) -> int:
 def run_rounds(command: Sequence[str], envs_for: EnvsFor, max_restarts: int, grace: float,
                on_failure: Callable[[str], None] = lambda line: None) -> int:
     """Run rounds of the node processes until one succeeds or no restart remains.
-    ``on_failure``: told at once when a node fails (``node 1 failed (exit code 3): ...``)."""
+    ``on_failure``: told at once when a node of the last round fails (``node 1 failed (exit
+    code 3): ...``)."""
     for restart in range(max_restarts + 1):
         last = restart == max_restarts
         failed, outcomes = _run_round(command, envs_for(restart), grace if last else 0.0,
-                                      on_failure)
+                                      on_failure if last else lambda line: None)
         if failed is None:
             return 0
         code = next(o.returncode for o in outcomes if o.rank == failed)

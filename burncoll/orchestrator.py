@@ -5,10 +5,9 @@ Protocol (CONTROL frames, JSON, after the token challenge):
 * node -> orchestrator ``{"type": "join", "host", "port", "peer_ids", "fingerprint", "pid",
   "meta"}`` (``meta``: facts about the node that the others need, passed through untouched)
 * orchestrator -> node ``{"type": "table", "session", "index", "nodes": [...], "secret"}``
-  once ``num_nodes`` nodes with the same fingerprint have joined (nodes ordered by their
-  lowest peer id); ``secret`` is 32 random bytes (hex), fresh for each session and sent to its
-  members only, which they may use to authenticate each other's connections when no token is
-  set. Or ``{"type": "refused", "reason"}`` saying why the node cannot join.
+  once ``num_nodes`` nodes with the same fingerprint have joined (ordered by lowest peer id);
+  ``secret``: 32 random bytes (hex), fresh for each session, sent to its members only (they
+  authenticate each other with it without a token). Or ``{"type": "refused", "reason"}``.
 * node -> orchestrator ``{"type": "abandon", "node", "peer_ids", "fingerprint", "error",
   "reason", "pid"}`` instead of a join: it failed before it could join (error class, message).
 * orchestrator -> each node waiting with that fingerprint ``{"type": "abandoned", "error",
@@ -126,6 +125,7 @@ class Orchestrator:
         self._last_calls: dict[str, tuple[Group, asyncio.TimerHandle]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._telling_finished = 0  # sessions whose ``finished`` messages are being sent
+        self._ended: str | None = None  # why no session may form any more (node_failed)
         self._listener: Listener | None = None
         self.transport = transport
         try:
@@ -214,6 +214,9 @@ class Orchestrator:
             return None
         if kind_of(frame) != Join.KIND:
             raise ProtocolError("expected a join message")
+        if self._ended is not None:  # (see node_failed)
+            await tell(conn, Abandoned("CollectiveError", self._ended), _TELL_SECONDS)
+            return None
         try:
             member = Member.of(conn, Join.from_json(frame.control or {}))
             full = self._room.admit(member)
@@ -252,27 +255,24 @@ class Orchestrator:
                   f"{message.pid}) failed before this collective formed, so it cannot form: "
                   f"{message.reason}")
         log.warning("orchestrator: %s", reason)
-        if group is not None:
-            await self._node_failed(group, message.error, reason)
-
-    async def _node_failed(self, group: Group, error: str, reason: str) -> None:
-        if self._min_nodes is None:
-            await self._fail_waiting(group, error, reason)
-            return
-        for m in list(group.members):
-            if m.may_notice("failed"):
+        if group is not None and self._min_nodes is None:
+            await self._fail_waiting(group, message.error, reason)
+        elif group is not None:  # elastic: the others go on without it, told only
+            for m in [m for m in group.members if m.may_notice("failed")]:
                 await tell(m.conn, Notice(reason), _TELL_SECONDS)
 
     def node_failed(self, reason: str) -> None:
-        """A node process of this orchestrator's job died before its collective formed (its
-        launcher saw it exit): every node waiting here fails at once with ``reason`` (a
-        :class:`~burncoll.CollectiveError`), as if that node had said ``abandon``; elastic
-        (``min_nodes``), they only get a notice. Blocking, a few seconds at most."""
+        """A node process of this orchestrator's job failed and will not be restarted (its
+        launcher, in its last round, saw it exit): every node waiting here, and every node
+        that registers from now on, fails at once with ``reason`` (a
+        :class:`~burncoll.CollectiveError`) instead of waiting out its timeout. Blocking, a few
+        seconds at most; best effort."""
         async def each() -> None:
+            self._ended = reason[:2 * MAX_REASON]
             for group in list(self._room.groups.values()):
-                await self._node_failed(group, "CollectiveError", reason[:2 * MAX_REASON])
+                await self._fail_waiting(group, "CollectiveError", self._ended)
 
-        with contextlib.suppress(Exception):  # best effort: the launcher reports it anyway
+        with contextlib.suppress(Exception):  # the launcher reports the failure anyway
             self._io.submit(each()).result(_TELL_SECONDS + 1)
 
     async def _fail_waiting(self, group: Group, error: str, reason: str) -> None:
