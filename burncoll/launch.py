@@ -46,7 +46,7 @@ from collections.abc import Sequence
 
 from burncoll.addresses import route_address
 from burncoll.errors import ConfigError
-from burncoll.launch_rounds import FAILURE_GRACE, STOP_SECONDS, exit_code, run_rounds
+from burncoll.launch_rounds import FAILURE_GRACE, STOP_SECONDS, EnvsFor, exit_code, run_rounds
 from burncoll.orchestrator import start_orchestrator
 from burncoll.secure_defaults import check_token, is_loopback
 
@@ -215,33 +215,17 @@ def launch_host(
     :func:`launch_nodes`, ``MASTER_ADDR`` the master's and ``MASTER_PORT`` the port after the
     orchestrator's (before it, for 65535), the same on every host.
     """
-    _check_host(nnodes, node_rank, master_addr, master_port, devices)
-    if not _is_count(nproc_per_node, 1):
-        raise ConfigError(f"nproc_per_node={nproc_per_node!r}: expected an int >= 1")
+    _check_host(nnodes, node_rank, master_addr, master_port, devices, nproc_per_node)
     _check_restarts(max_restarts)
     host = master_addr.strip().strip("[]")
     if auth_token is None and not is_loopback(host):
         raise ConfigError(missing_token_message(master_addr))
     check_token(auth_token, "the launch's auth token")
-    address = node_address or route_address(host)
-    orchestrator = f"[{host}]:{master_port}" if ":" in host else f"{host}:{master_port}"
     extra = dict(extra_env or {})
     extra.update(_security_environment(auth_token, integrity, tls))
-
     per_host = nproc_per_node
-    master = (host, master_port + 1 if master_port < 65535 else master_port - 1)
-
-    def envs_for(restart: int) -> dict[int, dict[str, str]]:
-        envs = {}
-        for local in range(per_host):
-            rank = node_rank * per_host + local
-            env = node_environment(rank, nnodes * per_host, devices, orchestrator, transport,
-                                   extra, node_address=address, restart=restart)
-            env.update(torchrun_environment(rank, nnodes * per_host, (local, per_host),
-                                            node_rank, master))
-            envs[rank] = _node_env(env, auth_token)
-        return envs
-
+    envs_for = _host_envs(host, master_port, (node_rank, nnodes, per_host), devices, transport,
+                          extra, node_address or route_address(host), auth_token)
     if node_rank != 0:
         return run_rounds(command, envs_for, max_restarts, grace)
     with start_orchestrator(host, master_port, transport, auth_token, integrity=integrity,
@@ -250,6 +234,28 @@ def launch_host(
                             min_nodes_wait=min_nodes_wait) as orch:
         return run_rounds(command, envs_for, max_restarts, grace,
                           lambda line: orch.node_failed(_failed_reason(line)))
+
+
+def _host_envs(host: str, port: int, ranks: tuple[int, int, int], devices: int, transport: str,
+               extra: dict[str, str], address: str, token: str | None) -> EnvsFor:
+    """The environments of the node processes of host ``ranks[0]`` of ``ranks[1]``, each
+    running ``ranks[2]``, around the orchestrator on ``host:port``."""
+    host_rank, hosts, per_host = ranks
+    orchestrator = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    master = (host, port + 1 if port < 65535 else port - 1)
+
+    def envs_for(restart: int) -> dict[int, dict[str, str]]:
+        envs = {}
+        for local in range(per_host):
+            rank = host_rank * per_host + local
+            env = node_environment(rank, hosts * per_host, devices, orchestrator, transport,
+                                   extra, node_address=address, restart=restart)
+            env.update(torchrun_environment(rank, hosts * per_host, (local, per_host),
+                                            host_rank, master))
+            envs[rank] = _node_env(env, token)
+        return envs
+
+    return envs_for
 
 
 def missing_token_message(master_addr: str) -> str:
@@ -274,7 +280,7 @@ def _check_restarts(max_restarts: int) -> None:
 
 
 def _check_host(nnodes: int, node_rank: int, master_addr: str, master_port: int,
-                devices: int) -> None:
+                devices: int, nproc_per_node: int) -> None:
     """:class:`ConfigError` for arguments of :func:`launch_host` that cannot work."""
     if not _is_count(nnodes, 1):
         raise ConfigError(f"nnodes={nnodes!r}: expected an int >= 1 (the number of hosts)")
@@ -289,6 +295,8 @@ def _check_host(nnodes: int, node_rank: int, master_addr: str, master_port: int,
                           "same on every host")
     if not _is_count(devices, 1):
         raise ConfigError(f"devices={devices!r}: expected an int >= 1")
+    if not _is_count(nproc_per_node, 1):
+        raise ConfigError(f"nproc_per_node={nproc_per_node!r}: expected an int >= 1")
 
 
 def _failed_reason(line: str) -> str:
