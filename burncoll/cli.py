@@ -173,7 +173,8 @@ def _add_launch_arguments(launch: argparse.ArgumentParser) -> None:
                       help="the number of hosts, one node process each (or --nproc-per-node); "
                            "run the launcher on every host")
     launch.add_argument("--node-rank", type=_count(0), default=None,
-                        help="with --nnodes: this host's node rank, in [0, N)")
+                        help="with --nnodes: this host's rank, in [0, N) (its node processes' "
+                             "node rank; with --nproc-per-node P, theirs are R*P to R*P+P-1)")
     launch.add_argument("--master-addr", default=None,
                         help="with --nnodes: the node-rank-0 host, where the orchestrator runs")
     launch.add_argument("--master-port", type=int, default=None,

@@ -89,6 +89,19 @@ def test_two_hosts_of_two_node_processes_each() -> None:
     assert {r["master_port"] for r in found} == {str(port + 1)}
 
 
+def test_torch_distributed_initializes_from_the_variables_alone() -> None:
+    """``init_process_group`` with torchrun's variables: MASTER_PORT is free for torch's
+    store, and RANK / WORLD_SIZE agree with the node processes."""
+    pytest.importorskip("torch.distributed")
+    [(code, out, err)] = run_launchers(
+        [launch_argv("--nproc-per-node", "2", str(NODE.with_name("torch_distributed_node.py")))],
+        clean_env())
+    assert code == 0, show(code, out, err)
+    found = records(out)
+    assert [(r["rank"], r["world_size"]) for r in found] == [(0, 2), (1, 2)], out
+    assert all(r["sum"] == 1.0 + 2.0 for r in found), found
+
+
 def test_a_failing_node_is_summarized_at_once_and_the_waiting_ones_are_told() -> None:
     started = time.monotonic()
     [(code, out, err)] = run_launchers([launch_argv("--nodes", "3", str(NODE))],
