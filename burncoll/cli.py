@@ -68,7 +68,7 @@ def _launch(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # stop the nodes on the way out
     command = [sys.executable, args.script, *args.script_args]
     if args.nnodes is None:
-        nodes = 2 if args.nodes is None else args.nodes
+        nodes = args.nodes or args.nproc_per_node or 2
         return launch_nodes(command, nodes, args.devices, args.transport, _token(args),
                             integrity=args.integrity, tls=args.tls,
                             max_restarts=args.max_restarts)
@@ -76,7 +76,8 @@ def _launch(args: argparse.Namespace) -> int:
                        args.master_port, args.devices, args.transport, _token(args),
                        integrity=args.integrity, tls=args.tls, max_restarts=args.max_restarts,
                        node_address=args.node_address, min_nodes=args.min_nodes,
-                       min_nodes_wait=args.min_nodes_wait)
+                       min_nodes_wait=args.min_nodes_wait,
+                       nproc_per_node=args.nproc_per_node or 1)
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -100,7 +101,13 @@ def _check_launch_arguments(parser: argparse.ArgumentParser, args: argparse.Name
             parser.error(f"{', '.join(given)} belong(s) to the multi-host form: add --nnodes N "
                          "(the number of hosts), or leave them out and use --nodes N to run "
                          "every node on this machine")
+        if None not in (args.nodes, args.nproc_per_node) and args.nodes != args.nproc_per_node:
+            parser.error(f"--nodes {args.nodes} and --nproc-per-node {args.nproc_per_node} "
+                         "both count the node processes on this machine: give one of them")
         return
+    if args.standalone:
+        parser.error("--standalone runs every node on this machine, --nnodes one launcher per "
+                     "host: leave out one of them")
     missing = [flag for name, flag in list(_HOST_OPTIONS.items())[:3]
                if getattr(args, name) is None]
     if missing:
@@ -163,9 +170,11 @@ def _add_launch_arguments(launch: argparse.ArgumentParser) -> None:
     form.add_argument("--nodes", type=_count(1), default=None,
                       help="run N node processes on this machine (default 2)")
     form.add_argument("--nnodes", type=_count(1), default=None,
-                      help="the number of hosts, one node each; run the launcher on every host")
+                      help="the number of hosts, one node process each (or --nproc-per-node); "
+                           "run the launcher on every host")
     launch.add_argument("--node-rank", type=_count(0), default=None,
-                        help="with --nnodes: this host's node rank, in [0, N)")
+                        help="with --nnodes: this host's rank, in [0, N) (its node processes' "
+                             "node rank; with --nproc-per-node P, theirs are R*P to R*P+P-1)")
     launch.add_argument("--master-addr", default=None,
                         help="with --nnodes: the node-rank-0 host, where the orchestrator runs")
     launch.add_argument("--master-port", type=int, default=None,
@@ -173,6 +182,14 @@ def _add_launch_arguments(launch: argparse.ArgumentParser) -> None:
     launch.add_argument("--node-address", default=None,
                         help="with --nnodes: the address of this host that the others reach "
                              "(default: the interface that routes to --master-addr)")
+    launch.add_argument("--nproc-per-node", "--nproc_per_node", type=_count(1), default=None,
+                        metavar="N",
+                        help="node processes on this host, as torchrun's: with --nnodes, each "
+                             "host runs N (node ranks R*N to R*N+N-1); without, the same as "
+                             "--nodes N. Each holds --devices peer threads")
+    launch.add_argument("--standalone", action="store_true",
+                        help="as torchrun's: every node on this machine (what the form "
+                             "without --nnodes does anyway)")
     launch.add_argument("--devices", type=int, default=1,
                         help="devices (peer threads) per node: its BURNCOLL_NUM_DEVICES "
                              "(default 1)")
@@ -197,15 +214,7 @@ def _add_launch_arguments(launch: argparse.ArgumentParser) -> None:
                         help="arguments passed on to the script")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="burncoll", description="Collective operations over arrays of any backend.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    parser.add_argument("-V", "--version", action="version",
-                        version=f"%(prog)s {burncoll.__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    orch = sub.add_parser("orchestrator", help="run the rendezvous server for multi-node runs")
+def _add_orchestrator_arguments(orch: argparse.ArgumentParser) -> None:
     orch.add_argument("--host", default="127.0.0.1",
                       help="address to bind (default loopback; 0.0.0.0 to accept other machines)")
     orch.add_argument("--port", type=int, default=29400,
@@ -225,6 +234,18 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--tls-ca", default=None,
                       help="PEM CA bundle (as the config's tls_ca; every node must agree)")
     _add_mode_arguments(orch)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="burncoll", description="Collective operations over arrays of any backend.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("-V", "--version", action="version",
+                        version=f"%(prog)s {burncoll.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    orch = sub.add_parser("orchestrator", help="run the rendezvous server for multi-node runs")
+    _add_orchestrator_arguments(orch)
     orch.set_defaults(func=_orchestrator)
 
     launch = sub.add_parser(
@@ -234,7 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "--nodes 2). --nnodes N --node-rank R --master-addr HOST --master-port "
                     "PORT: run once per host, each running node R of N; node rank 0 also runs "
                     "the orchestrator on HOST:PORT. Every host then needs the same token "
-                    "(BURNCOLL_AUTH_TOKEN or a token file) unless HOST is loopback.")
+                    "(BURNCOLL_AUTH_TOKEN or a token file) unless HOST is loopback. Each node "
+                    "process also gets torchrun's variables: RANK (its node rank), WORLD_SIZE "
+                    "(node processes in all), LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (the "
+                    "host's rank), MASTER_ADDR and MASTER_PORT (a free port for the script's "
+                    "own use).")
     _add_launch_arguments(launch)
     launch.set_defaults(func=_launch, launch_parser=launch)
 

@@ -7,16 +7,19 @@ Two forms, with torchrun's vocabulary:
   is authenticated all the same: without a token given, a fresh random one
   (:func:`secrets.token_urlsafe`, 32 bytes) is made for the run.
 * :func:`launch_host` (``burncoll launch --nnodes N --node-rank R --master-addr HOST
-  --master-port PORT``), run once per host: this host runs node R of N. The launcher of node 0
-  hosts the orchestrator on ``HOST:PORT`` for the whole run, restarts included. Every host must
+  --master-port PORT``), run once per host: this host runs node R of N (or its
+  ``--nproc-per-node`` node processes). The launcher of host 0 hosts the orchestrator on
+  ``HOST:PORT`` for the whole run, restarts included. Every host must
   share the token, so none is made up: it comes from ``BURNCOLL_AUTH_TOKEN`` or a token file,
   and a non-loopback ``HOST`` without one is an error. A loopback ``HOST`` without a token runs
   unauthenticated (only this machine can reach it), as the orchestrator allows.
 
 Each node gets its node rank, the orchestrator's address and its own settings through
-``BURNCOLL_*`` environment variables, which ``CollectiveConfig`` reads; the token travels
-through the environment too (never argv, which every user can read in
-``/proc/PID/cmdline``). Each node's output is prefixed with ``[node R]``.
+``BURNCOLL_*`` environment variables, which ``CollectiveConfig`` reads (and which beat
+torchrun's there), and torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ... for scripts
+that read them (:func:`torchrun_environment`); the token travels through the environment too
+(never argv, which every user can read in ``/proc/PID/cmdline``). Each node's output is
+prefixed with ``[node R]`` (:mod:`burncoll.launch_report`).
 
 Failures and restarts (``max_restarts``): when a node of this launcher exits non-zero or is
 killed by a signal and restarts remain, the launcher stops its other nodes (SIGTERM, then
@@ -24,9 +27,10 @@ SIGKILL after :data:`STOP_SECONDS`) and starts all of them again, ``BURNCOLL_RES
 one higher (0 the first time). The orchestrator keeps running: the restarted nodes register
 again and form a new session. Nodes on other hosts see the lost node as a
 :class:`~burncoll.PeerLost` error, exit non-zero, and their own launchers restart them. In the
-last round (no restart left) the other nodes get ``grace`` seconds to finish before they are
-stopped. The exit code is 0 when the last round succeeds, else the first failing node's code
-in it (a death by signal N gives 128 + N, as in shells).
+last round (no restart left) the other nodes get ``grace`` seconds (:data:`FAILURE_GRACE`) to
+exit before they are stopped. The launcher says at once which node failed, its exit code and
+error, and ends a failed run with a summary of every node. The exit code is 0 when the last
+round succeeds, else the first failing node's code in it (a death by signal N gives 128 + N).
 
 Limits: a node that finished its work before a peer died is not restarted (its launcher has
 exited 0), so a script whose nodes can finish at different points should end with a
@@ -37,20 +41,17 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
-import subprocess
-import sys
-import threading
-import time
-from collections.abc import Callable, Sequence
-from typing import IO
+import socket
+from collections.abc import Sequence
 
 from burncoll.config.addresses import route_address
 from burncoll.config.security import check_token, is_loopback
 from burncoll.errors import ConfigError
+from burncoll.launch_rounds import FAILURE_GRACE, STOP_SECONDS, EnvsFor, exit_code, run_rounds
 from burncoll.orchestrator import start_orchestrator
 
 __all__ = [
+    "FAILURE_GRACE",
     "RESTART_COUNT_ENV",
     "STOP_SECONDS",
     "exit_code",
@@ -58,17 +59,11 @@ __all__ = [
     "launch_nodes",
     "new_token",
     "node_environment",
+    "torchrun_environment",
 ]
 
 #: The environment variable telling a node how many times its launcher restarted it.
 RESTART_COUNT_ENV = "BURNCOLL_RESTART_COUNT"
-#: Seconds a node has to exit after SIGTERM before it gets SIGKILL.
-STOP_SECONDS = 5.0
-#: Seconds between two looks at the node processes.
-_POLL_SECONDS = 0.05
-
-#: Environments of one round, by node rank; called with the restart count.
-EnvsFor = Callable[[int], dict[int, dict[str, str]]]
 
 
 def new_token() -> str:
@@ -101,28 +96,17 @@ def node_environment(
     return env
 
 
-def exit_code(returncode: int) -> int:
-    """A process's exit status as a shell reports it: a death by signal N is 128 + N."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def _describe(returncode: int) -> str:
-    """``"3"``, or ``"-9 (SIGKILL)"`` for a death by signal."""
-    if returncode >= 0:
-        return str(returncode)
-    try:
-        return f"{returncode} ({signal.Signals(-returncode).name})"
-    except ValueError:
-        return str(returncode)
-
-
-def _pump(rank: int, stream: IO[str], sink: IO[str], lock: threading.Lock) -> None:
-    """Copy a node's output line by line, prefixed. A node killed mid-line leaves a last line
-    without its newline: it gets one, so the next node's line is not glued to it."""
-    for line in stream:
-        with lock:
-            sink.write(f"[node {rank}] {line if line.endswith(chr(10)) else line + chr(10)}")
-            sink.flush()
+def torchrun_environment(rank: int, world: int, local: tuple[int, int], group: int,
+                         master: tuple[str, int]) -> dict[str, str]:
+    """The variables torchrun gives each process, with burncoll's meanings: one node process
+    is one of torchrun's processes, whatever its ``--devices`` (threads). ``rank``: the node
+    rank (``BURNCOLL_NODE_RANK``), of ``world`` node processes; ``local``: (its rank among the
+    node processes on this host, their number); ``group``: the host's rank (torchrun's
+    ``GROUP_RANK``); ``master``: ``MASTER_ADDR`` and ``MASTER_PORT``, a port for the script's
+    own use (torch.distributed's store), not burncoll's rendezvous."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local[0]),
+            "LOCAL_WORLD_SIZE": str(local[1]), "GROUP_RANK": str(group),
+            "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])}
 
 
 def _security_environment(token: str | None, integrity: bool, tls: bool | None
@@ -153,7 +137,7 @@ def launch_nodes(
     devices: int,
     transport: str = "websocket",
     auth_token: str | None = None,
-    grace: float = 30.0,
+    grace: float = FAILURE_GRACE,
     extra_env: dict[str, str] | None = None,
     *,
     integrity: bool = False,
@@ -166,22 +150,31 @@ def launch_nodes(
     It reaches the nodes as ``BURNCOLL_AUTH_TOKEN`` (``BURNCOLL_AUTH_TOKEN_FILE`` is removed
     from their environment, the token having been read already). ``integrity``, ``tls``: as
     the config fields, set on the orchestrator and on every node. ``max_restarts``: how many
-    times every node is restarted after one fails (see the module). Returns 0 when every node
-    of the last round exits 0, else the exit code of the first node that failed in it.
+    times every node is restarted after one fails (see the module). ``grace``: seconds the
+    other nodes of the last round get to exit on their own once one failed. Returns 0 when
+    every node of the last round exits 0, else the exit code of the first node that failed in
+    it. Each node also gets torchrun's variables (:func:`torchrun_environment`), its
+    ``MASTER_PORT`` a free port of this machine.
     """
     _check_restarts(max_restarts)
     token = new_token() if auth_token is None else auth_token
     extra = dict(extra_env or {})
     extra.update(_security_environment(token, integrity, tls))
+    master = ("127.0.0.1", _free_port())
     with start_orchestrator(transport=transport, auth_token=token, integrity=integrity,
                             tls=tls, expected_nodes=nodes) as orchestrator:
 
         def envs_for(restart: int) -> dict[int, dict[str, str]]:
-            return {rank: _node_env(node_environment(rank, nodes, devices, orchestrator.address,
-                                                     transport, extra, restart=restart), token)
-                    for rank in range(nodes)}
+            envs = {}
+            for rank in range(nodes):
+                env = node_environment(rank, nodes, devices, orchestrator.address, transport,
+                                       extra, restart=restart)
+                env.update(torchrun_environment(rank, nodes, (rank, nodes), 0, master))
+                envs[rank] = _node_env(env, token)
+            return envs
 
-        return _run_rounds(command, envs_for, max_restarts, grace)
+        return run_rounds(command, envs_for, max_restarts, grace,
+                          lambda line: orchestrator.node_failed(_failed_reason(line)))
 
 
 def launch_host(
@@ -193,7 +186,7 @@ def launch_host(
     devices: int,
     transport: str = "websocket",
     auth_token: str | None = None,
-    grace: float = 30.0,
+    grace: float = FAILURE_GRACE,
     extra_env: dict[str, str] | None = None,
     *,
     integrity: bool = False,
@@ -202,43 +195,67 @@ def launch_host(
     node_address: str | None = None,
     min_nodes: int | None = None,
     min_nodes_wait: float = 30.0,
+    nproc_per_node: int = 1,
 ) -> int:
-    """Run node ``node_rank`` of ``nnodes`` (one per host) of ``command`` on this host.
+    """Run host ``node_rank`` of ``nnodes`` hosts of ``command`` on this host: its
+    ``nproc_per_node`` node processes, node ranks ``node_rank * nproc_per_node + i``.
 
     Call it once on every host with the same ``nnodes``, ``master_addr``, ``master_port``,
-    ``devices``, token and modes. With ``node_rank == 0`` it also runs the orchestrator on
+    ``devices``, ``nproc_per_node``, token and modes. With ``node_rank == 0`` it also runs the
+    orchestrator on
     ``master_addr:master_port`` until it returns. ``auth_token``: shared by every host;
     ``None`` runs without authentication, which only a loopback ``master_addr`` allows
     (:class:`~burncoll.ConfigError` otherwise, before anything connects). ``node_address``:
     where this node's data service listens, for the other hosts to reach; default the address
     of the interface that routes to ``master_addr``. ``max_restarts``, ``grace`` and the
     result: as :func:`launch_nodes`. ``min_nodes`` (elastic, given to node 0's launcher): a
-    session forms with fewer nodes, at least ``min_nodes``, when the missing ones have not
+    session forms with fewer hosts, at least ``min_nodes``, when the missing ones have not
     joined ``min_nodes_wait`` seconds after the ``min_nodes``-th did (a host that died does
-    not come back; the others restart and go on without it).
+    not come back; the others restart and go on without it). torchrun's variables: as
+    :func:`launch_nodes`, ``MASTER_ADDR`` the master's and ``MASTER_PORT`` the port after the
+    orchestrator's (before it, for 65535), the same on every host.
     """
-    _check_host(nnodes, node_rank, master_addr, master_port, devices)
+    _check_host(nnodes, node_rank, master_addr, master_port, devices, nproc_per_node)
     _check_restarts(max_restarts)
     host = master_addr.strip().strip("[]")
     if auth_token is None and not is_loopback(host):
         raise ConfigError(missing_token_message(master_addr))
     check_token(auth_token, "the launch's auth token")
-    address = node_address or route_address(host)
-    orchestrator = f"[{host}]:{master_port}" if ":" in host else f"{host}:{master_port}"
     extra = dict(extra_env or {})
     extra.update(_security_environment(auth_token, integrity, tls))
+    per_host = nproc_per_node
+    envs_for = _host_envs(host, master_port, (node_rank, nnodes, per_host), devices, transport,
+                          extra, node_address or route_address(host), auth_token)
+    if node_rank != 0:
+        return run_rounds(command, envs_for, max_restarts, grace)
+    with start_orchestrator(host, master_port, transport, auth_token, integrity=integrity,
+                            tls=tls, expected_nodes=nnodes * per_host,
+                            min_nodes=None if min_nodes is None else min_nodes * per_host,
+                            min_nodes_wait=min_nodes_wait) as orch:
+        return run_rounds(command, envs_for, max_restarts, grace,
+                          lambda line: orch.node_failed(_failed_reason(line)))
+
+
+def _host_envs(host: str, port: int, ranks: tuple[int, int, int], devices: int, transport: str,
+               extra: dict[str, str], address: str, token: str | None) -> EnvsFor:
+    """The environments of the node processes of host ``ranks[0]`` of ``ranks[1]``, each
+    running ``ranks[2]``, around the orchestrator on ``host:port``."""
+    host_rank, hosts, per_host = ranks
+    orchestrator = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    master = (host, port + 1 if port < 65535 else port - 1)
 
     def envs_for(restart: int) -> dict[int, dict[str, str]]:
-        env = node_environment(node_rank, nnodes, devices, orchestrator, transport, extra,
-                               node_address=address, restart=restart)
-        return {node_rank: _node_env(env, auth_token)}
+        envs = {}
+        for local in range(per_host):
+            rank = host_rank * per_host + local
+            env = node_environment(rank, hosts * per_host, devices, orchestrator, transport,
+                                   extra, node_address=address, restart=restart)
+            env.update(torchrun_environment(rank, hosts * per_host, (local, per_host),
+                                            host_rank, master))
+            envs[rank] = _node_env(env, token)
+        return envs
 
-    if node_rank != 0:
-        return _run_rounds(command, envs_for, max_restarts, grace)
-    with start_orchestrator(host, master_port, transport, auth_token, integrity=integrity,
-                            tls=tls, expected_nodes=nnodes, min_nodes=min_nodes,
-                            min_nodes_wait=min_nodes_wait):
-        return _run_rounds(command, envs_for, max_restarts, grace)
+    return envs_for
 
 
 def missing_token_message(master_addr: str) -> str:
@@ -263,7 +280,7 @@ def _check_restarts(max_restarts: int) -> None:
 
 
 def _check_host(nnodes: int, node_rank: int, master_addr: str, master_port: int,
-                devices: int) -> None:
+                devices: int, nproc_per_node: int) -> None:
     """:class:`ConfigError` for arguments of :func:`launch_host` that cannot work."""
     if not _is_count(nnodes, 1):
         raise ConfigError(f"nnodes={nnodes!r}: expected an int >= 1 (the number of hosts)")
@@ -278,89 +295,18 @@ def _check_host(nnodes: int, node_rank: int, master_addr: str, master_port: int,
                           "same on every host")
     if not _is_count(devices, 1):
         raise ConfigError(f"devices={devices!r}: expected an int >= 1")
+    if not _is_count(nproc_per_node, 1):
+        raise ConfigError(f"nproc_per_node={nproc_per_node!r}: expected an int >= 1")
 
 
-def _run_rounds(command: Sequence[str], envs_for: EnvsFor, max_restarts: int,
-                grace: float) -> int:
-    """Run rounds of the node processes until one succeeds or no restart remains."""
-    for restart in range(max_restarts + 1):
-        last = restart == max_restarts
-        failure = _run_round(command, envs_for(restart), grace if last else 0.0)
-        if failure is None:
-            return 0
-        rank, code = failure
-        if last:
-            if max_restarts:
-                _say(f"node {rank} exited with {_describe(code)}; no restart left "
-                     f"({max_restarts} done)")
-            return exit_code(code)
-        _say(f"node {rank} exited with {_describe(code)}; restart {restart + 1} of "
-             f"{max_restarts}")
-    return 0  # pragma: no cover - the last round returns above
+def _failed_reason(line: str) -> str:
+    """What the nodes waiting at this launcher's orchestrator are told when one of its node
+    processes failed (:meth:`~burncoll.Orchestrator.node_failed`)."""
+    return f"burncoll launch: {line}; the collective this node waits for cannot form"
 
 
-def _say(message: str) -> None:
-    print(f"burncoll launch: {message}", file=sys.stderr, flush=True)
-
-
-def _run_round(command: Sequence[str], envs: dict[int, dict[str, str]],
-               wait_after_failure: float) -> tuple[int, int] | None:
-    """Start one process per node, wait for them; ``(rank, returncode)`` of the first to fail.
-
-    Once one fails, the others get ``wait_after_failure`` seconds before they are stopped.
-    Every process is stopped when this returns or raises (an interrupt of the launcher).
-    """
-    lock = threading.Lock()
-    procs: dict[int, subprocess.Popen[str]] = {}
-    pumps: list[threading.Thread] = []
-    try:
-        for rank, env in envs.items():
-            proc = subprocess.Popen(
-                list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                text=True, bufsize=1,
-            )
-            procs[rank] = proc
-            if proc.stdout is not None:
-                pump = threading.Thread(target=_pump, args=(rank, proc.stdout, sys.stdout, lock),
-                                        daemon=True)
-                pump.start()
-                pumps.append(pump)
-        return _wait_round(procs, wait_after_failure)
-    finally:
-        _stop(list(procs.values()))
-        for pump in pumps:
-            pump.join(5)
-
-
-def _wait_round(procs: dict[int, subprocess.Popen[str]], wait_after_failure: float
-                ) -> tuple[int, int] | None:
-    """Wait until every process exited, or ``wait_after_failure`` seconds after a failure."""
-    failure: tuple[int, int] | None = None
-    failed_at = 0.0
-    while True:
-        running = False
-        for rank, proc in procs.items():
-            code = proc.poll()
-            if code is None:
-                running = True
-            elif code != 0 and failure is None:
-                failure, failed_at = (rank, code), time.monotonic()
-        if not running:
-            return failure
-        if failure is not None and time.monotonic() - failed_at >= wait_after_failure:
-            return failure
-        time.sleep(_POLL_SECONDS)
-
-
-def _stop(procs: list[subprocess.Popen[str]]) -> None:
-    """Stop the processes still running: SIGTERM, then SIGKILL after :data:`STOP_SECONDS`."""
-    running = [p for p in procs if p.poll() is None]
-    for proc in running:
-        proc.terminate()
-    deadline = time.monotonic() + STOP_SECONDS
-    for proc in running:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def _free_port() -> int:
+    """A port free on loopback now (for the script's ``MASTER_PORT``)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

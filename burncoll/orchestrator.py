@@ -5,10 +5,14 @@ Protocol (CONTROL frames, JSON, after the token challenge):
 * node -> orchestrator ``{"type": "join", "host", "port", "peer_ids", "fingerprint", "pid",
   "meta"}`` (``meta``: facts about the node that the others need, passed through untouched)
 * orchestrator -> node ``{"type": "table", "session", "index", "nodes": [...], "secret"}``
-  once ``num_nodes`` nodes with the same fingerprint have joined (nodes ordered by their
-  lowest peer id); ``secret`` is 32 random bytes (hex), fresh for each session and sent to its
-  members only, which they may use to authenticate each other's connections when no token is
-  set. Or ``{"type": "refused", "reason"}`` saying why the node cannot join.
+  once ``num_nodes`` nodes with the same fingerprint have joined (ordered by lowest peer id);
+  ``secret``: 32 random bytes (hex), fresh for each session, sent to its members only (they
+  authenticate each other with it without a token). Or ``{"type": "refused", "reason"}``.
+* node -> orchestrator ``{"type": "abandon", "node", "peer_ids", "fingerprint", "error",
+  "reason", "pid"}`` instead of a join: it failed before it could join (error class, message).
+* orchestrator -> each node waiting with that fingerprint ``{"type": "abandoned", "error",
+  "reason"}``: a node of its collective failed before it formed (or, with a token, was
+  refused), naming it and quoting its error; the node raises that class of error at once.
 * orchestrator -> node ``{"type": "notice", "reason"}`` while it waits: other nodes are waiting
   whose config differs from this one's (a few per node; informational).
 * node -> orchestrator ``{"type": "finish"}``; orchestrator -> every node ``{"type":
@@ -25,7 +29,9 @@ waiting depends on whether the orchestrator has a token:
 
 * **With a token**, every registration comes from a process that holds it, so a difference is
   a genuine misconfiguration: the newcomer is refused at once, the message naming each field
-  that differs (``transport: 'quic' here, 'websocket' on the node(s) already waiting``).
+  that differs (``transport: 'quic' here, 'websocket' on the node(s) already waiting``), and
+  the nodes waiting get ``abandoned`` naming it (they would wait for it in vain); so do the
+  nodes of a group in which a newcomer claims peer ids already held.
 * **Without a token** (loopback only, unless ``insecure``) anyone on the machine can register,
   so a difference is no reason to refuse: a stranger that arrives first with ``num_nodes=99``
   must not lock the real nodes out. The newcomer waits in its own group, and both sides get a
@@ -54,13 +60,16 @@ from burncoll.errors import AuthenticationError, ConfigError, ProtocolError, Tra
 from burncoll.ioloop import IoLoop
 from burncoll.orchestrator_waiting import (
     MAX_WAITING,
-    DuplicatePeers,
+    Conflict,
     Group,
     Member,
     Session,
     WaitingRoom,
 )
 from burncoll.protocol.control import (
+    MAX_REASON,
+    Abandon,
+    Abandoned,
     Finish,
     Finished,
     Join,
@@ -72,7 +81,7 @@ from burncoll.protocol.control import (
     encode,
     kind_of,
 )
-from burncoll.protocol.fields import MalformedMessage
+from burncoll.protocol.fields import MalformedMessage, canonical
 from burncoll.protocol.wire import CONTROL_LIMIT, decode
 from burncoll.transport import TRANSPORT_NAMES, TlsSettings, get_transport
 from burncoll.transport.admission import BoundedLog
@@ -115,6 +124,7 @@ class Orchestrator:
         self._last_calls: dict[str, tuple[Group, asyncio.TimerHandle]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._telling_finished = 0  # sessions whose ``finished`` messages are being sent
+        self._ended: str | None = None  # why no session may form any more (node_failed)
         self._listener: Listener | None = None
         #: The transport nodes reach it by: ``"websocket"``, ``"quic"`` or ``"tcp"``.
         self.transport = transport
@@ -197,16 +207,26 @@ class Orchestrator:
     async def _join(self, conn: Connection) -> Member | None:
         async with asyncio.timeout(min(self._timeout, JOIN_SECONDS)):
             frame = decode(await conn.recv())
+        if kind_of(frame) == Abandon.KIND:
+            try:
+                await self._abandoned(Abandon.from_json(frame.control or {}))
+            except MalformedMessage as exc:
+                log.warning("orchestrator: ignored a malformed abandon message from %s: %s",
+                            conn.remote, exc)
+            return None
         if kind_of(frame) != Join.KIND:
             raise ProtocolError("expected a join message")
+        if self._ended is not None:  # (see node_failed)
+            await tell(conn, Abandoned("CollectiveError", self._ended), _TELL_SECONDS)
+            return None
         try:
             member = Member.of(conn, Join.from_json(frame.control or {}))
             full = self._room.admit(member)
         except (MalformedMessage, ConfigError) as exc:
             log.warning("orchestrator: refused node %s: %s", conn.remote, exc)
             await conn.send([encode(Refused(str(exc)))])
-            if isinstance(exc, DuplicatePeers):
-                await self._tell_holder(exc)
+            if isinstance(exc, Conflict):
+                await self._tell_group(exc)
             return None
         if full is not None:
             self._cancel_last_call(member.key)
@@ -217,18 +237,54 @@ class Orchestrator:
                 await tell(m.conn, notice, _TELL_SECONDS)
         return member
 
-    async def _tell_holder(self, duplicate: DuplicatePeers) -> None:
-        """The waiting node whose peer ids a newcomer also claimed learns it at once: with a
-        token every registration comes from the job, so both are misconfigured and the holder
-        is refused too; without one the newcomer may be a stranger, so the holder only gets a
-        notice (which its registration timeout error then shows)."""
-        holder = duplicate.holder
-        if not self._room.refuse_differences:
-            await tell(holder.conn, Notice(duplicate.holder_reason), _TELL_SECONDS)
-            return
-        self._room.unwait(holder)
-        holder.left = True  # refused, not lost: its connection's end is no news
-        await tell(holder.conn, Refused(duplicate.holder_reason), _TELL_SECONDS)
+    async def _tell_group(self, conflict: Conflict) -> None:
+        """The group a refused newcomer conflicts with learns it at once: with a token (the
+        job is misconfigured) it fails too; without one the newcomer may be a stranger, so
+        only the node whose peer ids it claimed gets a notice (its timeout error shows it)."""
+        if self._room.refuse_differences:
+            await self._fail_waiting(conflict.group, "ConfigError", conflict.their_reason)
+        elif conflict.holder is not None:
+            await tell(conflict.holder.conn, Notice(conflict.their_reason), _TELL_SECONDS)
+
+    async def _abandoned(self, message: Abandon) -> None:
+        """A node failed before it could join: the nodes waiting for it (its config's group)
+        fail at once with its error. Who may say so: any connection that authenticated, so
+        with a token only the job's own processes; without one, any local process, which could
+        end the forming session anyway (by joining in the missing nodes' place and leaving).
+        Elastic (``min_nodes``): the others go on without it, so they only get a notice."""
+        group = self._room.groups.get(canonical(message.fingerprint))
+        reason = (f"node {message.node} (peer ids {list(message.peer_ids[:16])}, pid "
+                  f"{message.pid}) failed before this collective formed, so it cannot form: "
+                  f"{message.reason}")
+        log.warning("orchestrator: %s", reason)
+        if group is not None and self._min_nodes is None:
+            await self._fail_waiting(group, message.error, reason)
+        elif group is not None:  # elastic: the others go on without it, told only
+            for m in [m for m in group.members if m.may_notice("failed")]:
+                await tell(m.conn, Notice(reason), _TELL_SECONDS)
+
+    def node_failed(self, reason: str) -> None:
+        """A node process of this orchestrator's job failed and will not be restarted (its
+        launcher, in its last round, saw it exit): every node waiting here, and every node
+        that registers from now on, fails at once with ``reason`` (a
+        :class:`~burncoll.CollectiveError`) instead of waiting out its timeout. Blocking, a few
+        seconds at most; best effort."""
+        async def each() -> None:
+            self._ended = reason[:2 * MAX_REASON]
+            for group in list(self._room.groups.values()):
+                await self._fail_waiting(group, "CollectiveError", self._ended)
+
+        with contextlib.suppress(Exception):  # the launcher reports the failure anyway
+            self._io.submit(each()).result(_TELL_SECONDS + 1)
+
+    async def _fail_waiting(self, group: Group, error: str, reason: str) -> None:
+        """Every member of ``group`` leaves the waiting room, told ``Abandoned``."""
+        members = list(group.members)
+        for m in members:
+            self._room.unwait(m)
+            m.left = True  # refused, not lost: its connection's end is no news
+        await asyncio.gather(*(tell(m.conn, Abandoned(error, reason), _TELL_SECONDS)
+                               for m in members))
 
     def _maybe_last_call(self, key: str) -> None:
         """Elastic (``min_nodes``): once a group holds ``min_nodes`` members, the others get

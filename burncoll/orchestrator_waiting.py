@@ -28,6 +28,7 @@ __all__ = [
     "MAX_NOTICES",
     "MAX_WAITING",
     "MAX_WAITING_PEERS",
+    "Conflict",
     "Group",
     "Member",
     "Session",
@@ -44,14 +45,18 @@ MAX_WAITING_PEERS = 65536
 MAX_NOTICES = 4
 
 
-class DuplicatePeers(ConfigError):
-    """A registration whose peer ids a waiting node already holds: the newcomer is refused
-    with this message; ``holder`` (the waiting node) is told ``holder_reason``."""
+class Conflict(ConfigError):
+    """A newcomer refused because it and ``group``, waiting, cannot make one collective: their
+    configs differ, or ``holder``, a member of the group, holds peer ids it also claims. The
+    newcomer is refused with this message; the group is told ``their_reason`` (how much it is
+    told, a refusal or a notice, the orchestrator decides)."""
 
-    def __init__(self, reason: str, holder: Member, holder_reason: str) -> None:
+    def __init__(self, reason: str, group: Group, their_reason: str,
+                 holder: Member | None = None) -> None:
         super().__init__(reason)
+        self.group = group
+        self.their_reason = their_reason
         self.holder = holder
-        self.holder_reason = holder_reason
 
 
 @dataclass
@@ -161,21 +166,26 @@ class WaitingRoom:
         if self.refuse_differences:
             for other in self.groups.values():
                 if other.key != key:
-                    raise ConfigError(
-                        "this node's config differs from the nodes already registered: "
-                        + differences(member.fingerprint, other.fingerprint)
-                    )
+                    diffs = differences(member.fingerprint, other.fingerprint)
+                    raise Conflict(
+                        f"this node's config differs from the nodes already registered: {diffs}",
+                        other, f"the orchestrator refused the node at {member.host}:"
+                        f"{member.port} (peer ids {list(member.peer_ids[:16])}), which was to "
+                        "join this collective: its config differs from this node's ("
+                        + differences(other.fingerprint, member.fingerprint, "on that node")
+                        + ")")
         group = self.groups.get(key) or Group(key, member.num_nodes, member.fingerprint)
         overlap = sorted(group.peer_ids.intersection(member.peer_ids))
         if overlap:
             holder = next(m for m in group.members if set(m.peer_ids) & set(overlap))
-            raise DuplicatePeers(
+            raise Conflict(
                 f"peer id(s) {overlap[:16]} are already used by the node at "
                 f"{holder.host}:{holder.port}; peer ids must be unique across nodes (number "
-                "them node_rank * num_devices + i: burncoll.peer_ids())", holder,
-                f"peer id(s) {overlap[:16]} of this node are also claimed by the node at "
-                f"{member.host}:{member.port}, which was refused; peer ids must be unique "
-                "across nodes (number them node_rank * num_devices + i: burncoll.peer_ids())")
+                "them node_rank * num_devices + i: burncoll.peer_ids())", group,
+                f"peer id(s) {overlap[:16]} of the node at {holder.host}:{holder.port} are also "
+                f"claimed by the node at {member.host}:{member.port}, which was refused; peer "
+                "ids must be unique across nodes (number them node_rank * num_devices + i: "
+                "burncoll.peer_ids())", holder)
         self.groups[key] = group
         group.members.append(member)
         group.peer_ids.update(member.peer_ids)
@@ -264,10 +274,11 @@ class WaitingRoom:
         return told
 
 
-def differences(here: JsonObject, there: JsonObject) -> str:
+def differences(here: JsonObject, there: JsonObject,
+                where: str = "on the node(s) already waiting") -> str:
     """``"key: X here, Y on the node(s) already waiting; ..."`` for each differing field."""
     return "; ".join(
-        f"{key}: {here.get(key)!r} here, {there.get(key)!r} on the node(s) already waiting"
+        f"{key}: {here.get(key)!r} here, {there.get(key)!r} {where}"
         for key in sorted(set(here) | set(there))
         if here.get(key) != there.get(key)
     )

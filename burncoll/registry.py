@@ -78,23 +78,17 @@ class Registry:
                 ):
                     previous = group.server
                 group = self._groups[config] = _Group(config, previous=previous)
-            if peer_id in group.devices:
-                raise UsageError(
-                    f"peer id {peer_id} is already registering on this node; peer ids must be "
-                    "unique across the collective"
-                )
-            if len(group.devices) >= config.num_devices:
-                raise UsageError(
-                    f"peer {peer_id} registered while all num_devices={config.num_devices} "
-                    f"local peers (ids {sorted(group.devices)}) are already registering with "
-                    "this config"
-                )
-            group.devices[peer_id] = device
-            builder = len(group.devices) == config.num_devices
+            twice = self._add(group, peer_id, device)
+            builder = len(group.devices) == config.num_devices and group.error is None
             if builder:
                 group.building = True
         if builder:
             self._build(group)
+        elif twice and group.error is not None and config.is_multi_node:
+            from burncoll.node import report_failure
+
+            report_failure(config, sorted(group.devices), group.error)
+            raise group.error
         with self._cond:
             while group.server is None and group.error is None:
                 remaining = deadline - time.monotonic()
@@ -119,6 +113,27 @@ class Registry:
         if server is None:  # pragma: no cover - the loop exits only when set
             raise RuntimeError("registration ended without a server")
         return server, server.index_of[peer_id]
+
+    def _add(self, group: _Group, peer_id: int, device: Device) -> bool:
+        """Add ``peer_id`` to ``group`` (under the lock); whether it was there already, which
+        fails the group: the node can never hold ``num_devices`` distinct peers, so every
+        local peer fails now, and the caller tells the nodes waiting for it."""
+        config = group.config
+        if peer_id in group.devices and not group.building:
+            group.error = UsageError(
+                f"peer id {peer_id} was registered twice on node {config.node_rank or 0}; peer "
+                "ids must be unique across the collective (number them node_rank * num_devices "
+                "+ i: burncoll.peer_ids())")
+            self._groups.pop(config, None)
+            self._cond.notify_all()
+            return True
+        if peer_id in group.devices or len(group.devices) >= config.num_devices:
+            raise UsageError(
+                f"peer {peer_id} registered while all num_devices={config.num_devices} "
+                f"local peers (ids {sorted(group.devices)}) are already registering with "
+                "this config")
+        group.devices[peer_id] = device
+        return False
 
     def _build(self, group: _Group) -> None:
         config = group.config

@@ -1,5 +1,6 @@
 """The node's global side: orchestrator client, data service, global executor, link."""
 
-from burncoll.node.link import NodeLink, join_collective
+from burncoll.node.joining import join_collective, report_failure
+from burncoll.node.link import NodeLink
 
-__all__ = ["NodeLink", "join_collective"]
+__all__ = ["NodeLink", "join_collective", "report_failure"]

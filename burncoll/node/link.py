@@ -1,7 +1,7 @@
 """``NodeLink``: the :class:`~burncoll.levels.GlobalLink` of a real node.
 
-Peer threads call its blocking methods; the work runs on the node's event loop. It joins the
-collective (orchestrator, then every node), runs global schedules with the
+Peer threads call its blocking methods; the work runs on the node's event loop. Built once
+the node joined the collective (:mod:`burncoll.node.joining`), it runs global schedules with the
 :class:`GlobalExecutor`, and fails the local peers (:class:`~burncoll.levels.LocalPeers`) on
 any failure. Which path each operation takes (the exchange, the shared segments, a strategy's
 schedule) is decided with the operation's plan, by the local level; the link only runs it.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Coroutine, Mapping, Sequence
 from concurrent.futures import Future
@@ -19,8 +18,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from burncoll.config import CollectiveConfig
-from burncoll.config.values import parse_host_port
 from burncoll.dtypes import dtype_from_name
 from burncoll.errors import CollectiveError, CollectiveTimeout, PeerLost
 from burncoll.ioloop import IoLoop
@@ -44,13 +41,10 @@ from burncoll.node.receives import Receives
 from burncoll.node.segments import HostSegments
 from burncoll.node.watch import Watch
 from burncoll.protocol.checks import Check
-from burncoll.protocol.control import Join
 from burncoll.strategies import Ring, Schedule, Strategy
 from burncoll.strategies.layout import even_layout
-from burncoll.transport import get_transport
-from burncoll.transport.shm import host_identity
 
-__all__ = ["NodeLink", "join_collective"]
+__all__ = ["NodeLink"]
 
 log = logging.getLogger("burncoll.node")
 T = TypeVar("T")
@@ -376,45 +370,3 @@ class NodeLink:
             self._segments.close()
         await self._service.close()
         await self._orch.close()
-
-
-def join_collective(config: CollectiveConfig, local_peer_ids: Sequence[int]) -> NodeLink:
-    """Join the multi-node collective of ``config`` with this node's peers (blocking)."""
-    deadline = time.monotonic() + config.timeout
-    node_host, node_port = parse_host_port(config.node_address or "127.0.0.1", "node_address",
-                                           default_port=0)
-    port = config.data_service_port or node_port
-    orch_host, orch_port = parse_host_port(config.global_address or "", "global_address")
-    transport = get_transport(config.transport, tls=config.tls_settings())
-    io = IoLoop(f"burncoll-node-{min(local_peer_ids)}")
-    try:
-        service = DataService(transport, node_host, port, config.auth_token, config.timeout,
-                              integrity=config.integrity, lanes=config.uses_lanes)
-        orch = OrchestratorClient(transport, orch_host, orch_port, config.auth_token,
-                                  config.timeout, integrity=config.integrity)
-        io.run(_join(service, orch, config, local_peer_ids, deadline), deadline, "register")
-    except BaseException:
-        io.stop()
-        raise
-    return NodeLink(io, service, orch)
-
-
-async def _join(service: DataService, orch: OrchestratorClient, config: CollectiveConfig,
-                local_peer_ids: Sequence[int], deadline: float) -> None:
-    await service.start()
-    try:
-        await orch.join(Join(
-            service.host, service.port, tuple(local_peer_ids), config.global_fingerprint(),
-            pid=os.getpid(),
-            meta={"local_ring": isinstance(config.strategy("local_all_reduce_strategy"), Ring),
-                  "host": host_identity() if config.shared_memory else "",
-                  "lanes": config.uses_lanes},
-        ), deadline)
-        # Without a token, member connections authenticate with the session's own secret
-        # (from the orchestrator's table): a stranger cannot pose as a member.
-        service.set_session(orch.session, orch.index, orch.nodes, secret=orch.secret)
-        await service.connect_all(deadline)
-    except BaseException:
-        await service.close()
-        await orch.close()
-        raise

@@ -8,13 +8,19 @@ from collections.abc import Awaitable, Callable
 
 from burncoll.errors import (
     AuthenticationError,
+    BackendUnavailable,
+    CollectiveError,
     CollectiveTimeout,
     ConfigError,
+    MismatchError,
     ProtocolError,
     TransportError,
+    UsageError,
 )
 from burncoll.node.membership import NodeInfo
 from burncoll.protocol.control import (
+    Abandon,
+    Abandoned,
     Finish,
     Finished,
     Join,
@@ -36,6 +42,14 @@ __all__ = ["OrchestratorClient"]
 
 #: Longest notice text kept from the orchestrator (it is only shown in an error message).
 _NOTICE_LIMIT = 2000
+#: The errors a node that failed before the collective formed passes on to the nodes waiting
+#: for it, by class name (any other name arrives as a CollectiveError).
+_PASSED_ON: dict[str, type[CollectiveError]] = {
+    cls.__name__: cls for cls in (ConfigError, UsageError, MismatchError, TransportError,
+                                  CollectiveTimeout, BackendUnavailable, AuthenticationError)
+}
+#: Seconds a node that failed before it joined spends telling the orchestrator (best effort).
+ABANDON_SECONDS = 2.0
 
 
 class OrchestratorClient:
@@ -87,17 +101,33 @@ class OrchestratorClient:
         reply = await self._await_table(conn, message, deadline)
         if isinstance(reply, Refused):
             raise ConfigError(f"the orchestrator refused this node: {reply.reason}")
+        if isinstance(reply, Abandoned):
+            raise _PASSED_ON.get(reply.error, CollectiveError)(reply.reason)
         self._take_table(reply)
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
+    async def abandon(self, message: Abandon, deadline: float) -> None:
+        """Best effort: tell the orchestrator this node failed before it could join, so the
+        nodes waiting for it fail at once with its error (nothing raised: the node's own error
+        is what matters to its caller)."""
+        try:
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.01)):
+                conn = await self._connect(deadline)
+                try:
+                    await conn.send([encode(message)])
+                finally:
+                    await conn.close()
+        except (CollectiveError, TimeoutError, OSError):
+            pass
+
     async def _await_table(self, conn: Connection, message: Join, deadline: float
-                           ) -> Table | Refused:
+                           ) -> Table | Refused | Abandoned:
         """The orchestrator's verdict (table or refusal), keeping the notices before it."""
         try:
             async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
                 while True:
                     reply = await self._next_reply(conn)
-                    if isinstance(reply, Table | Refused):
+                    if isinstance(reply, Table | Refused | Abandoned):
                         return reply
                     self.notice = reply.reason[:_NOTICE_LIMIT]
         except TimeoutError:
@@ -113,7 +143,7 @@ class OrchestratorClient:
                 f"registration: {exc}"
             ) from exc
 
-    async def _next_reply(self, conn: Connection) -> Table | Refused | Notice:
+    async def _next_reply(self, conn: Connection) -> Table | Refused | Abandoned | Notice:
         """The orchestrator's next message during registration; :class:`ProtocolError` for
         one that has no place there, or a malformed one."""
         frame = decode(await conn.recv())
@@ -121,7 +151,7 @@ class OrchestratorClient:
             reply = decode_from_orchestrator(frame)
         except MalformedMessage as exc:
             raise ProtocolError(f"the orchestrator at {self.address} sent a {exc}") from None
-        if not isinstance(reply, Table | Refused | Notice):
+        if not isinstance(reply, Table | Refused | Abandoned | Notice):
             raise ProtocolError(f"unexpected reply from the orchestrator: {kind_of(frame)}")
         return reply
 

@@ -1,9 +1,10 @@
 """Control messages: the JSON objects of CONTROL frames, as frozen dataclasses.
 
 Two conversations use them. A node and the orchestrator (:mod:`burncoll.orchestrator`) share
-this module, which holds their whole conversation: the node sends :class:`Join`,
-:class:`Finish`, :class:`Leave`; the orchestrator answers with :class:`Table`,
-:class:`Refused`, :class:`Notice`, :class:`Finished`, :class:`NodeLost`. Two members of a
+this module, which holds their whole conversation: the node sends :class:`Join` (or
+:class:`Abandon`, having failed before it could join), :class:`Finish`, :class:`Leave`; the
+orchestrator answers with :class:`Table`, :class:`Refused`, :class:`Abandoned`,
+:class:`Notice`, :class:`Finished`, :class:`NodeLost`. Two members of a
 session talk with the messages of :mod:`burncoll.protocol.members`, built on what is here:
 the frame (:func:`encode`, :func:`kind_of`), the shapes several messages share
 and the decoding by type.
@@ -26,10 +27,10 @@ from burncoll.protocol.fields import Fields, JsonObject, is_int
 from burncoll.protocol.wire import Frame, encode_control
 
 __all__ = [
-    "MAX_FIELD_BYTES", "MAX_NODE_PEERS", "MAX_PEER_ID", "MAX_SESSION", "AboutNode",
-    "ControlMessage", "Finish", "Finished", "FromNode", "FromOrchestrator", "Join", "Leave",
-    "NodeLost", "Notice", "Refused", "Table", "TableEntry", "decode_by_type",
-    "decode_from_node", "decode_from_orchestrator", "encode", "kind_of",
+    "MAX_FIELD_BYTES", "MAX_NODE_PEERS", "MAX_PEER_ID", "MAX_REASON", "MAX_SESSION", "Abandon",
+    "Abandoned", "AboutNode", "ControlMessage", "Finish", "Finished", "FromNode",
+    "FromOrchestrator", "Join", "Leave", "NodeLost", "Notice", "Refused", "Table", "TableEntry",
+    "decode_by_type", "decode_from_node", "decode_from_orchestrator", "encode", "kind_of",
 ]
 
 #: Most peer ids one node may register (devices on one node).
@@ -41,6 +42,10 @@ _MAX_HOST = 255
 MAX_PEER_ID = 2**63 - 1
 #: Largest session id: it travels as a u64.
 MAX_SESSION = 2**64 - 1
+#: Longest reason a node gives for failing before it joined (characters; it is cut to fit).
+MAX_REASON = 2000
+#: Longest name of an error class in a message.
+_MAX_ERROR_NAME = 40
 _SECRET_HEX = 64  # a session secret: 32 random bytes, in hex
 M = TypeVar("M")
 
@@ -162,6 +167,57 @@ class Join:
 
 
 @dataclass(frozen=True, slots=True)
+class Abandon:
+    """A node that failed before it could join (its data service's port in use, two of its
+    peers with one id, ...): the error it raised, by class name and message, so that the nodes
+    waiting for it fail at once with the same reason. Sent instead of :class:`Join`."""
+
+    KIND: ClassVar[str] = "abandon"
+    node: int
+    peer_ids: tuple[int, ...]
+    fingerprint: JsonObject
+    error: str
+    reason: str
+    pid: int = 0
+
+    def to_json(self) -> JsonObject:
+        return {"type": self.KIND, "node": self.node, "peer_ids": list(self.peer_ids),
+                "fingerprint": self.fingerprint, "error": self.error,
+                "reason": self.reason, "pid": self.pid}
+
+    @classmethod
+    def from_json(cls, message: Mapping[str, object]) -> Abandon:
+        fields = Fields(message, "abandon message")
+        node, pid = fields.integer("node", 0), fields.integer("pid", 0)
+        peer_ids = fields.ids("peer_ids", MAX_NODE_PEERS, MAX_PEER_ID)
+        fingerprint = fields.json_object("fingerprint", MAX_FIELD_BYTES)
+        error, reason = fields.text("error", _MAX_ERROR_NAME), fields.text("reason", MAX_REASON)
+        fields.check()
+        return cls(node, peer_ids, fingerprint, error, reason, pid)
+
+
+@dataclass(frozen=True, slots=True)
+class Abandoned:
+    """To the nodes waiting for a collective that cannot form: a node that was to join it
+    failed, or was refused. ``error``: the class name of the error it raised; ``reason``
+    names it and says why (at most twice :data:`MAX_REASON` characters)."""
+
+    KIND: ClassVar[str] = "abandoned"
+    error: str
+    reason: str
+
+    def to_json(self) -> JsonObject:
+        return {"type": self.KIND, "error": self.error, "reason": self.reason}
+
+    @classmethod
+    def from_json(cls, message: Mapping[str, object]) -> Abandoned:
+        fields = Fields(message, "abandoned message")
+        error, reason = fields.text("error", _MAX_ERROR_NAME), fields.text("reason", 2 * MAX_REASON)
+        fields.check()
+        return cls(error, reason)
+
+
+@dataclass(frozen=True, slots=True)
 class TableEntry:
     """One member of a session in the orchestrator's :class:`Table`."""
 
@@ -270,13 +326,15 @@ class Leave(_Bare):
     KIND: ClassVar[str] = "leave"
 
 
-FromNode: TypeAlias = "Join | Finish | Leave"
-FromOrchestrator: TypeAlias = "Table | Refused | Notice | Finished | NodeLost"
+FromNode: TypeAlias = "Join | Abandon | Finish | Leave"
+FromOrchestrator: TypeAlias = "Table | Refused | Abandoned | Notice | Finished | NodeLost"
 _FROM_NODE: dict[str, Callable[[Mapping[str, object]], FromNode]] = {
-    Join.KIND: Join.from_json, Finish.KIND: Finish.from_json, Leave.KIND: Leave.from_json,
+    Join.KIND: Join.from_json, Abandon.KIND: Abandon.from_json, Finish.KIND: Finish.from_json,
+    Leave.KIND: Leave.from_json,
 }
 _FROM_ORCHESTRATOR: dict[str, Callable[[Mapping[str, object]], FromOrchestrator]] = {
     Table.KIND: Table.from_json, Refused.KIND: Refused.from_json,
+    Abandoned.KIND: Abandoned.from_json,
     Notice.KIND: Notice.from_json, Finished.KIND: Finished.from_json,
     NodeLost.KIND: NodeLost.from_json,
 }

@@ -110,5 +110,10 @@ def test_usage_errors_are_raised_before_anything_is_sent(call: object, message: 
 
 
 def test_duplicate_peer_id_on_a_node() -> None:
-    results = run_peers(_cfg(2, timeout=1.0), lambda c, i: None, peer_ids=[5, 5])
-    assert any(isinstance(r, burncoll.UsageError) and "already" in str(r) for r in results)
+    """Both peers fail at once (the first one too: its node can never be whole), well before
+    the timeout that would otherwise end the first one's wait."""
+    started = time.monotonic()
+    results = run_peers(_cfg(2, timeout=30.0), lambda c, i: None, peer_ids=[5, 5])
+    assert all(isinstance(r, burncoll.UsageError) and "peer id 5 was registered twice" in str(r)
+               for r in results), results
+    assert time.monotonic() - started < 15.0

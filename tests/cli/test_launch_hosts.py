@@ -175,6 +175,10 @@ def test_two_launchers_restart_together_when_a_node_is_killed() -> None:
       "--master-port", "29400"], "not allowed with argument"),
     (["--nodes", "2", "--master-addr", "127.0.0.1"], "--nnodes"),
     (["--nodes", "2", "--max-restarts", "-1"], "--max-restarts"),
+    (["--nodes", "2", "--nproc-per-node", "3"], "give one of them"),
+    (["--nproc-per-node", "0"], "--nproc-per-node"),
+    (["--standalone", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
+      "--master-port", "29400"], "--standalone runs every node on this machine"),
 ])
 def test_command_lines_that_cannot_work_are_usage_errors(args: list[str], hint: str) -> None:
     done = subprocess.run(launch_argv(*args, str(WORKER)), capture_output=True, text=True,

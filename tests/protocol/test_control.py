@@ -16,6 +16,9 @@ from burncoll.ops import OpKind, ReduceOp
 from burncoll.protocol.control import (
     MAX_FIELD_BYTES,
     MAX_NODE_PEERS,
+    MAX_REASON,
+    Abandon,
+    Abandoned,
     ControlMessage,
     Finish,
     Finished,
@@ -58,6 +61,9 @@ EVERY_MESSAGE: list[tuple[ControlMessage, dict[str, Any], str]] = [
     (Join("10.0.0.2", 4100, (2, 3), FINGERPRINT, pid=4242, meta={"local_ring": True}),
      {"type": "join", "host": "10.0.0.2", "port": 4100, "peer_ids": [2, 3],
       "fingerprint": FINGERPRINT, "pid": 4242, "meta": {"local_ring": True}}, "node"),
+    (Abandon(1, (2, 3), FINGERPRINT, "TransportError", "port in use", 4242),
+     {"type": "abandon", "node": 1, "peer_ids": [2, 3], "fingerprint": FINGERPRINT,
+      "error": "TransportError", "reason": "port in use", "pid": 4242}, "node"),
     (Finish(), {"type": "finish"}, "node"),
     (Leave(), {"type": "leave"}, "node"),
     (Table(9, 1, (TableEntry(0, "a", 1, (0,), {}), TableEntry(1, "b", 2, (1, 2), {"x": 1})),
@@ -68,6 +74,8 @@ EVERY_MESSAGE: list[tuple[ControlMessage, dict[str, Any], str]] = [
       "secret": SECRET}, "orchestrator"),
     (Refused("no"), {"type": "refused", "reason": "no"}, "orchestrator"),
     (Notice("differs"), {"type": "notice", "reason": "differs"}, "orchestrator"),
+    (Abandoned("UsageError", "node 1 failed"),
+     {"type": "abandoned", "error": "UsageError", "reason": "node 1 failed"}, "orchestrator"),
     (Finished(), {"type": "finished"}, "orchestrator"),
     (NodeLost(3), {"type": "node_lost", "node": 3}, "orchestrator"),
 ]
@@ -221,6 +229,25 @@ def test_a_malformed_member_message_names_what_is_wrong(message: dict[str, Any],
 
 @pytest.mark.parametrize("message", [
     {"type": "refused"}, {"type": "notice", "reason": 3}, {"type": "node_lost", "node": None},
+    {"type": "abandoned", "error": "ConfigError"},
+    {"type": "abandoned", "error": "E" * 41, "reason": "r"},
+    {"type": "abandoned", "error": "ConfigError", "reason": "r" * (2 * MAX_REASON + 1)},
 ])
 def test_a_malformed_orchestrator_message_is_refused(message: dict[str, Any]) -> None:
     assert _refused(decode_from_orchestrator, message).startswith(f"malformed {message['type']}")
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"reason": "r" * (MAX_REASON + 1)},
+     f"reason must be a non-empty string of at most {MAX_REASON}"),
+    ({"error": ""}, "error must be a non-empty string"),
+    ({"peer_ids": []}, "peer_ids must be a non-empty list"),
+    ({"fingerprint": {"x": "y" * MAX_FIELD_BYTES}}, "fingerprint must be at most"),
+    ({"node": -1}, "node must be an int >= 0"),
+])
+def test_a_malformed_abandon_names_what_is_wrong(change: dict[str, Any], reason: str) -> None:
+    """What a node that failed before it joined may say is bounded (the orchestrator passes
+    its reason on to every node waiting for it)."""
+    message = {"type": "abandon", "node": 1, "peer_ids": [2], "fingerprint": FINGERPRINT,
+               "error": "TransportError", "reason": "port in use", "pid": 1, **change}
+    assert reason in _refused(decode_from_node, message)

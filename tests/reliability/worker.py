@@ -121,7 +121,7 @@ class FaultyTransport(Transport):
 
 def patch_transport(mode: str, nth: int, delay: float) -> _Faults:
     """Make every node connection of this process a :class:`FaultyConnection`."""
-    import burncoll.node.link as link
+    import burncoll.node.joining as joining
 
     faults = _Faults(mode, nth, delay)
     real = real_get_transport
@@ -129,7 +129,7 @@ def patch_transport(mode: str, nth: int, delay: float) -> _Faults:
     def faulty(name: str, **kwargs: Any) -> Transport:
         return FaultyTransport(real(name, **kwargs), faults)
 
-    vars(link)["get_transport"] = faulty  # the name link.py calls
+    vars(joining)["get_transport"] = faulty  # the name joining.py calls
     return faults
 
 

@@ -178,24 +178,29 @@ def test_a_differing_node_waits_apart_and_its_timeout_names_the_difference(
     assert "transport: 'quic' here, 'websocket'" in message, message
 
 
-def test_with_a_token_a_differing_node_is_refused_at_once() -> None:
+def test_with_a_token_a_differing_node_is_refused_at_once_and_so_are_those_waiting() -> None:
+    """With a token every registration is the job's: the differing newcomer is refused, and
+    the node waiting for it learns at once why its collective cannot form (it would wait for
+    that node in vain), long before its own 30 s timeout; a new pair then forms a session."""
     with burncoll.start_orchestrator(auth_token=TOKEN) as orch:
-        async def scenario() -> str:
-            first = asyncio.ensure_future(register(orch.port, join(0), token=TOKEN))
+        async def scenario() -> tuple[str, str]:
+            first = asyncio.ensure_future(
+                register(orch.port, join(0), seconds=30.0, token=TOKEN))
             await asyncio.sleep(0.3)
-            started = time.monotonic()
-            seconds = 5.0
             with pytest.raises(burncoll.ConfigError) as info:
-                await register(orch.port, join(1, global_reduce_strategy="ring"), seconds,
-                               token=TOKEN)
-            assert time.monotonic() - started < seconds / 2  # at once, not by the timeout
-            second = await register(orch.port, join(1), token=TOKEN)
-            for client in (await first, second):
+                await register(orch.port, join(1, global_reduce_strategy="ring"), token=TOKEN)
+            with pytest.raises(burncoll.ConfigError) as waiting:
+                await asyncio.wait_for(first, 15.0)  # half its own timeout
+            clients = await asyncio.gather(register(orch.port, join(0), token=TOKEN),
+                                           register(orch.port, join(1), token=TOKEN))
+            for client in clients:
                 await client.close()
-            return str(info.value)
+            return str(info.value), str(waiting.value)
 
-        message = asyncio.run(scenario())
+        message, waited = asyncio.run(scenario())
     assert "differs" in message and "global_reduce_strategy: 'ring' here" in message, message
+    assert f"{HOST}:40001" in waited and "peer ids [1]" in waited, waited
+    assert "global_reduce_strategy: None here, 'ring' on that node" in waited, waited
 
 
 def test_expected_nodes_refuses_other_counts_at_once() -> None:
