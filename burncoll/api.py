@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from burncoll import objects
-from burncoll.backends import get_backend
+from burncoll.backends import get_backend, wrong_array
 from burncoll.backends.base import Array, Backend, Device
 from burncoll.backends.out_arrays import check_out
 from burncoll.buckets import all_reduce_tree
@@ -293,10 +293,7 @@ class Communicator(RootedOps, Groups, PointToPoint):
     def _accept(self, kind: OpKind, x: Array | None) -> Array:
         backend = self._backend
         if not backend.is_array(x):
-            raise UsageError(
-                f"{kind.label}: expected an array of backend {backend.name!r}, got "
-                f"{type(x).__name__}; convert it first (the backend is set in CollectiveConfig)"
-            )
+            raise wrong_array(kind.label, backend, x)
         byteorder = getattr(x, "dtype", None)
         if isinstance(byteorder, np.dtype) and not byteorder.isnative:
             # the wire carries native-order elements: convert (a copy), as NumPy would
@@ -313,7 +310,7 @@ class Communicator(RootedOps, Groups, PointToPoint):
 
 
 def _overlap(a: Array, b: Array) -> bool:
-    """Whether two arrays may share memory (NumPy and CuPy both answer it)."""
+    """Whether two arrays may share memory (NumPy, CuPy and torch answer it)."""
     module = type(a).__module__.split(".")[0]
     if module == "numpy":
         return bool(np.may_share_memory(a, b))
@@ -321,6 +318,10 @@ def _overlap(a: Array, b: Array) -> bool:
         import cupy
 
         return bool(cupy.may_share_memory(a, b))
+    if module == "torch":
+        from burncoll.backends.torch import shares_memory
+
+        return shares_memory(a, b)
     return False
 
 

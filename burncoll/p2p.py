@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from burncoll.backends import wrong_array
 from burncoll.backends.base import Array, Backend, Device
 from burncoll.backends.out_arrays import check_out
 from burncoll.dtypes import SUPPORTED_DTYPES, dtype_name
@@ -229,9 +230,7 @@ class PointToPoint:
     def _p2p_array(self, label: str, x: object) -> Array:
         backend = self._backend
         if not backend.is_array(x):
-            raise UsageError(f"{label}: expected an array of backend {backend.name!r}, got "
-                             f"{type(x).__name__}; convert it first (the backend is set in "
-                             "CollectiveConfig)")
+            raise wrong_array(label, backend, x)
         dtype = getattr(x, "dtype", None)
         if isinstance(dtype, np.dtype) and not dtype.isnative:
             x = x.astype(dtype.newbyteorder("="))  # type: ignore[attr-defined]

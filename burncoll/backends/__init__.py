@@ -1,8 +1,8 @@
 """Array backends: the :class:`Backend` protocol and the registry of its implementations.
 
-``get_backend("numpy" | "jax" | "cupy")`` returns the one shared instance of a backend.
-Importing this package imports neither jax nor cupy; a backend imports its library when it is
-first asked for.
+``get_backend("numpy" | "jax" | "cupy" | "torch")`` returns the one shared instance of a
+backend. Importing this package imports neither jax, cupy nor torch; a backend imports its
+library when it is first asked for.
 """
 
 from __future__ import annotations
@@ -23,16 +23,18 @@ __all__ = [
     "combine",
     "get_backend",
     "installed_backends",
+    "wrong_array",
 ]
 
 #: Every backend name, in the order :func:`backend_for_array` tries them.
-BACKEND_NAMES: tuple[str, ...] = ("numpy", "jax", "cupy")
+BACKEND_NAMES: tuple[str, ...] = ("numpy", "jax", "cupy", "torch")
 
 # name -> (module, class, the top-level library it wraps)
 _IMPLEMENTATIONS: dict[str, tuple[str, str, str]] = {
     "numpy": ("burncoll.backends.numpy", "NumpyBackend", "numpy"),
     "jax": ("burncoll.backends.jax", "JaxBackend", "jax"),
     "cupy": ("burncoll.backends.cupy", "CupyBackend", "cupy"),
+    "torch": ("burncoll.backends.torch", "TorchBackend", "torch"),
 }
 
 _instances: dict[str, Backend] = {}
@@ -40,7 +42,7 @@ _instances_lock = threading.Lock()
 
 
 def get_backend(name: str) -> Backend:
-    """The shared backend called ``name`` (``"numpy"``, ``"jax"`` or ``"cupy"``).
+    """The shared backend called ``name`` (``"numpy"``, ``"jax"``, ``"cupy"`` or ``"torch"``).
 
     Raises :class:`~burncoll.ConfigError` for an unknown name, and
     :class:`~burncoll.BackendUnavailable` (naming the ``pip install 'burncoll[...]'`` extra)
@@ -80,7 +82,7 @@ def backend_for_array(x: object) -> Backend:
     """The backend whose array type ``x`` is.
 
     Only libraries already imported are considered (an array of a library cannot exist before
-    the library is imported), so this never imports jax or cupy. Raises
+    the library is imported), so this never imports jax, cupy or torch. Raises
     :class:`~burncoll.UsageError` when ``x`` is not an array of any backend.
     """
     for name in BACKEND_NAMES:
@@ -92,9 +94,21 @@ def backend_for_array(x: object) -> Backend:
             continue
         if backend.is_array(x):
             return backend
-    raise UsageError(
-        f"expected a numpy, jax or cupy array, got {type(x).__module__}.{type(x).__qualname__}"
-    )
+    raise UsageError(f"expected a numpy, jax, cupy or torch array, got "
+                     f"{type(x).__module__}.{type(x).__qualname__}")
+
+
+def wrong_array(label: str, backend: Backend, x: object) -> UsageError:
+    """The error for ``x`` passed to an operation (``label``) of ``backend`` that is no array
+    of it: names the backend ``x`` belongs to, when it is another backend's array."""
+    expected = f"{label}: expected an array of backend {backend.name!r}, got {type(x).__name__}"
+    try:
+        other = backend_for_array(x).name
+    except UsageError:
+        return UsageError(f"{expected}; convert it first (the backend is set in "
+                          "CollectiveConfig)")
+    return UsageError(f"{expected}, an array of backend {other!r}: set backend={other!r} in "
+                      "CollectiveConfig, or convert it first")
 
 
 def _has_gpu(backend: Backend) -> bool:
