@@ -69,9 +69,7 @@ def as_array(tensor: Any) -> Any:
         import cupy
 
         return cupy.from_dlpack(t)
-    if t.device.type != "cpu":
-        raise UsageError(f"the torch backend handles CPU and CUDA tensors; this one is on "
-                         f"{t.device}: move it with .cpu() or .cuda()")
+    _check_placed(t)
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(dtype_from_name("bfloat16"))
     try:
@@ -79,6 +77,13 @@ def as_array(tensor: Any) -> Any:
     except TypeError as exc:
         raise UsageError(f"dtype {_name(t.dtype)} has no NumPy view: convert the tensor "
                          f"(e.g. .to(torch.float32)) first") from exc
+
+
+def _check_placed(tensor: Any) -> None:
+    """Raise :class:`~burncoll.UsageError` unless ``tensor`` is on the CPU or a CUDA GPU."""
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise UsageError(f"the torch backend handles CPU and CUDA tensors; this one is on "
+                         f"{tensor.device}: move it with .cpu() or .cuda()")
 
 
 def as_tensor(array: Any) -> Any:
@@ -139,6 +144,7 @@ class TorchBackend:
     def device_of(self, x: Array) -> Device:
         """``cpu:0`` for a CPU tensor (all CPU devices share memory), else its CUDA device."""
         device = self._tensor(x).device
+        _check_placed(x)
         return CpuDevice(0) if device.type == "cpu" else device
 
     def same_device(self, a: Device, b: Device) -> bool:
