@@ -40,13 +40,21 @@ __all__ = ["TorchBackend", "as_array", "as_tensor", "shares_memory"]
 NO_CUDA = "no CUDA device here"
 
 
+_torch_module: Any = None
+
+
 def _torch() -> Any:
-    try:
-        import torch
-    except ImportError as exc:
-        raise BackendUnavailable("the torch backend needs torch: pip install 'burncoll[torch]'"
-                                 ) from exc
-    return torch
+    """The torch module (imported on first use); :class:`~burncoll.BackendUnavailable`
+    without it."""
+    global _torch_module
+    if _torch_module is None:
+        try:
+            import torch
+        except ImportError as exc:
+            raise BackendUnavailable(
+                "the torch backend needs torch: pip install 'burncoll[torch]'") from exc
+        _torch_module = torch
+    return _torch_module
 
 
 def as_array(tensor: Any) -> Any:
@@ -60,6 +68,11 @@ def as_array(tensor: Any) -> Any:
     if isinstance(tensor, np.ndarray):
         return tensor
     torch = _torch()
+    if isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.dtype != torch.bfloat16:
+        try:  # the common case, at once (microseconds count: every chunk of a schedule)
+            return tensor.numpy()
+        except (RuntimeError, TypeError):
+            pass  # requires grad, a conjugate or negative view, sparse, ...: see below
     if not isinstance(tensor, torch.Tensor):
         raise UsageError(f"the torch backend needs a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
@@ -268,7 +281,7 @@ class TorchBackend:
 
     def _inner(self, x: Any) -> Backend:
         """The backend of ``x``'s memory: NumPy for the CPU, CuPy for CUDA."""
-        if isinstance(x, np.ndarray) or self._tensor(x).device.type != "cuda":
+        if isinstance(x, np.ndarray) or not self._tensor(x).is_cuda:
             return self._host
         return self._cuda()  # pragma: no cover - no CUDA device here
 

@@ -196,6 +196,31 @@ def test_compressed_all_reduce_returns_the_callers_tensor(compression: str) -> N
         np.testing.assert_array_equal(result.numpy(), np.full(1000, want))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int64"])
+def test_large_all_reduces_on_one_node_write_the_callers_memory(dtype: str) -> None:
+    rows = (1 << 20) // 3 + 5  # past INLINE_BYTES in every dtype: the fused host path
+    inputs = np.stack([_values(r, rows) for r in range(4)])
+
+    def run(comm: burncoll.Communicator, i: int) -> Any:
+        x = _tensor(inputs[i], dtype)
+        results = [comm.all_reduce(x, op) for op in ("sum", "max", "mean")]
+        out = torch.empty_like(x)
+        results.append(out if comm.all_reduce(x, out=out) is out else None)
+        address = x.data_ptr()
+        comm.all_reduce(x, out=x)
+        results.append(x if x.data_ptr() == address else None)
+        return results
+
+    config = burncoll.CollectiveConfig(num_devices=4, backend="torch", timeout=60.0)
+    wants = [reduced_float64(inputs, op) for op in ("sum", "max", "mean", "sum", "sum")]
+    for results in run_peers(config, run):
+        assert not isinstance(results, BaseException), results
+        for k, (got, want) in enumerate(zip(results, wants, strict=True)):
+            dtype_wanted = "float64" if k == 2 and dtype == "int64" else dtype
+            assert got.dtype == getattr(torch, dtype_wanted) and got.shape == (rows, 3)
+            np.testing.assert_array_equal(got.to(torch.float64).numpy(), want)
+
+
 # -- what torch adds: grads, layouts, dtypes, devices, the backend's name -----------------------
 def _two_peers(fn: Any, backend: str = "torch") -> list[Any]:
     """``fn(comm, i)`` on 2 peer threads of one node; their results (an error raised)."""

@@ -62,8 +62,10 @@ def test_missing_jax_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_missing_torch_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from burncoll.backends import torch as torch_backend
     from burncoll.backends.torch import TorchBackend
 
+    monkeypatch.setattr(torch_backend, "_torch_module", None)  # (imported once, then kept)
     monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` raise ImportError
     with pytest.raises(BackendUnavailable, match=r"pip install 'burncoll\[torch\]'") as info:
         TorchBackend()
