@@ -161,6 +161,16 @@ def _assert_all_well(results: dict[int, Any] | list[Any], dtypes: list[str]) -> 
         assert len(result["checked"]) >= 20 * len(dtypes)
 
 
+def _two_peers(fn: Any, backend: str = "torch") -> list[Any]:
+    """``fn(comm, i)`` on 2 peer threads of one node; their results (an error raised)."""
+    config = burncoll.CollectiveConfig(num_devices=2, backend=backend, timeout=20.0)
+    results = run_peers(config, lambda comm, i: fn(comm, i))
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_collective_on_one_node_of_4_devices(dtype: str) -> None:
     config = burncoll.CollectiveConfig(num_devices=4, backend="torch", timeout=20.0)
@@ -221,17 +231,21 @@ def test_large_all_reduces_on_one_node_write_the_callers_memory(dtype: str) -> N
             np.testing.assert_array_equal(got.to(torch.float64).numpy(), want)
 
 
+def test_all_reduce_tree_of_tensors_keeps_each_leafs_dtype() -> None:
+    def run(comm: burncoll.Communicator, i: int) -> Any:
+        tree = {"w": _tensor(_values(i, 4), "float32"),
+                "b": [_tensor(_values(i + 2, 1), "bfloat16"), _tensor(_values(i + 4, 2), "int64")]}
+        return comm.all_reduce_tree(tree, "sum", bucket_bytes=64)
+
+    wants = [_values(0, 4) + _values(1, 4), _values(2, 1) + _values(3, 1),
+             _values(4, 2) + _values(5, 2)]
+    for result in _two_peers(run):
+        leaves = [result["w"], *result["b"]]
+        for leaf, want, dtype in zip(leaves, wants, ["float32", "bfloat16", "int64"], strict=True):
+            assert isinstance(leaf, torch.Tensor) and leaf.dtype == getattr(torch, dtype)
+            np.testing.assert_array_equal(leaf.to(torch.float64).numpy(), want)
+
 # -- what torch adds: grads, layouts, dtypes, devices, the backend's name -----------------------
-def _two_peers(fn: Any, backend: str = "torch") -> list[Any]:
-    """``fn(comm, i)`` on 2 peer threads of one node; their results (an error raised)."""
-    config = burncoll.CollectiveConfig(num_devices=2, backend=backend, timeout=20.0)
-    results = run_peers(config, lambda comm, i: fn(comm, i))
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return results
-
-
 def test_a_tensor_that_requires_grad_is_reduced_on_its_data_as_torch_distributed_does(
 ) -> None:
     def run(comm: burncoll.Communicator, i: int) -> Any:
