@@ -36,10 +36,6 @@ from burncoll.errors import BackendUnavailable, UsageError
 
 __all__ = ["TorchBackend", "as_array", "as_tensor", "shares_memory"]
 
-#: Where CUDA tensors cannot go here, and why their tests skip.
-NO_CUDA = "no CUDA device here"
-
-
 _torch_module: Any = None
 
 
@@ -63,7 +59,7 @@ def as_array(tensor: Any) -> Any:
     The view has the tensor's dtype (``bfloat16`` as ``ml_dtypes.bfloat16``), shape and
     strides; writing to it writes the tensor. A NumPy array passes through unchanged.
     Raises :class:`~burncoll.UsageError` for a tensor that has no such view (a sparse one,
-    one on another device, a dtype NumPy cannot hold).
+    a conjugate view, one on another device, a dtype NumPy cannot hold).
     """
     if isinstance(tensor, np.ndarray):
         return tensor
@@ -77,7 +73,10 @@ def as_array(tensor: Any) -> Any:
         raise UsageError(f"the torch backend needs a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
         raise UsageError(f"the torch backend needs dense tensors, got layout {tensor.layout}")
-    t = tensor.detach().resolve_conj().resolve_neg()
+    if tensor.is_conj() or tensor.is_neg():
+        raise UsageError("a conjugate or negative view (.conj()) has no NumPy view of its "
+                         "values: pass tensor.resolve_conj() (a copy) instead")
+    t = tensor.detach()
     if t.device.type == "cuda":  # pragma: no cover - no CUDA device here
         import cupy
 

@@ -80,6 +80,8 @@ def test_tensors_without_a_numpy_view_are_refused(backend: Any) -> None:
     with pytest.raises(UsageError, match="float8_e4m3fn has no NumPy view"):
         as_array(torch.zeros(2).to(torch.float8_e4m3fn))
     assert backend.dtype_name(torch.zeros(2).to(torch.float8_e4m3fn)) == "float8_e4m3fn"
+    with pytest.raises(UsageError, match="conjugate"):  # (writes would miss the tensor)
+        as_array(torch.ones(2, dtype=torch.complex64).conj())
     with pytest.raises(UsageError, match=r"needs a torch\.Tensor"):
         as_array([1.0])
 
