@@ -114,20 +114,36 @@ def as_tensor(array: Any) -> Any:
 
 
 def shares_memory(a: Any, b: Any) -> bool:
-    """Whether tensors ``a`` and ``b`` may share memory."""
-    x, y = as_array(a), as_array(b)
-    if isinstance(x, np.ndarray) and isinstance(y, np.ndarray):
-        return bool(np.may_share_memory(x, y))
-    if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+    """Whether tensors ``a`` and ``b`` may share memory: their byte ranges on one device
+    overlap (the bounds check of ``numpy.may_share_memory``, without making views)."""
+    if a.device != b.device:
         return False
-    import cupy  # pragma: no cover - no CUDA device here
+    (a_start, a_stop), (b_start, b_stop) = _bounds(a), _bounds(b)
+    return a_start < b_stop and b_start < a_stop
 
-    return bool(cupy.may_share_memory(x, y))  # pragma: no cover
+
+def _bounds(t: Any) -> tuple[int, int]:
+    """The first and one past the last byte address ``t`` covers (none when it is empty)."""
+    if t.numel() == 0:
+        return 0, 0
+    span = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1
+    start = t.data_ptr()
+    return start, start + span * t.element_size()
+
+
+_NAMES: dict[Any, str] = {}  # (a few dtypes: str(dtype) is slow enough to cache)
 
 
 def _name(dtype: Any) -> str:
     """torch's dtype as users write it: ``torch.float32`` -> ``"float32"``."""
-    return str(dtype).removeprefix("torch.")
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = _NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+#: Every CPU tensor's device (logical CPU devices share host memory).
+_CPU = CpuDevice(0)
 
 
 class TorchBackend:
@@ -155,9 +171,10 @@ class TorchBackend:
 
     def device_of(self, x: Array) -> Device:
         """``cpu:0`` for a CPU tensor (all CPU devices share memory), else its CUDA device."""
-        device = self._tensor(x).device
+        if self._tensor(x).is_cpu:
+            return _CPU
         _check_placed(x)
-        return CpuDevice(0) if device.type == "cpu" else device
+        return x.device  # pragma: no cover - no CUDA device here
 
     def same_device(self, a: Device, b: Device) -> bool:
         """True when both are CPU devices, or the same CUDA device."""

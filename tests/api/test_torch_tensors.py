@@ -178,6 +178,16 @@ def test_every_collective_on_one_node_of_4_devices(dtype: str) -> None:
                      [dtype])
 
 
+@pytest.mark.parametrize("strategy", ["ring", "tree"])
+def test_every_collective_through_the_local_schedules(strategy: str) -> None:
+    # (auto runs these small operations inline: here every backend call gets tensors)
+    config = burncoll.CollectiveConfig(
+        num_devices=4, backend="torch", timeout=20.0, local_all_reduce_strategy=strategy,
+        local_reduce_strategy=strategy, local_broadcast_strategy=strategy)
+    _assert_all_well(run_peers(config, lambda comm, _: every_collective(
+        comm, ["bfloat16", "int32"])), ["bfloat16", "int32"])
+
+
 def test_every_collective_across_2_node_processes() -> None:
     records = run_node_processes(__file__, 2, "tcp")
     assert len(records) == 2

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 
 from burncoll.backends import get_backend  # noqa: E402
 from burncoll.backends.numpy import CpuDevice  # noqa: E402
-from burncoll.backends.torch import as_array, as_tensor  # noqa: E402
+from burncoll.backends.torch import as_array, as_tensor, shares_memory  # noqa: E402
 from burncoll.dtypes import SUPPORTED_DTYPES, dtype_from_name, dtype_name  # noqa: E402
 from burncoll.errors import UsageError  # noqa: E402
 
@@ -64,6 +64,15 @@ def test_from_host_shares_a_writable_buffer_and_copies_a_read_only_one(backend: 
     assert copied.data_ptr() != raw.ctypes.data
     copied[0] = 7.0  # writable
     np.testing.assert_array_equal(copied.numpy(), [7, 1, 2, 3, 4, 5])
+
+
+def test_shares_memory_agrees_with_numpy_on_views() -> None:
+    base = torch.arange(24.0).reshape(4, 6)
+    others = [base, base[1], base[:, 2], base[2:, 3:], base.T, base.clone(), base[0, :0],
+              torch.from_numpy(base.numpy()[3])]
+    for x in others:
+        for y in others:
+            assert shares_memory(x, y) == np.may_share_memory(x.numpy(), y.numpy()), (x, y)
 
 
 def test_a_tensor_that_requires_grad_is_viewed_detached() -> None:
