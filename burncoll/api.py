@@ -317,7 +317,7 @@ class Communicator(RootedOps, Groups, PointToPoint):
 
 
 def _overlap(a: Array, b: Array) -> bool:
-    """Whether two arrays may share memory (NumPy and CuPy both answer it)."""
+    """Whether two arrays may share memory (NumPy, CuPy and torch answer it)."""
     module = type(a).__module__.split(".")[0]
     if module == "numpy":
         return bool(np.may_share_memory(a, b))
@@ -325,6 +325,10 @@ def _overlap(a: Array, b: Array) -> bool:
         import cupy
 
         return bool(cupy.may_share_memory(a, b))
+    if module == "torch":
+        from burncoll.backends.torch import shares_memory
+
+        return shares_memory(a, b)
     return False
 
 

@@ -21,7 +21,7 @@ def pytest_configure(config: pytest.Config) -> None:
     shared.configure(config)
 
 
-@pytest.fixture(params=["numpy", "jax", "cupy"])
+@pytest.fixture(params=["numpy", "jax", "cupy", "torch"])
 def backend_name(request: pytest.FixtureRequest) -> str:
     """Each backend name in turn; skips the backends whose library (or GPU) is missing."""
     name: str = request.param

@@ -40,15 +40,16 @@ def reduced_float64(xs: np.ndarray, op: str) -> np.ndarray:
             "prod": xs.prod(0)}[op]
 
 
-def register_node_process(argv: list[str]) -> tuple[burncoll.Communicator, int, int, int]:
+def register_node_process(argv: list[str], **config: Any
+                          ) -> tuple[burncoll.Communicator, int, int, int]:
     """(In a script that :func:`run_node_processes` runs.) Register the one device of node
-    ``NODE`` from ``argv`` = ``NODE NODES ORCH_ADDRESS TRANSPORT DIES`` (20 s timeout); its
-    communicator, ``NODE``, ``NODES`` and ``DIES``."""
+    ``NODE`` from ``argv`` = ``NODE NODES ORCH_ADDRESS TRANSPORT DIES`` (20 s timeout, and
+    ``config``'s fields); its communicator, ``NODE``, ``NODES`` and ``DIES``."""
     node, nodes, address, transport, dies = int(argv[0]), int(argv[1]), argv[2], argv[3], \
         int(argv[4])
     cfg = burncoll.CollectiveConfig(num_devices=1, num_nodes=nodes, global_address=address,
                                     node_address="127.0.0.1", transport=transport,
-                                    timeout=20.0)
+                                    timeout=20.0, **config)
     return burncoll.register(node, 0, cfg), node, nodes, dies
 
 

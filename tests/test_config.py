@@ -29,7 +29,7 @@ def test_defaults_choose_the_strategy_per_operation() -> None:
         ({"local_all_reduce_strategy": "tree:0"}, ["local_all_reduce_strategy", "arity"]),
         ({"global_reduce_strategy": "butterfly"}, ["global_reduce_strategy", "'ring'"]),
         ({"num_nodes": 2}, ["num_nodes=2", "global_address", "BURNCOLL_GLOBAL_ADDRESS"]),
-        ({"backend": "torch"}, ["backend", "numpy"]),
+        ({"backend": "tensorflow"}, ["backend", "numpy", "torch"]),
         ({"transport": "udp"}, ["transport", "websocket"]),
         ({"timeout": 0}, ["timeout"]),
         ({"timeout": float("inf")}, ["timeout=inf", "at most 2.592e+06", "finite"]),

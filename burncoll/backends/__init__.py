@@ -1,8 +1,8 @@
 """Array backends: the :class:`Backend` protocol and the registry of its implementations.
 
-``get_backend("numpy" | "jax" | "cupy")`` returns the one shared instance of a backend.
-Importing this package imports neither jax nor cupy; a backend imports its library when it is
-first asked for.
+``get_backend("numpy" | "jax" | "cupy" | "torch")`` returns the one shared instance of a
+backend. Importing this package imports neither jax, cupy nor torch; a backend imports its
+library when it is first asked for.
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ __all__ = [
 ]
 
 #: Every backend name, in the order :func:`backend_for_array` tries them.
-BACKEND_NAMES: tuple[str, ...] = ("numpy", "jax", "cupy")
+BACKEND_NAMES: tuple[str, ...] = ("numpy", "jax", "cupy", "torch")
 
 # name -> (module, class, the top-level library it wraps)
 _IMPLEMENTATIONS: dict[str, tuple[str, str, str]] = {
     "numpy": ("burncoll.backends.numpy", "NumpyBackend", "numpy"),
     "jax": ("burncoll.backends.jax", "JaxBackend", "jax"),
     "cupy": ("burncoll.backends.cupy", "CupyBackend", "cupy"),
+    "torch": ("burncoll.backends.torch", "TorchBackend", "torch"),
 }
 
 _instances: dict[str, Backend] = {}
@@ -41,7 +42,7 @@ _instances_lock = threading.Lock()
 
 
 def get_backend(name: str) -> Backend:
-    """The shared backend called ``name`` (``"numpy"``, ``"jax"`` or ``"cupy"``).
+    """The shared backend called ``name`` (``"numpy"``, ``"jax"``, ``"cupy"`` or ``"torch"``).
 
     Raises :class:`~burncoll.ConfigError` for an unknown name, and
     :class:`~burncoll.BackendUnavailable` (naming the ``pip install 'burncoll[...]'`` extra)
@@ -81,7 +82,7 @@ def backend_for_array(x: object) -> Backend:
     """The backend whose array type ``x`` is.
 
     Only libraries already imported are considered (an array of a library cannot exist before
-    the library is imported), so this never imports jax or cupy. Raises
+    the library is imported), so this never imports jax, cupy or torch. Raises
     :class:`~burncoll.UsageError` when ``x`` is not an array of any backend.
     """
     for name in BACKEND_NAMES:
@@ -93,13 +94,14 @@ def backend_for_array(x: object) -> Backend:
             continue
         if backend.is_array(x):
             return backend
-    raise UsageError(
-        f"expected a numpy, jax or cupy array, got {type(x).__module__}.{type(x).__qualname__}"
-    )
+    raise UsageError(f"expected a numpy, jax, cupy or torch array, got "
+                     f"{type(x).__module__}.{type(x).__qualname__}")
 
 
 #: How each backend's arrays are called in messages.
-_ARRAY_NAMES = {"numpy": "numpy.ndarray", "jax": "jax.Array", "cupy": "cupy.ndarray"}
+_ARRAY_NAMES = {
+    "numpy": "numpy.ndarray", "jax": "jax.Array", "cupy": "cupy.ndarray", "torch": "torch.Tensor",
+}
 
 
 def foreign_array(x: object, backend: str) -> str:

@@ -23,7 +23,7 @@ from burncoll.dtypes import dtype_from_name, dtype_name, host_view, is_inexact
 from burncoll.errors import UsageError
 from burncoll.ops import ReduceOp
 
-__all__ = ["CpuDevice", "NumpyBackend", "host_ufunc"]
+__all__ = ["CpuDevice", "NumpyBackend", "host_memory", "host_ufunc"]
 
 NDArray = np.ndarray[Any, Any]
 
@@ -221,3 +221,14 @@ _HOST_UFUNCS: dict[ReduceOp, Any] = {
 def host_ufunc(op: ReduceOp) -> Any:
     """The NumPy ufunc that combines two host arrays element-wise for ``op`` (MEAN sums)."""
     return _HOST_UFUNCS[op]
+
+
+def host_memory(backend: Backend, x: object) -> NDArray | None:
+    """``x`` as a NumPy array over its own memory when it lives in host memory -- a NumPy
+    array, or an array of a mutable backend on a logical CPU device (a torch CPU tensor,
+    whose ``to_host`` is a view) -- else ``None``. The host paths of the plans work on it."""
+    if isinstance(x, np.ndarray):
+        return x
+    if x is None or not backend.mutable or not backend.is_array(x):
+        return None
+    return backend.to_host(x) if isinstance(backend.device_of(x), CpuDevice) else None

@@ -65,7 +65,7 @@ class CollectiveConfig:
     naming the field and what it accepts.
     """
 
-    #: Array library: ``"numpy"`` (CPU), ``"jax"`` or ``"cupy"``.
+    #: Array library: ``"numpy"`` (CPU), ``"jax"``, ``"cupy"`` or ``"torch"`` (tensors).
     backend: str = "numpy"
     #: Number of local peers (threads, one per device) on this node.
     num_devices: int = 1

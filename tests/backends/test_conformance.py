@@ -27,7 +27,7 @@ X64_DTYPES = {"float64", "int64", "uint64", "complex128"}
 #: Relative tolerance of one rounding step, by dtype.
 RTOL = {"float16": 1e-3, "bfloat16": 8e-3, "float32": 1e-6, "float64": 1e-12}
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 0, 3), (2, 3, 4)]
-EXPECTED_MUTABLE = {"numpy": True, "jax": False, "cupy": True}
+EXPECTED_MUTABLE = {"numpy": True, "jax": False, "cupy": True, "torch": True}
 
 REDUCTIONS: dict[str, Callable[[NDArray, NDArray], NDArray]] = {
     "add": np.add,
@@ -38,10 +38,26 @@ REDUCTIONS: dict[str, Callable[[NDArray, NDArray], NDArray]] = {
 
 
 # -- helpers ------------------------------------------------------------------------------
+def logical(backend: Backend) -> bool:
+    """Whether ``backend``'s devices are logical CPU devices sharing host memory (NumPy, and
+    torch without CUDA), so that an array's device is ``cpu:0`` whichever one it was for."""
+    return backend.name == "numpy" or (backend.name == "torch" and not torch_cuda())
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def all_devices(backend: Backend) -> list[Any]:
-    """Every device the suite spreads arrays over: 4 logical ones for NumPy, all otherwise."""
-    if backend.name == "numpy":
+    """Every device the suite spreads arrays over: 4 logical CPU ones, else all there are."""
+    if logical(backend):
         return backend.devices(4)
+    if backend.name == "torch":  # pragma: no cover - no CUDA device here
+        import torch
+
+        return backend.devices(torch.cuda.device_count())
     if backend.name == "jax":
         import jax
 
@@ -146,7 +162,7 @@ def test_devices_refuses_zero(backend: Backend) -> None:
 
 
 def test_devices_refuses_more_than_exist(backend: Backend) -> None:
-    if backend.name == "numpy":
+    if logical(backend):
         assert len(backend.devices(64)) == 64  # logical devices: any number
         return
     n = len(all_devices(backend))
@@ -161,7 +177,7 @@ def test_arrays_land_on_the_device_asked_for(backend: Backend) -> None:
     for device in all_devices(backend):
         for x in (make(backend, ref, device), backend.empty(3, "float32", device)):
             assert backend.same_device(backend.device_of(x), device)
-            if backend.name != "numpy":
+            if not logical(backend):
                 assert backend.device_of(x) == device
 
 
@@ -172,7 +188,7 @@ def test_to_device_moves_and_keeps_values(backend: Backend) -> None:
     for device in devices:
         y = backend.to_device(x, device)
         assert backend.same_device(backend.device_of(y), device)
-        if backend.name != "numpy":
+        if not logical(backend):
             assert backend.device_of(y) == device
         np.testing.assert_array_equal(host(backend, y), ref)
     np.testing.assert_array_equal(host(backend, x), ref)
@@ -185,9 +201,9 @@ def test_to_device_is_a_no_op_when_already_there(backend: Backend) -> None:
         assert backend.to_device(x, backend.device_of(x)) is x
 
 
-def test_numpy_logical_devices_share_memory(backend: Backend) -> None:
-    if backend.name != "numpy":
-        pytest.skip("NumPy only")
+def test_logical_devices_share_memory(backend: Backend) -> None:
+    if not logical(backend):
+        pytest.skip("logical CPU devices only (NumPy, torch without CUDA)")
     a, b = backend.devices(2)
     assert repr(a) == "cpu:0" and repr(b) == "cpu:1"
     assert backend.same_device(a, b)
@@ -306,7 +322,7 @@ def test_concat(backend: Backend) -> None:
     # on the device of the first array, wherever the others are
     y = backend.concat(list(reversed(xs)))
     assert backend.same_device(backend.device_of(y), backend.device_of(xs[-1]))
-    if backend.name != "numpy":
+    if not logical(backend):
         assert backend.device_of(y) == backend.device_of(xs[-1])
     with pytest.raises(UsageError):
         backend.concat([])

@@ -22,14 +22,14 @@ from burncoll.errors import BackendUnavailable, ConfigError, UsageError
 
 def test_unknown_backend_names_the_choices() -> None:
     with pytest.raises(ConfigError) as info:
-        get_backend("torch")
+        get_backend("mxnet")
     message = str(info.value)
-    assert "'torch'" in message
-    for name in ("numpy", "jax", "cupy"):
+    assert "'mxnet'" in message
+    for name in ("numpy", "jax", "cupy", "torch"):
         assert repr(name) in message
 
 
-@pytest.mark.parametrize("name", ["numpy", "jax"])
+@pytest.mark.parametrize("name", ["numpy", "jax", "torch"])
 def test_get_backend_returns_one_shared_instance(name: str) -> None:
     instances: list[Backend] = []
     threads = [
@@ -61,11 +61,23 @@ def test_missing_jax_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(info.value.__cause__, ImportError)
 
 
+def test_missing_torch_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from burncoll.backends import torch as torch_backend
+    from burncoll.backends.torch import TorchBackend
+
+    monkeypatch.setattr(torch_backend, "_torch_module", None)  # (imported once, then kept)
+    monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` raise ImportError
+    with pytest.raises(BackendUnavailable, match=r"pip install 'burncoll\[torch\]'") as info:
+        TorchBackend()
+    assert isinstance(info.value.__cause__, ImportError)
+
+
 def test_installed_backends() -> None:
     installed = installed_backends()
     assert installed[0] == "numpy"
     assert set(installed) <= set(BACKEND_NAMES)
     assert ("jax" in installed) == (importlib.util.find_spec("jax") is not None)
+    assert ("torch" in installed) == (importlib.util.find_spec("torch") is not None)
     if importlib.util.find_spec("cupy") is None:
         assert "cupy" not in installed
 
@@ -76,8 +88,12 @@ def test_backend_for_array() -> None:
         import jax.numpy as jnp
 
         assert backend_for_array(jnp.zeros(3)) is get_backend("jax")
+    if "torch" in installed_backends():
+        import torch
+
+        assert backend_for_array(torch.zeros(3)) is get_backend("torch")
     for other in ([1, 2], None, np.float32(1.0)):
-        with pytest.raises(UsageError, match="expected a numpy, jax or cupy array"):
+        with pytest.raises(UsageError, match="expected a numpy, jax, cupy or torch array"):
             backend_for_array(other)
 
 
@@ -86,14 +102,15 @@ def _run(code: str) -> None:
 
 
 def test_importing_burncoll_imports_no_array_library_but_numpy() -> None:
-    _run("import burncoll, sys; assert 'jax' not in sys.modules; assert 'cupy' not in sys.modules")
+    _run("import burncoll, sys\n"
+         "assert not {'jax', 'cupy', 'torch'} & set(sys.modules), sys.modules.keys()")
 
 
 def test_backend_modules_import_their_library_lazily() -> None:
     _run(
         "import sys, numpy as np\n"
-        "import burncoll.backends.jax, burncoll.backends.cupy\n"
+        "import burncoll.backends.jax, burncoll.backends.cupy, burncoll.backends.torch\n"
         "from burncoll.backends import backend_for_array, get_backend\n"
         "assert backend_for_array(np.zeros(2)) is get_backend('numpy')\n"
-        "assert 'jax' not in sys.modules and 'cupy' not in sys.modules\n"
+        "assert not {'jax', 'cupy', 'torch'} & set(sys.modules)\n"
     )

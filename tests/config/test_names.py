@@ -124,9 +124,10 @@ def test_a_bad_variable_value_lists_what_it_accepts(
     ("kwargs", "message"),
     [({"transport": "websockt"}, "transport='websockt': expected one of websocket, quic, tcp "
                                  "(did you mean 'websocket'?)"),
-     ({"backend": "jaxx"}, "backend='jaxx': expected one of numpy, jax, cupy (did you mean "
-                           "'jax'?)"),
-     ({"backend": "torch"}, "backend='torch': expected one of numpy, jax, cupy")],
+     ({"backend": "jaxx"}, "backend='jaxx': expected one of numpy, jax, cupy, torch (did you "
+                           "mean 'jax'?)"),
+     ({"backend": "tensorflow"}, "backend='tensorflow': expected one of numpy, jax, cupy, "
+                                 "torch")],
 )
 def test_a_misspelt_choice_names_the_nearest(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError) as info:

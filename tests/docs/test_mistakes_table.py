@@ -106,8 +106,8 @@ MISTAKES: dict[str, Mistake] = {
         lambda m, t: _raised(lambda: CollectiveConfig(timeot=5)),  # type: ignore[call-arg]
     "a yes/no variable set to another word: `BURNCOLL_SHARED_MEMORY=maybe`":
         _setting("BURNCOLL_SHARED_MEMORY", "maybe"),
-    "a backend that does not exist: `backend=\"torch\"`":
-        lambda m, t: _raised(lambda: CollectiveConfig(backend="torch")),
+    "a backend that does not exist: `backend=\"tensorflow\"`":
+        lambda m, t: _raised(lambda: CollectiveConfig(backend="tensorflow")),
     "a transport that does not exist: `transport=\"udp\"`":
         lambda m, t: _raised(lambda: CollectiveConfig(transport="udp")),
     "no timeout: `timeout=0` (or `inf`)": lambda m, t: _raised(lambda: CollectiveConfig(timeout=0)),

@@ -12,8 +12,8 @@ The plan kinds, by when they are chosen (first match):
 
 - :class:`Inline` -- ``auto`` and at most ``INLINE_BYTES``: on one node any operation but a
   barrier, across nodes an all-reduce of a node with several local peers.
-- :class:`Fused` -- a one-node all-reduce of NumPy arrays under ``auto``, 2+ local peers, not
-  the mean of integers.
+- :class:`Fused` -- a one-node all-reduce of host arrays (NumPy, torch CPU tensors) under
+  ``auto``, 2+ local peers, not the mean of integers.
 - :class:`LocalBarrier` / :class:`GlobalBarrier` -- a barrier on one node / across nodes.
 - :class:`LocalSchedule` -- any other operation on one node.
 - :class:`OutOfPlace` -- an all-reduce across nodes of a node with a single local peer (of
@@ -35,12 +35,10 @@ import math
 from collections.abc import Sequence
 from typing import cast
 
-import numpy as np
-
 from burncoll.backends.base import Backend
-from burncoll.backends.numpy import NumpyBackend
+from burncoll.backends.numpy import host_memory
 from burncoll.config import CollectiveConfig
-from burncoll.dtypes import ITEMSIZES, is_inexact
+from burncoll.dtypes import ITEMSIZES, dtype_from_name, is_inexact
 from burncoll.errors import UsageError
 from burncoll.levels import Exchange, GlobalPath, SharedSegments
 from burncoll.local.calls import Call
@@ -167,16 +165,12 @@ def _fused(calls: Sequence[Call], world: World, backend: Backend,
     call = calls[0]
     if call.kind is not OpKind.ALL_REDUCE or world.multi_node or world.size < 2:
         return False
-    if not isinstance(backend, NumpyBackend):
-        return False
     if not isinstance(config.strategy("local_all_reduce_strategy"), Auto):
         return False
-    arrays = [c.array for c in calls]
-    if not all(isinstance(a, np.ndarray) for a in arrays):
-        return False
+    if any(host_memory(backend, c.array) is None for c in calls):
+        return False  # (NumPy arrays and torch CPU tensors are host memory)
     # MEAN of integers becomes float64: the general path does that conversion
-    return call.reduce_op is not ReduceOp.MEAN or is_inexact(
-        arrays[0].dtype)  # type: ignore[union-attr]
+    return call.reduce_op is not ReduceOp.MEAN or is_inexact(dtype_from_name(call.dtype or ""))
 
 
 def _exchanges(config: CollectiveConfig, world: World, nbytes: int, segments: bool) -> bool:

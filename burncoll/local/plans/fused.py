@@ -6,7 +6,8 @@ round and a pass over memory per step. When the peers' arrays all live in this p
 memory (the NumPy backend), one pass is enough: peer ``i`` reduces the elements
 ``[a_i, b_i)`` of every input, a cache-sized block at a time, in peer order
 (``x0 op x1 op ... op x(d-1)``, the same order as the inline path), and copies each block
-into every peer's result while it is still in cache. Memory traffic is the minimum for an
+into every peer's result while it is still in cache. (torch CPU tensors too: their NumPy views
+are their memory.) Memory traffic is the minimum for an
 out-of-place all-reduce (read every input once, write every result once), the threads work
 in parallel (NumPy releases the GIL), and there is a single barrier, at the end, so that no
 peer returns (and lets its caller modify its input) while another still reads it.
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from burncoll.backends.numpy import host_ufunc
+from burncoll.backends.base import Array
+from burncoll.backends.numpy import host_memory, host_ufunc
 from burncoll.backends.pool import fresh
 from burncoll.levels import HostArray
 from burncoll.local.plans.phases import peer_call
@@ -45,14 +47,15 @@ class Fused:
         inputs: list[HostArray] = []
         outputs: list[HostArray] = []
         for c in state.complete_calls():
-            if not isinstance(c.array, np.ndarray):  # pragma: no cover - chosen for ndarrays
+            host = host_memory(rv.backend, c.array)
+            if host is None:  # pragma: no cover - chosen for host arrays
                 raise RuntimeError("the fused all-reduce needs host arrays")
-            x = np.ascontiguousarray(c.array).reshape(-1)
+            x = np.ascontiguousarray(host).reshape(-1)
             inputs.append(x)
             # the caller's out= (x itself, in place, is safe: a block of x is read before it
             # is written, by the one thread that owns the block)
-            outputs.append(c.out.reshape(-1) if isinstance(c.out, np.ndarray)
-                           else fresh(x.size, x.dtype))
+            out = host_memory(rv.backend, c.out)
+            outputs.append(fresh(x.size, x.dtype) if out is None else out.reshape(-1))
         return FusedBuffers(rv, state, inputs, outputs)
 
 
@@ -65,7 +68,7 @@ class FusedBuffers:
     inputs: list[HostArray]
     outputs: list[HostArray]
 
-    def run(self, index: int, deadline: float) -> HostArray:
+    def run(self, index: int, deadline: float) -> Array:
         """Peer ``index``'s share of the work, then the barrier; returns its result."""
         rv, inputs, outputs = self.rv, self.inputs, self.outputs
         call = peer_call(self.state, index)
@@ -85,7 +88,10 @@ class FusedBuffers:
             for out in rest:
                 out[a:b] = acc
         rv.sync(self.state, index, deadline, "all_reduce")
-        if isinstance(call.out, np.ndarray):
+        if call.out is not None:
             return call.out
         result: HostArray = outputs[index].reshape(call.shape or ())
-        return result
+        if isinstance(call.array, np.ndarray):
+            return result
+        # a torch CPU tensor's: a tensor over the same memory
+        return rv.backend.from_host(result, call.dtype or "", result.shape, rv.devices[index])

@@ -8,11 +8,14 @@ Every peer's result is a copy of the same array, so they are bitwise identical.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from burncoll.backends.base import Array, combine
+from burncoll.backends.base import Array, Backend, Device, combine
+from burncoll.backends.numpy import CpuDevice, NumpyBackend, host_memory
+from burncoll.dtypes import dtype_name
 from burncoll.levels import GlobalPath
 from burncoll.local.calls import Call
 from burncoll.local.plans.phases import global_op, link_of
@@ -21,6 +24,8 @@ from burncoll.ops import OpKind, ReduceOp
 from burncoll.strategies.layout import block_rows, row_layout
 
 __all__ = ["Inline", "InlineResults", "inline_results"]
+
+_NUMPY = NumpyBackend()
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,9 +49,17 @@ class InlineResults:
         return self.results[index]
 
 
-def _reduce_all(rv: Rendezvous, calls: list[Call], op: ReduceOp) -> Array:
-    backend = rv.backend
-    device = rv.devices[0]
+@dataclass(frozen=True, slots=True)
+class _Where:
+    """The backend the results are computed with, and each local peer's device for it."""
+
+    backend: Backend
+    devices: Sequence[Device]
+
+
+def _reduce_all(on: _Where, calls: list[Call], op: ReduceOp) -> Array:
+    backend = on.backend
+    device = on.devices[0]
     acc = backend.copy(backend.flatten(backend.to_device(calls[0].array, device)))
     for c in calls[1:]:
         other = backend.flatten(backend.to_device(c.array, device))
@@ -54,64 +67,94 @@ def _reduce_all(rv: Rendezvous, calls: list[Call], op: ReduceOp) -> Array:
     return acc
 
 
-def _copies(rv: Rendezvous, x: Array, calls: list[Call] | None = None) -> list[Array | None]:
+def _copies(on: _Where, x: Array, calls: list[Call] | None = None) -> list[Array | None]:
     """A copy of ``x`` per peer: into the peer's ``out=`` array when it passed one."""
-    backend = rv.backend
-    outs = [c.out for c in calls] if calls is not None else [None] * rv.size
+    backend = on.backend
+    outs = [c.out for c in calls] if calls is not None else [None] * len(on.devices)
     return [backend.copy(backend.reshape(backend.to_device(x, d), backend.shape(out)), out=out)
             if out is not None else backend.copy(backend.to_device(x, d))
-            for d, out in zip(rv.devices, outs, strict=True)]
+            for d, out in zip(on.devices, outs, strict=True)]
 
 
-def _across_nodes(rv: Rendezvous, state: OpState, flat: Array, path: GlobalPath) -> Array:
+def _across_nodes(rv: Rendezvous, on: _Where, state: OpState, flat: Array, path: GlobalPath
+                  ) -> Array:
     """The global all-reduce of this node's reduction ``flat``."""
-    backend = rv.backend
+    backend = on.backend
     call = state.complete_calls()[0]
     host = backend.to_host(flat)
     if not host.flags.writeable:
         host = np.array(host, copy=True)
     deadline = state.started + rv.config.timeout
     link_of(rv).all_reduce(global_op(state, deadline), host, path=path)
-    return backend.from_host(host, call.dtype or "float32", (host.size,), rv.devices[0])
+    return backend.from_host(host, call.dtype or "float32", (host.size,), on.devices[0])
 
 
-def _scattered(rv: Rendezvous, total: Array, shape: tuple[int, ...]) -> list[Array | None]:
-    backend = rv.backend
+def _scattered(on: _Where, total: Array, shape: tuple[int, ...]) -> list[Array | None]:
+    backend = on.backend
     flat_total = backend.flatten(total)
     out: list[Array | None] = []
-    for i, (a, b) in enumerate(row_layout(shape, rv.size)):
-        rows = block_rows(shape, rv.size, i)
+    size = len(on.devices)
+    for i, (a, b) in enumerate(row_layout(shape, size)):
+        rows = block_rows(shape, size, i)
         block = backend.slice(flat_total, a, b)
-        out.append(backend.reshape(backend.copy(backend.to_device(block, rv.devices[i])),
+        out.append(backend.reshape(backend.copy(backend.to_device(block, on.devices[i])),
                                    (rows, *shape[1:])))
     return out
 
 
 def inline_results(rv: Rendezvous, state: OpState, plan: Inline) -> list[Array | None]:
-    """Every local peer's result, computed in this thread."""
+    """Every local peer's result, computed in this thread: on the NumPy views of torch CPU
+    tensors when those are the arrays (a backend call on tensors costs microseconds of
+    conversions; the results become tensors over the same memory)."""
     calls = state.complete_calls()
+    views = _host_views(rv, calls)
+    if views is None:
+        return _results(rv, _Where(rv.backend, rv.devices), state, calls, plan)
+    host = _Where(_NUMPY, [CpuDevice(i) for i in range(rv.size)])
+    results = _results(rv, host, state, views, plan)
+    return [None if r is None else c.out if c.out is not None else rv.backend.from_host(
+                r, dtype_name(r.dtype), r.shape, rv.devices[i])
+            for i, (r, c) in enumerate(zip(results, calls, strict=True))]
+
+
+def _host_views(rv: Rendezvous, calls: list[Call]) -> list[Call] | None:
+    """``calls`` with the NumPy views of their arrays and ``out=``, when another backend's
+    arrays all live in host memory (torch CPU tensors); else ``None``."""
+    if isinstance(rv.backend, NumpyBackend):
+        return None
+    views = []
+    for c in calls:
+        array, out = host_memory(rv.backend, c.array), host_memory(rv.backend, c.out)
+        if (array is None) != (c.array is None) or (out is None) != (c.out is None):
+            return None
+        views.append(replace(c, array=array, out=out))
+    return views
+
+
+def _results(rv: Rendezvous, on: _Where, state: OpState, calls: list[Call], plan: Inline
+             ) -> list[Array | None]:
     call = calls[0]
-    backend = rv.backend
+    backend = on.backend
     kind = call.kind
     shape = call.shape or ()
     if kind is OpKind.BROADCAST:
         root = next(c for c in calls if c.peer_id == call.root)
-        return _copies(rv, root.array)
+        return _copies(on, root.array)
     if kind is OpKind.ALL_GATHER:
-        return _copies(rv, backend.concat_rows([backend.to_device(c.array, rv.devices[0])
+        return _copies(on, backend.concat_rows([backend.to_device(c.array, on.devices[0])
                                                  for c in calls]))
     op = call.reduce_op or ReduceOp.SUM
-    flat = _reduce_all(rv, calls, op)
+    flat = _reduce_all(on, calls, op)
     if plan.global_path is not None:
-        flat = _across_nodes(rv, state, flat, plan.global_path)
+        flat = _across_nodes(rv, on, state, flat, plan.global_path)
     total = backend.reshape(flat, shape)
     if op is ReduceOp.MEAN:
         total = backend.scale(total, rv.world_size)
     if kind is OpKind.REDUCE:
         results: list[Array | None] = [None] * rv.size
         root_index = rv.index_of[call.root if call.root is not None else -1]
-        results[root_index] = backend.copy(backend.to_device(total, rv.devices[root_index]))
+        results[root_index] = backend.copy(backend.to_device(total, on.devices[root_index]))
         return results
     if kind is OpKind.REDUCE_SCATTER:
-        return _scattered(rv, total, shape)
-    return _copies(rv, total, calls if kind is OpKind.ALL_REDUCE else None)
+        return _scattered(on, total, shape)
+    return _copies(on, total, calls if kind is OpKind.ALL_REDUCE else None)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from burncoll.backends.base import Array
+from burncoll.backends.numpy import host_memory
 from burncoll.backends.pool import fresh
 from burncoll.levels import GlobalOp, GlobalPath, HostArray
 from burncoll.local.calls import Call
@@ -45,9 +46,11 @@ class OutOfPlaceRun:
     def run(self, index: int, deadline: float) -> Array:
         rv, call = self.rv, peer_call(self.state, index)
         gop = global_op(self.state, deadline)
+        x_host, out_host = host_memory(rv.backend, call.array), host_memory(rv.backend, call.out)
+        if x_host is not None and out_host is not None:  # (NumPy arrays, torch CPU tensors)
+            self._into(call, gop, x_host, out_host)
+            return call.out
         if isinstance(call.array, np.ndarray):  # host memory (NumPy): no backend round trip
-            if isinstance(call.out, np.ndarray):
-                return self._into(call, gop, call.array, call.out)
             x = np.asarray(call.array)  # (a subclass's reshape may keep its dimensions)
             flat = x.reshape(-1)
             out = fresh(flat.size, flat.dtype)
@@ -62,15 +65,15 @@ class OutOfPlaceRun:
                                       rv.devices[0])
         return finish_reduce(rv, result, call.reduce_op)
 
-    def _into(self, call: Call, gop: GlobalOp, x: HostArray, out: HostArray) -> HostArray:
-        """The caller's ``out=`` on host memory: the network result goes straight into it (in
-        place when ``out`` is ``x``); a mean is divided there too (``out`` is a float array)."""
+    def _into(self, call: Call, gop: GlobalOp, x: HostArray, out: HostArray) -> None:
+        """The caller's ``out=`` on host memory (``out``: its NumPy view): the network result
+        goes straight into it (in place when the caller's ``out`` is its ``x``); a mean is
+        divided there too (``out`` is a float array)."""
         link, path = link_of(self.rv), self.plan.global_path
         flat_out = np.asarray(out).reshape(-1)  # (np.matrix: reshape keeps two dimensions)
-        if out is x:
+        if call.out is call.array:
             link.all_reduce(gop, flat_out, path=path)
         else:
             link.all_reduce(gop, np.asarray(x).reshape(-1), out=flat_out, path=path)
         if call.reduce_op is ReduceOp.MEAN:
             np.divide(flat_out, self.rv.world_size, out=flat_out)
-        return out

@@ -1,0 +1,338 @@
+"""The torch backend: ``torch.Tensor`` on the CPU or on CUDA GPUs, without copies.
+
+A tensor is handed to the backend of its memory through a zero-copy view, and every result
+comes back as a tensor over the same memory:
+
+- a CPU tensor is a NumPy array (:func:`as_array`: ``tensor.numpy()``; ``bfloat16`` through
+  an ``int16`` view reinterpreted as ``ml_dtypes.bfloat16``), worked on by the NumPy backend,
+  and its results become tensors again with ``torch.from_numpy`` (:func:`as_tensor`);
+- a CUDA tensor is a CuPy array through DLPack (``cupy.from_dlpack``), worked on by the CuPy
+  backend, and back with ``torch.from_dlpack``. **This path is untested here**: the project's
+  machines have no GPU; its tests skip with "no CUDA device here".
+
+So the values and dtypes of every operation are exactly the NumPy (or CuPy) backend's, and a
+result keeps the caller's dtype (``bfloat16`` included) and device. Tensors are mutable:
+``out=`` takes a tensor (contiguous). Like ``torch.distributed``, the backend works on a
+tensor's data whether or not it requires grad (``tensor.detach()``: no autograd record).
+
+Devices: ``devices(n)`` are CUDA devices (``torch.device("cuda", i)``) when torch sees CUDA,
+else logical CPU devices (:class:`~burncoll.backends.numpy.CpuDevice`, one per local peer,
+all sharing host memory, as with NumPy); ``torch.device("cpu")`` is accepted as a CPU device.
+torch is imported when :class:`TorchBackend` is constructed, never when this module is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from burncoll.backends import _checks
+from burncoll.backends.base import Array, Backend, Device
+from burncoll.backends.numpy import CpuDevice, NumpyBackend
+from burncoll.dtypes import dtype_from_name, dtype_name
+from burncoll.errors import BackendUnavailable, UsageError
+
+__all__ = ["TorchBackend", "as_array", "as_tensor", "shares_memory"]
+
+_torch_module: Any = None
+
+
+def _torch() -> Any:
+    """The torch module (imported on first use); :class:`~burncoll.BackendUnavailable`
+    without it."""
+    global _torch_module
+    if _torch_module is None:
+        try:
+            import torch
+        except ImportError as exc:
+            raise BackendUnavailable(
+                "the torch backend needs torch: pip install 'burncoll[torch]'") from exc
+        _torch_module = torch
+    return _torch_module
+
+
+def as_array(tensor: Any) -> Any:
+    """``tensor``'s memory as a NumPy array (CPU) or a CuPy array (CUDA), without a copy.
+
+    The view has the tensor's dtype (``bfloat16`` as ``ml_dtypes.bfloat16``), shape and
+    strides; writing to it writes the tensor. A NumPy array passes through unchanged.
+    Raises :class:`~burncoll.UsageError` for a tensor that has no such view (a sparse one,
+    a conjugate view, one on another device, a dtype NumPy cannot hold).
+    """
+    if isinstance(tensor, np.ndarray):
+        return tensor
+    torch = _torch()
+    if isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.dtype != torch.bfloat16:
+        try:  # the common case, at once (microseconds count: every chunk of a schedule)
+            return tensor.numpy()
+        except (RuntimeError, TypeError):
+            pass  # requires grad, a conjugate or negative view, sparse, ...: see below
+    if not isinstance(tensor, torch.Tensor):
+        raise UsageError(f"the torch backend needs a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise UsageError(f"the torch backend needs dense tensors, got layout {tensor.layout}")
+    if tensor.is_conj() or tensor.is_neg():
+        raise UsageError("a conjugate or negative view (.conj()) has no NumPy view of its "
+                         "values: pass tensor.resolve_conj() (a copy) instead")
+    t = tensor.detach()
+    if t.device.type == "cuda":  # pragma: no cover - no CUDA device here
+        import cupy
+
+        return cupy.from_dlpack(t)
+    _check_placed(t)
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(dtype_from_name("bfloat16"))
+    try:
+        return t.numpy()
+    except TypeError as exc:
+        raise UsageError(f"dtype {_name(t.dtype)} has no NumPy view: convert the tensor "
+                         f"(e.g. .to(torch.float32)) first") from exc
+
+
+def _check_placed(tensor: Any) -> None:
+    """Raise :class:`~burncoll.UsageError` unless ``tensor`` is on the CPU or a CUDA GPU."""
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise UsageError(f"the torch backend handles CPU and CUDA tensors; this one is on "
+                         f"{tensor.device}: move it with .cpu() or .cuda()")
+
+
+def as_tensor(array: Any) -> Any:
+    """The tensor over ``array``'s memory (a NumPy or CuPy array), without a copy; the inverse
+    of :func:`as_array`. A read-only NumPy array is copied first (tensors are writable)."""
+    torch = _torch()
+    if isinstance(array, torch.Tensor):
+        return array
+    if not isinstance(array, np.ndarray):  # pragma: no cover - no CUDA device here
+        return torch.from_dlpack(array)
+    if not array.flags.writeable:
+        array = array.copy()
+    if dtype_name(array.dtype) == "bfloat16":
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def shares_memory(a: Any, b: Any) -> bool:
+    """Whether tensors ``a`` and ``b`` may share memory: their byte ranges on one device
+    overlap (the bounds check of ``numpy.may_share_memory``, without making views)."""
+    if a.device != b.device:
+        return False
+    (a_start, a_stop), (b_start, b_stop) = _bounds(a), _bounds(b)
+    return a_start < b_stop and b_start < a_stop
+
+
+def _bounds(t: Any) -> tuple[int, int]:
+    """The first and one past the last byte address ``t`` covers (none when it is empty)."""
+    if t.numel() == 0:
+        return 0, 0
+    span = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1
+    start = t.data_ptr()
+    return start, start + span * t.element_size()
+
+
+_NAMES: dict[Any, str] = {}  # (a few dtypes: str(dtype) is slow enough to cache)
+
+
+def _name(dtype: Any) -> str:
+    """torch's dtype as users write it: ``torch.float32`` -> ``"float32"``."""
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = _NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+#: Every CPU tensor's device (logical CPU devices share host memory).
+_CPU = CpuDevice(0)
+
+
+class TorchBackend:
+    """:class:`~burncoll.backends.base.Backend` for ``torch.Tensor`` (mutable: ``out=`` works).
+
+    Raises :class:`~burncoll.BackendUnavailable` when torch is not installed.
+    """
+
+    name = "torch"
+    mutable = True
+
+    def __init__(self) -> None:
+        self._torch: Any = _torch()
+        self._host = NumpyBackend()
+        self._gpu: Backend | None = None
+
+    # -- devices -------------------------------------------------------------------------
+    def devices(self, n: int) -> list[Device]:
+        """``[cuda:0, ..., cuda:n-1]`` when torch sees CUDA, else ``n`` logical CPU devices."""
+        count = self._cuda_count()
+        if count == 0:
+            return self._host.devices(n)
+        _checks.check_devices(self.name, n, count)  # pragma: no cover - no CUDA device here
+        return [self._torch.device("cuda", i) for i in range(n)]  # pragma: no cover
+
+    def device_of(self, x: Array) -> Device:
+        """``cpu:0`` for a CPU tensor (all CPU devices share memory), else its CUDA device."""
+        if self._tensor(x).is_cpu:
+            return _CPU
+        _check_placed(x)
+        return x.device  # pragma: no cover - no CUDA device here
+
+    def same_device(self, a: Device, b: Device) -> bool:
+        """True when both are CPU devices, or the same CUDA device."""
+        return bool(_key(a) == _key(b))
+
+    def to_device(self, x: Array, device: Device) -> Array:
+        """``x`` itself when it is on ``device`` already, else a copy there."""
+        if self.same_device(self.device_of(x), device):
+            return x
+        key = _key(device)  # pragma: no cover - no CUDA device here
+        return self._tensor(x).to(key if key == "cpu" else device)  # pragma: no cover
+
+    # -- inspection ----------------------------------------------------------------------
+    def is_array(self, x: object) -> bool:
+        """True for ``torch.Tensor`` (and its subclasses, such as ``nn.Parameter``)."""
+        return isinstance(x, self._torch.Tensor)
+
+    def dtype_name(self, x: Array) -> str:
+        """``"float32"``, ``"bfloat16"``, ...; torch's own name for a dtype burncoll lacks."""
+        return _name(self._tensor(x).dtype)
+
+    def shape(self, x: Array) -> tuple[int, ...]:
+        """The shape of ``x``."""
+        return tuple(self._tensor(x).shape)
+
+    # -- creation and layout -------------------------------------------------------------
+    def empty(self, count: int, dtype: str, device: Device) -> Array:
+        """A new uninitialised flat tensor of ``count`` elements on ``device``."""
+        inner, where = self._inner_device(device)
+        return as_tensor(inner.empty(count, dtype, where))
+
+    def flatten(self, x: Array) -> Array:
+        """A flat view of ``x`` when it is contiguous, else a flat C-ordered copy."""
+        return self._apply("flatten", x)
+
+    def reshape(self, x: Array, shape: tuple[int, ...]) -> Array:
+        """``x`` with ``shape`` (a view when ``x`` is contiguous)."""
+        return as_tensor(self._inner(x).reshape(as_array(x), shape))
+
+    def slice(self, x: Array, start: int, stop: int) -> Array:
+        """A view of elements ``start:stop`` of the flat tensor ``x``."""
+        return as_tensor(self._inner(x).slice(as_array(x), start, stop))
+
+    def concat(self, xs: Sequence[Array]) -> Array:
+        """A new flat tensor: the flat tensors ``xs`` end to end, on the device of ``xs[0]``."""
+        _checks.check_nonempty(xs, "concat")
+        return as_tensor(self._inner(xs[0]).concat([as_array(x) for x in xs]))
+
+    def concat_rows(self, xs: Sequence[Array]) -> Array:
+        """A new tensor: ``xs`` stacked along axis 0, on the device of ``xs[0]``."""
+        _checks.check_nonempty(xs, "concat_rows")
+        return as_tensor(self._inner(xs[0]).concat_rows([as_array(x) for x in xs]))
+
+    def copy(self, x: Array, out: Array | None = None) -> Array:
+        """A copy of ``x``, written into ``out`` (and returned) when given."""
+        return self._apply("copy", x, out=out)
+
+    # -- reductions ----------------------------------------------------------------------
+    def add(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a + b``, into ``out`` when given."""
+        return self._apply("add", a, b, out=out)
+
+    def maximum(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """Element-wise maximum (NaN propagates), into ``out`` when given."""
+        return self._apply("maximum", a, b, out=out)
+
+    def minimum(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """Element-wise minimum (NaN propagates), into ``out`` when given."""
+        return self._apply("minimum", a, b, out=out)
+
+    def multiply(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a * b``, into ``out`` when given."""
+        return self._apply("multiply", a, b, out=out)
+
+    def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a & b`` (integer and bool tensors), into ``out`` when given."""
+        return self._apply("bitwise_and", a, b, out=out)
+
+    def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a | b`` (integer and bool tensors), into ``out`` when given."""
+        return self._apply("bitwise_or", a, b, out=out)
+
+    def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a ^ b`` (integer and bool tensors), into ``out`` when given."""
+        return self._apply("bitwise_xor", a, b, out=out)
+
+    def scale(self, x: Array, divisor: int) -> Array:
+        """``x / divisor`` as a new tensor: float dtypes kept, integers and bool to float64."""
+        return as_tensor(self._inner(x).scale(as_array(x), divisor))
+
+    # -- the host bridge -----------------------------------------------------------------
+    def to_host(self, x: Array) -> np.ndarray[Any, Any]:
+        """``x`` as a NumPy array: a view of a CPU tensor, a copy of a CUDA one."""
+        host: np.ndarray[Any, Any] = self._inner(x).to_host(as_array(x))
+        return host
+
+    def from_host(
+        self, buffer: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...], device: Device
+    ) -> Array:
+        """A writable tensor of ``dtype`` and ``shape`` on ``device`` holding ``buffer``'s
+        elements; on the CPU it shares ``buffer``'s memory when that is writable and
+        C-contiguous (as the NumPy backend's), else it is a copy."""
+        inner, where = self._inner_device(device)
+        return as_tensor(inner.from_host(buffer, dtype, shape, where))
+
+    # -- helpers -------------------------------------------------------------------------
+    def _tensor(self, x: Any) -> Any:
+        if not isinstance(x, self._torch.Tensor):
+            raise UsageError(f"the torch backend needs a torch.Tensor, got {type(x).__name__}")
+        return x
+
+    def _apply(self, method: str, *xs: Array, out: Array | None = None) -> Array:
+        """The inner backend's ``method`` on views of ``xs``; ``out`` itself when given."""
+        arrays = [as_array(x) for x in xs]
+        inner = self._inner(xs[0])
+        if out is None:
+            return as_tensor(getattr(inner, method)(*arrays))
+        getattr(inner, method)(*arrays, as_array(self._tensor(out)))
+        return out
+
+    def _inner(self, x: Any) -> Backend:
+        """The backend of ``x``'s memory: NumPy for the CPU, CuPy for CUDA."""
+        if isinstance(x, np.ndarray) or not self._tensor(x).is_cuda:
+            return self._host
+        return self._cuda()  # pragma: no cover - no CUDA device here
+
+    def _inner_device(self, device: Device) -> tuple[Backend, Device]:
+        """The inner backend of ``device`` and its own device object."""
+        key = _key(device)
+        if key == "cpu":
+            return self._host, device if isinstance(device, CpuDevice) else CpuDevice(0)
+        gpu = self._cuda()  # pragma: no cover - no CUDA device here
+        return gpu, gpu.devices(key[1] + 1)[key[1]]  # pragma: no cover
+
+    def _cuda(self) -> Backend:  # pragma: no cover - no CUDA device here
+        if self._gpu is None:
+            from burncoll.backends.cupy import CupyBackend
+
+            self._gpu = CupyBackend()
+        return self._gpu
+
+    def _cuda_count(self) -> int:
+        cuda = self._torch.cuda
+        return int(cuda.device_count()) if cuda.is_available() else 0
+
+
+def _key(device: Any) -> Any:
+    """``"cpu"`` for any CPU device, ``("cuda", index)`` for a CUDA one."""
+    if isinstance(device, CpuDevice):
+        return "cpu"
+    kind, index = getattr(device, "type", None), getattr(device, "index", None)
+    if kind == "cpu":
+        return "cpu"
+    if kind == "cuda":
+        return ("cuda", index or 0)
+    raise UsageError(f"the torch backend's devices are CPU devices (CpuDevice or "
+                     f"torch.device('cpu')) or torch.device('cuda', i), got {device!r}")
+
+
+if TYPE_CHECKING:  # mypy checks that the class satisfies the protocol
+    _conforms: Backend = TorchBackend()
