@@ -207,6 +207,8 @@ def test_each_examples_documented_command_runs(example: str, command: str,
                                                tmp_path: Path) -> None:
     if example.startswith("ddp_jax") and importlib.util.find_spec("jax") is None:
         pytest.skip("jax is not installed")
+    if example == "ddp_jax_jit.py" and importlib.util.find_spec("optax") is None:
+        pytest.skip("optax is not installed")
     if command == "python examples/ddp_jax.py":  # 15 s of XLA compilation: run once, there
         pytest.skip("tests/train/test_examples.py::test_jax_example runs this command")
     argv = shlex.split(command)
