@@ -4,7 +4,7 @@ each running its own jitted function (so XLA's CPU runtime must run them concurr
 Every result is compared with NumPy in float64; gradients and JVPs with the rules written out
 by hand in NumPy (the transpose of a sum all-reduce is a sum all-reduce of the cotangents...).
 Program order: peers that run a jitted function and peers that run the same collectives
-eagerly must agree call by call; collectives also run inside ``lax.scan``, ``fori_loop`` and
+eagerly must agree call by call; collectives also run inside ``lax.scan``, ``while_loop`` and
 ``cond``. Errors: a missing peer fails the others within their
 timeout, naming it; what cannot be differentiated or traced says so.
 """
@@ -150,15 +150,16 @@ def test_grad_and_jvp_follow_the_rules_of_each_collective() -> None:
         np.testing.assert_allclose(got["jvp"], tangents)
 
 
-def test_collectives_inside_scan_loops_and_cond() -> None:
+def test_collectives_inside_scan_while_loop_and_cond() -> None:
     def work(c: burncoll.Communicator, i: int) -> list[np.ndarray]:
         def body(carry: Any, _: Any) -> tuple[Any, None]:
             return bj.all_reduce(carry, c) / 2 + 1, None
 
         x = jnp.asarray(data(i))
         scanned = jax.jit(lambda x: jax.lax.scan(body, x, None, length=3)[0])(x)
-        looped = jax.jit(lambda x: jax.lax.fori_loop(
-            0, 2, lambda k, v: bj.all_reduce(v, c, "max"), x))(x)
+        looped = jax.jit(lambda x: jax.lax.while_loop(  # a trip count only known at run time
+            lambda kv: kv[0] < kv[1][0, 0] * 0 + 2,
+            lambda kv: (kv[0] + 1, bj.all_reduce(kv[1], c, "max")), (0, x))[1])(x)
         chosen = jax.jit(lambda x: jax.lax.cond(
             x[0, 0] < 100, lambda v: bj.all_gather(v, c), lambda v: jnp.tile(v, (2, 1)), x))(x)
         return [np.asarray(scanned), np.asarray(looped), np.asarray(chosen)]
