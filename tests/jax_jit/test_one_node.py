@@ -157,8 +157,8 @@ def test_collectives_inside_scan_while_loop_and_cond() -> None:
 
         x = jnp.asarray(data(i))
         scanned = jax.jit(lambda x: jax.lax.scan(body, x, None, length=3)[0])(x)
-        looped = jax.jit(lambda x: jax.lax.while_loop(  # a trip count only known at run time
-            lambda kv: kv[0] < kv[1][0, 0] * 0 + 2,
+        looped = jax.jit(lambda x: jax.lax.while_loop(  # (a fori_loop of static bounds is a scan)
+            lambda kv: kv[0] < 2,
             lambda kv: (kv[0] + 1, bj.all_reduce(kv[1], c, "max")), (0, x))[1])(x)
         chosen = jax.jit(lambda x: jax.lax.cond(
             x[0, 0] < 100, lambda v: bj.all_gather(v, c), lambda v: jnp.tile(v, (2, 1)), x))(x)
