@@ -7,7 +7,7 @@ or through ``burncoll launch`` when the marker says ``launch="--nodes 2 ..."``; 
 first on ``PATH``. ``needs=jax`` (or ``cupy``) skips a block where that backend is not usable.
 Every ``python`` and ``bash`` block of docs/*.md carries a marker: runnable, or
 ``<!-- not runnable: why -->``.
-(b) The commands in the docstrings of examples/ddp_numpy.py and examples/ddp_jax.py run, with
+(b) The commands in the docstrings of examples/ddp_numpy.py, ddp_jax.py and ddp_jax_jit.py run, with
 few steps (examples/train_anywhere.py: tests/launchers/test_example_commands.py;
 examples/ray_train.py: tests/test_ray.py; ``python examples/ddp_jax.py``:
 tests/train/test_examples.py); every example's documented flags exist in its argparse.
@@ -186,7 +186,8 @@ def test_each_runnable_block_runs(block: Block, tmp_path: Path) -> None:
 # -- (b) the examples' documented commands ----------------------------------------------------
 #: Few steps, where the example's argparse has the flags.
 FEW_STEPS = {"ddp_numpy.py": ["--steps", "20", "--no-progress"],
-             "ddp_jax.py": ["--steps", "5", "--no-progress"]}
+             "ddp_jax.py": ["--steps", "5", "--no-progress"],
+             "ddp_jax_jit.py": ["--steps", "5", "--no-progress"]}
 
 
 def documented(example: str) -> list[str]:
@@ -204,8 +205,10 @@ EXAMPLE_COMMANDS = [(name, c) for name in FEW_STEPS for c in documented(name)]
                          ids=[c for _, c in EXAMPLE_COMMANDS])
 def test_each_examples_documented_command_runs(example: str, command: str,
                                                tmp_path: Path) -> None:
-    if example == "ddp_jax.py" and importlib.util.find_spec("jax") is None:
+    if example.startswith("ddp_jax") and importlib.util.find_spec("jax") is None:
         pytest.skip("jax is not installed")
+    if example == "ddp_jax_jit.py" and importlib.util.find_spec("optax") is None:
+        pytest.skip("optax is not installed")
     if command == "python examples/ddp_jax.py":  # 15 s of XLA compilation: run once, there
         pytest.skip("tests/train/test_examples.py::test_jax_example runs this command")
     argv = shlex.split(command)
@@ -218,7 +221,7 @@ def test_each_examples_documented_command_runs(example: str, command: str,
 
 
 def test_every_example_documents_its_commands_and_their_flags_exist() -> None:
-    for example in ("ddp_numpy.py", "ddp_jax.py", "ray_train.py"):
+    for example in ("ddp_numpy.py", "ddp_jax.py", "ddp_jax_jit.py", "ray_train.py"):
         commands = documented(example)
         assert any(c.startswith("python ") for c in commands), example
         source = (REPO / "examples" / example).read_text()
