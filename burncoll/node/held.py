@@ -1,25 +1,20 @@
 """The held budget: how much a node keeps of what other nodes sent before it was asked for.
 
-Two things hold received data on a node's behalf: the :class:`~burncoll.node.mailbox.Mailbox`
-(DATA frames of operations this node has not started yet) and the point-to-point
-:class:`~burncoll.node.inbox.Inbox` (whole messages no ``recv`` has taken yet). Both count
-what they hold against the one :class:`HeldBudget` of their data service: at most
-:data:`HELD_ITEMS` items (a frame, or a whole message) and :data:`HELD_BYTES` payload bytes,
-together. (The threads of one process hand each other arrays through
-:class:`~burncoll.local.post.PostOffice`; nothing there comes from another node, so it has no
-budget.)
+The :class:`~burncoll.node.mailbox.Mailbox` (frames of operations not started here) and the
+:class:`~burncoll.node.inbox.Inbox` (messages no ``recv`` took) count what they hold against
+their data service's one :class:`HeldBudget`: :data:`HELD_ITEMS` items (a frame, a whole
+message) and :data:`HELD_BYTES` payload bytes, together. (Arrays between the threads of one
+process, :class:`~burncoll.local.post.PostOffice`, come from no other node: no budget.)
 
-**Backpressure, not refusal.** Holding never fails: past the budget the connection's reader
-that stored the item pauses (:meth:`HeldBudget.drained`) and the transport's flow control
-slows the sender. A reader resumes once the budget has room again, or once *the item it
-stored* is no longer held (its operation started, its message was received, or the session
-failed). So a node holds at most the budget plus one item per member connection, and a reader
-never waits for room that only another kind of holding could free: frames of an operation a
-broadcast root ran ahead with never stop the messages a ``recv`` on this node waits for.
-
-Counts change on the event loop's thread and, when a calling thread starts its own exchange
-(:meth:`~burncoll.node.mailbox.Mailbox.start_watched`), on that thread: they are locked, and a
-paused reader is woken through its loop.
+**Backpressure, not refusal**: past the budget, the reader that stored a held item pauses
+(:meth:`HeldBudget.drained`) and the transport's flow control slows the sender. It resumes
+once there is room or *its own item* is no longer held (its operation started, a recv took
+its message, the session failed): a node holds at most the budget plus one item per member
+connection, and a reader never waits on another kind of holding (frames a broadcast root ran
+ahead with never stop the messages a ``recv`` here waits for). Counts change on the event
+loop's thread and on a calling thread that starts its own exchange
+(:meth:`~burncoll.node.mailbox.Mailbox.start_watched`): they are locked, and a paused reader
+is woken through its loop.
 """
 
 from __future__ import annotations

@@ -150,7 +150,7 @@ class MemberReader:
             self.service.fail(ProtocolError(
                 f"{self._describe(node)} {exc}; {_CORRUPTED}, so the operation cannot be "
                 "trusted"))
-        if held and header is not None:
+        if held and header is not None and holder.budget.crowded:
             # Backpressure: past the budget, read no further until this frame's operation
             # starts or its message is received (see burncoll.node.mailbox for why that comes).
             await holder.budget.drained(lambda: holder.holds(header))
