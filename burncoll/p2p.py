@@ -26,10 +26,10 @@ Semantics (as MPI's and torch.distributed's):
   an irecv in flight never blocks later operations.
 * **Deadlines.** Every wait ends ``config.timeout`` after the call at the latest. A timeout
   fails the whole collective, as any failure does: every peer hears of it.
-* **Backpressure.** A node holds messages that no recv has taken yet up to 64 MiB
-  (:mod:`burncoll.node.inbox`); past that it reads nothing more from the sending node (its
-  collectives' data included) until a recv takes some, so the sender blocks until the
-  receiver receives, as in MPI: post receives (``irecv``) before large exchanges.
+* **Backpressure.** A node holds messages that no recv has taken yet (with early collective
+  frames) up to 64 MiB (:mod:`burncoll.node.held`); past that it reads nothing more from the
+  sending node (its collectives' data included) until a recv takes that message, so the
+  sender blocks until the receiver receives, as in MPI: post ``irecv`` before large exchanges.
 
 Between nodes a message travels as DATA frames (a binary header and the array's raw bytes;
 never pickle), checked on arrival before anything is allocated (:mod:`burncoll.node.inbox`);

@@ -35,6 +35,7 @@ from typing import Any
 from burncoll.errors import MismatchError, PeerLost, ProtocolError, TransportError
 from burncoll.node.connections import MemberConnections
 from burncoll.node.dialing import Dialing
+from burncoll.node.held import HeldBudget
 from burncoll.node.inbox import Inbox
 from burncoll.node.lanes import READY, Lanes
 from burncoll.node.mailbox import Mailbox
@@ -74,10 +75,11 @@ class DataService:
         self.lanes = Lanes()
         self._offers_lanes = lanes
         self._lanes_open = asyncio.Event()
-        self.mailbox = Mailbox(self.membership.describe)
+        budget = HeldBudget()  # one for the mailbox and the inbox
+        self.mailbox = Mailbox(self.membership.describe, budget=budget)
         self.mailbox.on_error = self.fail
         #: Point-to-point messages received, and sent (awaiting their acknowledgements).
-        self.inbox = Inbox()
+        self.inbox = Inbox(budget=budget)
         self.outbox = Outbox()
         self.reader = MemberReader(self)
         self._listener: Listener | None = None

@@ -19,11 +19,12 @@ header, ``PART_BYTES`` long or the rest. Anything else is a :class:`~burncoll.Pr
 (the sender's fault: the reader names it and fails the session). Only then is the message's
 buffer allocated, once, and each part copied into it.
 
-**Messages no recv has taken yet are bounded**: past :data:`HELD_BYTES` bytes of whole messages
-(or :data:`HELD_MESSAGES` messages) the connection's reader stops reading, at a message
-boundary, until a recv takes some (:attr:`Inbox.crowded`, :meth:`Inbox.drained`); TCP's flow
-control then slows the sender. So a sender may block until its receiver receives, as in MPI;
-while a reader waits, nothing else of that node is read either (collectives included).
+**Messages no recv has taken yet are bounded**: each counts (one item, its bytes) against the
+data service's :class:`~burncoll.node.held.HeldBudget`, shared with the mailbox. Past it, the
+reader that completed a held message stops reading, at a message boundary, until there is room
+or a recv takes that message (:meth:`Inbox.holds`); TCP's flow control then slows the sender.
+So a sender may block until its receiver receives, as in MPI; while a reader waits, nothing
+else of that node is read either (collectives included).
 
 A recv (:meth:`Inbox.take`) gets its key's messages in order; several receives of one key
 waiting at once get the messages in the order they started waiting. Every wait has a deadline;
@@ -43,20 +44,16 @@ import numpy as np
 from burncoll.dtypes import dtype_from_name
 from burncoll.errors import ProtocolError
 from burncoll.levels import HostArray
+from burncoll.node.held import HeldBudget
 from burncoll.node.mailbox import PART_BYTES
 from burncoll.protocol.checks import array_bytes, memory_bytes
 from burncoll.protocol.wire import DataHeader, Frame
 
-__all__ = ["HELD_BYTES", "HELD_MESSAGES", "Inbox", "Message", "P2PKey", "memory_bytes"]
+__all__ = ["Inbox", "Message", "P2PKey", "memory_bytes"]
 
 #: ``(src rank, dst rank, tag)``: messages of one key arrive, and are taken, in order.
 P2PKey = tuple[int, int, int]
 
-#: Most bytes of whole messages held for receives not posted yet (plus the message that
-#: crossed the line).
-HELD_BYTES = 64 << 20
-#: Most messages held for receives not posted yet.
-HELD_MESSAGES = 4096
 
 @dataclass(frozen=True, slots=True)
 class Message:
@@ -92,7 +89,8 @@ class Inbox:
     """The point-to-point messages this node receives (on the node's event loop)."""
 
     def __init__(self, *, part_bytes: int = PART_BYTES, memory: int | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 budget: HeldBudget | None = None) -> None:
         self.part_bytes = part_bytes
         #: The most bytes one message may have (this machine's memory).
         self.memory = memory_bytes() if memory is None else memory
@@ -103,10 +101,8 @@ class Inbox:
         self._assembling: dict[int, _Assembly] = {}
         self._ready: dict[P2PKey, deque[Message]] = {}
         self._waiters: dict[P2PKey, deque[asyncio.Future[Message]]] = {}
-        self._held_bytes = 0
-        self._held_messages = 0
-        self._room = asyncio.Event()
-        self._room.set()
+        #: What messages not received count against (shared with the mailbox).
+        self.budget = budget or HeldBudget()
         self._error: BaseException | None = None
 
     def join(self, node_index: int, rank_nodes: Sequence[int]) -> None:
@@ -120,9 +116,10 @@ class Inbox:
 
     # -- receiving ----------------------------------------------------------------------------
     def put(self, frame: Frame, node: int) -> bool:
-        """Take a P2P DATA frame from ``node``; ``True`` when it completed a message (the
-        reader then checks :attr:`crowded`). Raises :class:`~burncoll.ProtocolError` (worded
-        "sent ...") for a frame that breaks the rules of the module docstring."""
+        """Take a P2P DATA frame from ``node``; ``True`` when it completed a message that no
+        recv waited for, so it is held (the reader then minds the :attr:`budget`). Raises
+        :class:`~burncoll.ProtocolError` (worded "sent ...") for a frame that breaks the rules
+        of the module docstring."""
         h = frame.header
         if h is None or self._error is not None:
             return False
@@ -141,8 +138,7 @@ class Inbox:
         if assembly.received < data.size:
             return False
         del self._assembling[node]
-        self._deliver(assembly.message)
-        return True
+        return self._deliver(assembly.message)
 
     def _start(self, h: DataHeader, node: int, size: int) -> _Assembly:
         """The first part of a message from ``node``: every check, then its buffer."""
@@ -211,10 +207,11 @@ class Inbox:
         if size != want:
             raise ProtocolError(f"sent {_part(h)} of {size} bytes where the message has {want}")
 
-    def _deliver(self, message: Message) -> None:
-        """A whole message: to the receive waiting longest for its key, or held."""
+    def _deliver(self, message: Message) -> bool:
+        """A whole message: to the receive waiting longest for its key, or held (``True``)."""
         key = message.key
         waiters = self._waiters.get(key)
+        held = False
         while waiters:
             waiter = waiters.popleft()
             if not waiter.done():
@@ -222,27 +219,16 @@ class Inbox:
                 break
         else:
             self._ready.setdefault(key, deque()).append(message)
-            self._held_bytes += message.data.nbytes
-            self._held_messages += 1
+            self.budget.hold(1, message.data.nbytes)
+            held = True
         if waiters is not None and not waiters:
             del self._waiters[key]
+        return held
 
-    # -- the held budget ----------------------------------------------------------------------
-    @property
-    def crowded(self) -> bool:
-        """Whether the messages held for receives not posted yet have reached the budget."""
-        return self._held_bytes >= HELD_BYTES or self._held_messages >= HELD_MESSAGES
-
-    @property
-    def held(self) -> tuple[int, int]:
-        """Messages and bytes held for receives not posted yet."""
-        return self._held_messages, self._held_bytes
-
-    async def drained(self) -> None:
-        """Return once the held messages are below the budget (or the session failed)."""
-        while self.crowded and self._error is None:
-            self._room.clear()
-            await self._room.wait()
+    def holds(self, header: DataHeader) -> bool:
+        """Whether the message ``header`` belongs to is held, no recv having taken it."""
+        ready = self._ready.get((header.chunk, header.root, header.channel))
+        return ready is not None and ready[0].seq <= header.seq
 
     # -- taking -------------------------------------------------------------------------------
     async def take(self, key: P2PKey, deadline: float,
@@ -256,10 +242,7 @@ class Inbox:
             message = ready.popleft()
             if not ready:
                 del self._ready[key]
-            self._held_bytes -= message.data.nbytes
-            self._held_messages -= 1
-            if not self.crowded:
-                self._room.set()
+            self.budget.release(1, message.data.nbytes)
             return message
         remaining = deadline - self.clock()
         if remaining <= 0:
@@ -288,10 +271,10 @@ class Inbox:
         if self._error is not None:
             return
         self._error = error
+        held = [m.data.nbytes for ready in self._ready.values() for m in ready]
         self._ready.clear()
         self._assembling.clear()
-        self._held_bytes = self._held_messages = 0
-        self._room.set()
+        self.budget.release(len(held), sum(held))
         for waiters in self._waiters.values():
             for waiter in waiters:
                 if not waiter.done():

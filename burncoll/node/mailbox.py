@@ -21,13 +21,12 @@ chunk's size in bytes (:class:`Receives`). From then on a frame of that lane wit
 or of a size other than the registered one, or bytes beyond it, is a ProtocolError; frames that
 came before the start are checked against the registration then.
 
-**Frames of operations not started yet are bounded**: at most :data:`HELD_FRAMES` frames and
-:data:`HELD_BYTES` bytes wait here for lanes not started (plus the frame that crossed the line:
-at most one part of :data:`PART_BYTES` per member connection). Past that, :meth:`put` says the
-mailbox is :attr:`~Mailbox.crowded` and the connection's reader stops reading
-(:meth:`Mailbox.drained`) until a lane starts and its frames stop counting. The transport then
-stops reading that socket and TCP's flow control slows the sender: a legitimate broadcast
-root running operations ahead only slows down.
+**Frames of operations not started yet are bounded**: they count against the data service's
+:class:`~burncoll.node.held.HeldBudget` (one frame is one item) until their lane starts. Past
+the budget, the reader that stored such a frame stops reading until there is room or that
+frame's lane starts (:meth:`Mailbox.holds`); the transport then stops reading that socket and
+TCP's flow control slows the sender: a legitimate broadcast root running operations ahead
+only slows down.
 
 Why this cannot deadlock an honest session: a reader pauses only right after it stored a frame
 of a lane not started here. On one connection an honest node sends every frame of operation
@@ -49,6 +48,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from burncoll.errors import CollectiveError, ProtocolError
+from burncoll.node.held import HeldBudget
 from burncoll.node.places import Place, settled
 from burncoll.node.receives import (
     PART_BYTES,
@@ -64,8 +64,6 @@ from burncoll.node.watch import Watch
 from burncoll.protocol.wire import DataHeader, Frame
 
 __all__ = [
-    "HELD_BYTES",
-    "HELD_FRAMES",
     "PART_BYTES",
     "FrameKey",
     "Lane",
@@ -74,10 +72,6 @@ __all__ = [
     "key_of",
 ]
 
-#: Most frames held for lanes this node has not started.
-HELD_FRAMES = 1024
-#: Most payload bytes held for lanes this node has not started (plus one part per connection).
-HELD_BYTES = 64 << 20
 #: Checks a frame's header against this node's own call: an error, or ``None``.
 _Check = Callable[[DataHeader], CollectiveError | None]
 
@@ -99,7 +93,8 @@ class Mailbox:
     """Frames of one session, and the failure that ends it."""
 
     def __init__(self, describe: Callable[[int], str] | None = None, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 budget: HeldBudget | None = None) -> None:
         #: The time, in seconds, that deadlines are on (the node's ``time.monotonic``): the
         #: mailbox reads no clock of its own, so a test can drive it with a fake one.
         self.clock = clock
@@ -128,12 +123,10 @@ class Mailbox:
         self._streams: dict[FrameKey, Stream] = {}
         #: The lanes started here (not yet left behind), and what each receives.
         self._started: dict[Lane, Receives] = {}
-        #: Frames and payload bytes held per lane not started, and in total.
+        #: What frames of lanes not started count against (shared with the inbox).
+        self.budget = budget or HeldBudget()
+        #: Frames and payload bytes held per lane not started.
         self._held: dict[Lane, list[int]] = {}
-        self._held_frames = 0
-        self._held_bytes = 0
-        self._room = asyncio.Event()
-        self._room.set()
         #: Held while the structures above change (a re-entrant lock: a failure found while
         #: storing a frame fails the mailbox from inside ``put``).
         self._lock = threading.RLock()
@@ -215,10 +208,11 @@ class Mailbox:
         """The frames of ``lane`` stop counting against the held budget."""
         held = self._held.pop(lane, None)
         if held is not None:
-            self._held_frames -= held[0]
-            self._held_bytes -= held[1]
-            if not self.crowded:
-                self._room.set()
+            self.budget.release(*held)
+
+    def holds(self, header: DataHeader) -> bool:
+        """Whether frames of ``header``'s lane are held (its lane not started yet)."""
+        return (header.seq, header.channel) in self._held
 
     @property
     def running(self) -> bool:
@@ -248,28 +242,11 @@ class Mailbox:
             if error is not None:
                 self.on_error(error)
 
-    # -- the held budget ----------------------------------------------------------------------
-    @property
-    def crowded(self) -> bool:
-        """Whether the frames held for lanes not started have reached the budget."""
-        return self._held_frames >= HELD_FRAMES or self._held_bytes >= HELD_BYTES
-
-    @property
-    def held(self) -> tuple[int, int]:
-        """Frames and payload bytes held for lanes not started."""
-        return self._held_frames, self._held_bytes
-
-    async def drained(self) -> None:
-        """Return once the held frames are below the budget (or the session failed)."""
-        while self.crowded and self._error is None:
-            self._room.clear()
-            await self._room.wait()
-
     # -- frames -------------------------------------------------------------------------------
     @_locked
     def put(self, frame: Frame) -> bool:
         """Store a DATA frame and wake whoever waits for its key; ``True`` if it is held for a
-        lane not started (its reader then checks :attr:`crowded`).
+        lane not started (its reader then minds the :attr:`budget`).
 
         Raises :class:`~burncoll.ProtocolError` for a part off its chunk's schedule (see the
         module docstring), a key or size the started lane does not receive, or a part of an
@@ -298,8 +275,7 @@ class Mailbox:
             held = self._held.setdefault(lane, [0, 0])
             held[0] += 1
             held[1] += size
-            self._held_frames += 1
-            self._held_bytes += size
+            self.budget.hold(1, size)
         waiter = self._waiters.pop(key, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -361,14 +337,13 @@ class Mailbox:
                       on_loop: bool = False) -> bool:
         """:meth:`expect` (unless the session failed; ``watch.started`` then says it ran) and
         :meth:`watch` at once. From a calling thread (not ``on_loop``) only when that needs
-        nothing of the event loop: no failure yet, no reader paused to wake (not
-        :attr:`crowded`), and every frame held for the lane passes its checks (a failure to
-        report is the loop's); ``False``, with nothing done, otherwise."""
-        # Off the loop these guards keep the loop's work on its thread: not crowded, so no
-        # reader waits on ``_room`` (its ``set`` in ``expect`` is a flag, not a wake-up);
-        # every held frame right, so ``expect`` calls no ``on_error`` (which must run on the
-        # loop). Keep ``_would_pass`` in step with ``expect``'s checks.
-        if not on_loop and (self._error is not None or self.crowded
+        nothing of the event loop: no failure yet, and every frame held for the lane passes
+        its checks (a failure to report is the loop's); ``False``, with nothing done,
+        otherwise."""
+        # Off the loop these guards keep the loop's work on its thread: every held frame
+        # right, so ``expect`` calls no ``on_error`` (which must run on the loop; the budget
+        # wakes a paused reader through its loop). Keep ``_would_pass`` in step with ``expect``.
+        if not on_loop and (self._error is not None
                             or not self._would_pass(check, receives)):
             return False
         if self._error is None:
@@ -408,9 +383,8 @@ class Mailbox:
         self._frames.clear()
         self._places.clear()
         self._streams.clear()
-        self._held.clear()
-        self._held_frames = self._held_bytes = 0
-        self._room.set()
+        for lane in list(self._held):
+            self._release(lane)
         for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_exception(error)

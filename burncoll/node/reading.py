@@ -1,10 +1,11 @@
 """Reading a member connection: what arrives from another member, and what it means.
 
 DATA frames go to the :class:`~burncoll.node.mailbox.Mailbox` -- only the sender's own parts,
-of this session, on the connection this node dialed (the only one array data comes on). A
-reader stops reading while the mailbox holds too many frames of operations not started here
-(see :mod:`burncoll.node.mailbox`: backpressure, not hoarding). Point-to-point messages (op
-kind P2P) go to the :class:`~burncoll.node.inbox.Inbox` instead, which bounds them likewise.
+of this session, on the connection this node dialed (the only one array data comes on).
+Point-to-point messages (op kind P2P) go to the :class:`~burncoll.node.inbox.Inbox` instead.
+A reader that stored a frame of an operation not started here, or a message no recv took yet,
+past the data service's held budget stops reading (:mod:`burncoll.node.held`: backpressure,
+not hoarding).
 CONTROL frames carry :class:`~burncoll.protocol.members.Abort` (another node failed),
 :class:`~burncoll.protocol.members.Bye` (a node leaving cleanly), status queries and
 :class:`~burncoll.protocol.members.P2PAck` (a message this node sent was received).
@@ -131,10 +132,10 @@ class MemberReader:
 
     async def _take_data(self, frame: Frame, node: int, data: bool) -> None:
         """A DATA frame from ``node``: into the mailbox, unless it may not come from there."""
-        mailbox, inbox = self.service.mailbox, self.service.inbox
-        held = whole = False
+        header = frame.header
+        holder: Mailbox | Inbox = self.service.mailbox
+        held = False
         try:
-            header = frame.header
             if header is not None and header.session != self.service.membership.session:
                 raise ProtocolError(f"sent a frame of another session ({header.session:#x})")
             if header is not None and header.src != node:
@@ -142,19 +143,18 @@ class MemberReader:
             if not data:
                 raise ProtocolError("sent array data on the connection this node sends on")
             if header is not None and header.op_kind is OpKind.P2P:
-                whole = inbox.put(frame.owned(), node)  # point to point: never the mailbox
+                holder = self.service.inbox  # point to point: never the mailbox
+                held = self.service.inbox.put(frame.owned(), node)
             else:
-                held = mailbox.put(frame)
+                held = self.service.mailbox.put(frame)
         except ProtocolError as exc:
             self.service.fail(ProtocolError(
                 f"{self._describe(node)} {exc}; {_CORRUPTED}, so the operation cannot be "
                 "trusted"))
-        if held and mailbox.crowded:
-            # Backpressure: read no further until this node starts the operations whose
-            # frames it holds (see burncoll.node.mailbox for why that comes).
-            await mailbox.drained()
-        if whole and inbox.crowded:  # the same, at a message's end, for unreceived messages
-            await inbox.drained()
+        if held and header is not None and holder.budget.crowded:
+            # Backpressure: past the budget, read no further until this frame's operation
+            # starts or its message is received (see burncoll.node.mailbox for why that comes).
+            await holder.budget.drained(lambda: holder.holds(header))
         if frame.borrowed:
             # A lent part (shared memory) that its walk awaited wakes that walk: let it run
             # and offer the next part's place before the next message is read, so that part

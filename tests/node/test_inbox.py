@@ -25,8 +25,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import burncoll.node.inbox as inbox_module
 from burncoll.errors import CollectiveTimeout, ProtocolError
+from burncoll.node.held import HeldBudget
 from burncoll.node.inbox import Inbox
 from burncoll.node.p2p_outbox import Outbox, message_parts
 from burncoll.ops import OpKind, ReduceOp
@@ -91,11 +91,11 @@ def test_a_message_is_assembled_from_its_parts(x: np.ndarray) -> None:
     assert len(frames) == max(1, -(-x.nbytes // PART))
     done = [box.put(f, 1) for f in frames]
     assert done == [False] * (len(frames) - 1) + [True]
-    assert box.held == (1, x.nbytes)
+    assert box.budget.held == (1, x.nbytes)
     got = take(box)
     assert got.dtype == x.dtype and got.shape == x.shape and got.flags.writeable
     np.testing.assert_array_equal(got, x)
-    assert box.held == (0, 0)
+    assert box.budget.held == (0, 0)
 
 
 def test_messages_are_taken_in_order_per_key_and_tags_are_independent() -> None:
@@ -146,30 +146,29 @@ def test_a_take_ends_by_its_deadline_and_a_failure_wakes_every_waiter() -> None:
     assert isinstance(woken, ProtocolError) and isinstance(later, ProtocolError)
 
 
-def test_held_messages_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(inbox_module, "HELD_BYTES", 256)
-    monkeypatch.setattr(inbox_module, "HELD_MESSAGES", 100)
-    box = inbox()
+def test_held_messages_are_bounded() -> None:
+    box = inbox(budget=HeldBudget(items=100, nbytes=256))
     x = np.zeros(12)  # 96 bytes, two parts
     for seq in range(3):
         first, second = parts_of(x, seq=seq)
-        assert not box.put(first, 1) and not box.crowded
+        assert not box.put(first, 1) and not box.budget.crowded
         assert box.put(second, 1)
-        assert box.crowded == (seq == 2)
-    assert box.held == (3, 288)
+        assert box.budget.crowded == (seq == 2)
+    assert box.budget.held == (3, 288)
 
     async def drained_after_a_take() -> bool:
-        waiting = asyncio.ensure_future(box.drained())
+        assert second.header is not None
+        waiting = asyncio.ensure_future(box.budget.drained(lambda: box.holds(second.header)))
         await asyncio.sleep(0.01)
         assert not waiting.done()
         await box.take((SRC, DST, TAG), time.monotonic() + 1, lambda: CollectiveTimeout("t"))
         await asyncio.wait_for(waiting, 1)
-        return not box.crowded
+        return not box.budget.crowded
 
     assert asyncio.run(drained_after_a_take())
-    monkeypatch.setattr(inbox_module, "HELD_MESSAGES", 1)  # the count bounds empty messages
+    box.budget.items = 1  # the count bounds empty messages
     (empty,) = parts_of(np.zeros(0), seq=0, tag=9)
-    assert box.put(empty, 1) and box.crowded
+    assert box.put(empty, 1) and box.budget.crowded
 
 
 # -- hostile frames ---------------------------------------------------------------------------
@@ -306,18 +305,17 @@ def test_a_malformed_acknowledgement_is_refused_field_by_field(
 
 
 # -- real sockets -----------------------------------------------------------------------------
-def test_a_reader_stops_at_a_message_boundary_past_the_held_budget(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_reader_stops_at_a_message_boundary_past_the_held_budget() -> None:
     """Node 1 sends 24 messages of 3 parts (96 KiB each) that no recv takes yet, with a
     budget of 4 messages: node 0 holds at most the budget and one message more (its reader
     paused), never part of a message beyond; once received, every message comes, in order."""
     part = 32 << 10
-    monkeypatch.setattr(inbox_module, "HELD_BYTES", 4 * 3 * part)
     count = 24
 
     async def run() -> tuple[int, list[int]]:
         a, b = await _pair("cd" * 32)
         a.inbox.part_bytes = part
+        a.inbox.budget.bytes = 4 * 3 * part
         try:
             most = 0
             key = (1, 0, TAG)  # rank 1 on node 1 to rank 0 on node 0
@@ -331,7 +329,7 @@ def test_a_reader_stops_at_a_message_boundary_past_the_held_budget(
             sending = asyncio.ensure_future(flood())
             for _ in range(40):
                 await asyncio.sleep(0.01)
-                most = max(most, a.inbox.held[1])
+                most = max(most, a.inbox.budget.held[1])
             got = []
             for _ in range(count):
                 message = await a.inbox.take(key, time.monotonic() + 5,

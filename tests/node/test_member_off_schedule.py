@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from burncoll.node.mailbox import HELD_BYTES
+from burncoll.node.held import HELD_BYTES
 from burncoll.transport.stream import RECV_QUEUE_BYTES
 from tests.security.cluster import Cluster
 from tests.security.secure_worker import CORRUPT_AFTER

@@ -24,13 +24,13 @@ import pytest
 
 import burncoll
 import burncoll.node.executor as executor_module
-import burncoll.node.mailbox as mailbox_module
 import burncoll.protocol.checks as checks_module
 from burncoll.errors import AuthenticationError, ProtocolError
 from burncoll.levels import GlobalOp
 from burncoll.node.data_service import DataService
 from burncoll.node.executor import PART_BYTES, GlobalExecutor
-from burncoll.node.mailbox import HELD_BYTES, HELD_FRAMES, Mailbox, Receives
+from burncoll.node.held import HELD_BYTES, HELD_ITEMS
+from burncoll.node.mailbox import Mailbox, Receives
 from burncoll.node.membership import NodeInfo
 from burncoll.node.placement import place
 from burncoll.ops import OpKind, ReduceOp
@@ -150,7 +150,7 @@ def test_good_parts_are_taken_in_order_started_or_not() -> None:
     box = Mailbox()
     assert box.put(frame(PART_BYTES, chunk_bytes=TWO_PARTS))  # held
     box.expect(no_check, receives({KEY: TWO_PARTS}))
-    assert box.held == (0, 0)
+    assert box.budget.held == (0, 0)
     assert not box.put(frame(4096, offset=PART_BYTES, chunk_bytes=TWO_PARTS))
 
     async def take() -> list[int]:
@@ -178,16 +178,16 @@ def test_frames_of_a_finished_operation_are_refused() -> None:
 
 def test_frames_held_for_operations_not_started_are_bounded_in_count() -> None:
     box = Mailbox()
-    for i in range(HELD_FRAMES):
-        assert not box.crowded
+    for i in range(HELD_ITEMS):
+        assert not box.budget.crowded
         # distinct keys (rounds) of one future operation, one 8-byte part each
         assert box.put(frame(8, seq=SEQ + 1, round=i % 60000, chunk=i // 60000, chunk_bytes=8))
-    assert box.crowded and box.held == (HELD_FRAMES, 8 * HELD_FRAMES)
+    assert box.budget.crowded and box.budget.held == (HELD_ITEMS, 8 * HELD_ITEMS)
     # the operation starts: its frames stop counting (and are checked: all expected here)
     totals: dict[tuple[int, int, int, int, int], int | None] = {
-        (SEQ + 1, 0, i % 60000, 1, i // 60000): 8 for i in range(HELD_FRAMES)}
+        (SEQ + 1, 0, i % 60000, 1, i // 60000): 8 for i in range(HELD_ITEMS)}
     box.expect(no_check, Receives(SEQ + 1, 0, totals))
-    assert not box.crowded and box.held == (0, 0) and box.error is None
+    assert not box.budget.crowded and box.budget.held == (0, 0) and box.error is None
 
 
 def test_frames_held_for_operations_not_started_are_bounded_in_bytes() -> None:
@@ -195,12 +195,13 @@ def test_frames_held_for_operations_not_started_are_bounded_in_bytes() -> None:
     parts = HELD_BYTES // PART_BYTES
     total = (parts + 2) * PART_BYTES
     for i in range(parts):
-        assert not box.crowded
-        box.put(frame(PART_BYTES, seq=SEQ + 2, offset=i * PART_BYTES, chunk_bytes=total))
-    assert box.crowded and box.held == (parts, HELD_BYTES)
+        assert not box.budget.crowded
+        last = frame(PART_BYTES, seq=SEQ + 2, offset=i * PART_BYTES, chunk_bytes=total)
+        box.put(last)
+    assert box.budget.crowded and box.budget.held == (parts, HELD_BYTES)
 
     async def drained_after_start() -> bool:
-        waiting = asyncio.ensure_future(box.drained())
+        waiting = asyncio.ensure_future(box.budget.drained(lambda: box.holds(last.header)))
         await asyncio.sleep(0.05)
         blocked = not waiting.done()
         box.expect(no_check, Receives(SEQ + 2, 0, {(SEQ + 2, 0, 0, 1, 0): total}))
@@ -216,18 +217,19 @@ def test_frames_of_a_lane_that_never_started_are_dropped_when_the_node_moves_on(
     box = Mailbox()
     box.expect(no_check, receives({KEY: 8000}))
     box.put(frame(8000, channel=3))
-    assert box.held == (1, 8000)
+    assert box.budget.held == (1, 8000)
     box.expect(no_check, Receives(SEQ + 1, 0, {}))
-    assert box.held == (0, 0)
+    assert box.budget.held == (0, 0)
 
 
 def test_a_failure_wakes_a_paused_reader() -> None:
     box = Mailbox()
-    for i in range(HELD_FRAMES):
-        box.put(frame(0, seq=SEQ + 1, round=i % 60000, chunk=i // 60000, chunk_bytes=0))
+    for i in range(HELD_ITEMS):
+        last = frame(0, seq=SEQ + 1, round=i % 60000, chunk=i // 60000, chunk_bytes=0)
+        box.put(last)
 
     async def run() -> None:
-        waiting = asyncio.ensure_future(box.drained())
+        waiting = asyncio.ensure_future(box.budget.drained(lambda: box.holds(last.header)))
         await asyncio.sleep(0.02)
         assert not waiting.done()
         box.fail(ProtocolError("over"))
@@ -517,13 +519,13 @@ def test_a_reader_stops_reading_past_the_held_budget(monkeypatch: pytest.MonkeyP
     node 0 holds at most the budget and one part more (its reader paused), then, once it
     starts the operation, receives every part, in order."""
     part = 64 << 10
-    monkeypatch.setattr(mailbox_module, "HELD_BYTES", 4 * part)
     monkeypatch.setattr(executor_module, "PART_BYTES", part)
     parts, seq = 32, 9
     total = parts * part
 
     async def run() -> tuple[int, list[int]]:
         a, b = await _pair("ef" * 32)
+        a.mailbox.budget.bytes = 4 * part
         try:
             most = 0
             h = header(session=77, seq=seq, chunk_bytes=total, shape=(total // 8,))
@@ -537,10 +539,10 @@ def test_a_reader_stops_reading_past_the_held_budget(monkeypatch: pytest.MonkeyP
             sending = asyncio.ensure_future(flood())
             for _ in range(40):
                 await asyncio.sleep(0.01)
-                most = max(most, a.mailbox.held[1])
+                most = max(most, a.mailbox.budget.held[1])
             await sending
             await asyncio.sleep(0.05)
-            most = max(most, a.mailbox.held[1])
+            most = max(most, a.mailbox.budget.held[1])
             key = (seq, 0, 0, 1, 0)
             a.mailbox.expect(no_check, Receives(seq, 0, {key: total}, part_bytes=part))
             offsets = []

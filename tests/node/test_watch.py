@@ -149,7 +149,7 @@ def test_a_calling_thread_starts_its_lane_itself_when_nothing_needs_the_loop() -
     mailbox.put(frame(1, bytes(range(SIZE))))  # held, and right
     watch = Watch(keys(1, 2))
     assert mailbox.start_watched(lambda h: None, _receives(1, 2), watch)
-    assert mailbox.running and mailbox.held == (0, 0)  # started: no longer held
+    assert mailbox.running and mailbox.budget.held == (0, 0)  # started: no longer held
     assert list(watch.frames) == keys(1) and not watch.done.is_set()
     mailbox.put(frame(2))
     assert watch.done.is_set() and watch.error is None

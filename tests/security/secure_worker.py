@@ -76,9 +76,9 @@ BROADCAST_ELEMENTS = 1000
 
 def flood_bytes() -> int:
     """Bytes of frames of a far-future operation the ``future_flood`` member sends: more than
-    the receiver may hold (the mailbox's budget plus its transport's receive queue) by 128 MiB,
+    the receiver may hold (the held budget plus its transport's receive queue) by 128 MiB,
     so that hoarding them all would show."""
-    from burncoll.node.mailbox import HELD_BYTES
+    from burncoll.node.held import HELD_BYTES
     from burncoll.transport.stream import RECV_QUEUE_BYTES
 
     return HELD_BYTES + RECV_QUEUE_BYTES + (128 << 20)
