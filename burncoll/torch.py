@@ -64,7 +64,8 @@ def _reduce_op(op: Any, label: str) -> ReduceOp:
         if op == theirs:
             return ours
     raise NotImplementedError(
-        f"burncoll's torch.distributed backend does not support reduce op {op} in {label} "
+        f"burncoll's torch.distributed backend does not support reduce op "
+        f"{str(getattr(op, 'op', op)).split('.')[-1]} in {label} "
         f"(supported: {', '.join(str(o).split('.')[-1] for o in _OPS)})")
 
 
