@@ -64,7 +64,8 @@ def torch_error(error: BaseException, label: str) -> BaseException:
     if isinstance(error, UsageError | ConfigError) or not isinstance(error, CollectiveError):
         return error
     kind = dist.DistNetworkError if isinstance(error, TransportError) else dist.DistBackendError
-    made = kind(f"burncoll {label} failed: {type(error).__name__}: {error}")
+    made = kind(f"burncoll {label} failed (its peer ids are the process group's ranks): "
+                f"{type(error).__name__}: {error}")
     made.__cause__ = error
     return made
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,14 @@ def environment(**extra: str) -> dict[str, str]:
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **extra)
     return env
+
+
+def free_port() -> int:
+    """A port free on loopback now (for torch's TCPStore, which the rank 0 process binds)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def records(stdout: str) -> list[dict[str, Any]]:
