@@ -93,6 +93,12 @@ class BurncollProcessGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"BurncollProcessGroup(rank={self._rank}, size={self.size()})"
 
+    def communicator(self, device: str = "cpu") -> Communicator:
+        """The burncoll :class:`~burncoll.Communicator` behind this group for ``device``'s
+        tensors, to call burncoll's own API (``all_reduce_tree``, ``scan``, ...) on the same
+        session; its peer ids are this group's ranks."""
+        return self._comm(torch.empty(0, device=device))
+
     # -- issuing ------------------------------------------------------------------------------
     def _comm(self, tensor: torch.Tensor | None) -> Communicator:
         kind = "cpu" if tensor is None else tensor.device.type
