@@ -137,6 +137,11 @@ def point_to_point() -> None:
     for w in works:
         w.wait()
     check("isend/irecv ring", got, f64(data(left)))
+    got = torch.zeros(6)
+    ops = [dist.P2POp(dist.isend, data(RANK) + 1, right), dist.P2POp(dist.irecv, got, left)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    check("batch_isend_irecv ring", got, f64(data(left) + 1))
     if RANK == 0:
         dist.send(data(0) * 2, 1, tag=7)
     elif RANK == 1:

@@ -18,7 +18,8 @@ CASES = {"all_reduce SUM", "all_reduce AVG", "all_reduce PRODUCT",
          "all_reduce bfloat16", "broadcast root 0",
          "all_gather_into_tensor", "all_gather_into_tensor stacked", "scatter",
          "reduce_scatter", "reduce_scatter_tensor", "all_to_all from 0", "all_to_all_single",
-         "all_to_all_single split sizes", "isend/irecv ring", "new_subgroups of 2", "objects",
+         "all_to_all_single split sizes", "isend/irecv ring", "batch_isend_irecv ring",
+         "new_subgroups of 2", "objects",
          "all_reduce after refusals"}
 
 
