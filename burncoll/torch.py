@@ -10,8 +10,8 @@ torch_work.TorchWork`) completes its future with the tensors, which DDP and its 
 hooks chain on. In-place operations (all_reduce, broadcast, reduce, the ``*_tensor`` forms,
 send/recv) write straight into the caller's tensors. docs/pytorch.md is the user's page.
 
-An operation burncoll does not carry raises :class:`NotImplementedError` naming it, before
-anything is sent, so no peer is left waiting for it.
+An operation burncoll does not carry raises :class:`~burncoll.UsageError` (a ``ValueError``)
+naming it, before anything is sent, so no peer is left waiting for it.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _reduce_op(op: Any, label: str) -> ReduceOp:
     for theirs, ours in _OPS.items():
         if op == theirs:
             return ours
-    raise NotImplementedError(
+    raise UsageError(
         f"burncoll's torch.distributed backend does not support reduce op "
         f"{str(getattr(op, 'op', op)).split('.')[-1]} in {label} "
         f"(supported: {', '.join(str(o).split('.')[-1] for o in _OPS)})")
@@ -271,7 +271,7 @@ class BurncollProcessGroup(dist.ProcessGroup):
 
 def _unsupported(name: str, instead: str) -> Callable[..., Any]:
     def refuse(self: BurncollProcessGroup, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(f"burncoll's torch.distributed backend does not support "
+        raise UsageError(f"burncoll's torch.distributed backend does not support "
                                   f"{name}: {instead}")
     refuse.__name__ = name
     return refuse

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import burncoll.torch  # noqa: F401  (registers "burncoll")
+import burncoll
+import burncoll.torch  # (registers "burncoll")
 
 RANK, SIZE, INIT = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 R = range(SIZE)
@@ -196,7 +197,7 @@ def unsupported() -> None:
         try:
             call()
             message = ""
-        except NotImplementedError as exc:
+        except burncoll.UsageError as exc:
             message = str(exc)
         print(json.dumps({"case": f"unsupported {case}", "message": message}), flush=True)
     x = data(RANK)
