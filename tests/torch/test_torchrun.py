@@ -15,6 +15,7 @@ from tests.torch.processes import REPO, RUN_SECONDS, environment, free_port
 pytest.importorskip("torch")
 
 
+@pytest.mark.slow
 def test_example_under_torchrun() -> None:
     doc = (REPO / "examples" / "torch_ddp.py").read_text().split('"""')[1]
     command = next(line.split() for line in doc.splitlines()
