@@ -252,10 +252,10 @@ class BurncollProcessGroup(dist.ProcessGroup):
         flight, each bounded by the timeout)."""
         comms, self._comms = self._comms, {}
         for comm in comms.values():
-            comm.finish()
-
-    def abort(self) -> None:
-        self.shutdown()
+            try:
+                comm.finish()
+            except CollectiveError as exc:  # the session failed after this rank's last call
+                raise torch_error(exc, "destroy_process_group") from exc
 
     # -- checks -----------------------------------------------------------------------------
     def _check_count(self, tensors: list[torch.Tensor], label: str) -> None:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.torch.processes import REPO, RUN_SECONDS, environment
+from tests.torch.processes import REPO, RUN_SECONDS, environment, free_port, run_ranks
 
 pytest.importorskip("torch")
 
@@ -40,3 +40,11 @@ def test_import_registers_and_one_rank_runs() -> None:
                           text=True, capture_output=True, timeout=RUN_SECONDS, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "ok"
+
+
+def test_a_group_made_again_on_the_same_store() -> None:
+    """The second session reads its own rank 0's address, not the first one's (gone)."""
+    results = run_ranks("again_worker.py", 2, str(free_port()))
+    for rank, (status, records, err) in enumerate(results):
+        assert status == 0, f"rank {rank}: {err}"
+        assert records == [{"sums": [[1.0] * 3, [21.0] * 3]}]
