@@ -8,9 +8,10 @@ per rank and one peer per node (peer id = rank):
 1. every rank counts itself in at the store (``add``), which numbers the sessions a store has
    seen, so a process group created again on the same store never reads an old address;
 2. rank 0 starts an orchestrator on a free port of its own address (``node_address`` from the
-   ``BURNCOLL_*`` variables, else the address toward the TCPStore's or ``MASTER_ADDR``'s host,
-   else loopback) and writes ``ok <nonce> <host:port>`` to the store, or ``error <why>`` when
-   it cannot, so the others fail at once rather than wait out the timeout;
+   ``BURNCOLL_*`` variables; loopback for a job on one host; else the address toward the
+   TCPStore's or ``MASTER_ADDR``'s host) and writes ``ok <nonce> <host:port>`` to the
+   store, or ``error <why>`` when it cannot, so the others fail at once rather than wait out
+   the timeout;
 3. every rank registers with ``num_nodes=size``, ``node_rank=rank``, that address, the group's
    timeout as ``timeout``, and the rest of the config from the ``BURNCOLL_*`` variables
    (transport, token, TLS, compression).
@@ -29,10 +30,11 @@ from typing import Any
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from burncoll.addresses import route_address
+from burncoll.addresses import resolves_to_loopback, route_address
 from burncoll.api import Communicator, register
 from burncoll.config import CollectiveConfig
 from burncoll.config_values import parse_host_port
+from burncoll.launchers import detect_launcher
 from burncoll.orchestrator import Orchestrator, start_orchestrator
 from burncoll.registry import REGISTRY
 
@@ -113,12 +115,19 @@ def _parse(record: str, key: str) -> tuple[str, str]:
 
 
 def _orchestrator_host(settings: CollectiveConfig, store: Any) -> str:
-    """Where rank 0 listens: ``node_address``, else this host's address toward the store's
-    host (a TCPStore's, or ``MASTER_ADDR``), else loopback."""
+    """Where rank 0 listens: ``node_address``; loopback when the launcher's variables say the
+    whole job runs on this host (``torchrun --standalone`` names the host, not loopback);
+    else this host's address toward the store's host (a TCPStore's, or ``MASTER_ADDR``),
+    loopback when that is loopback or unknown."""
     if settings.node_address is not None:
         host, _ = parse_host_port(settings.node_address, "node_address", default_port=0)
         return host
+    found = detect_launcher()
+    if found is not None and found.all_on_one_host:
+        return "127.0.0.1"
     while hasattr(store, "underlying_store"):  # PrefixStore around the job's store
         store = store.underlying_store
     target = getattr(store, "host", None) or os.environ.get("MASTER_ADDR")
-    return route_address(target) if target else "127.0.0.1"
+    if not target or resolves_to_loopback(target):
+        return "127.0.0.1"
+    return route_address(target)
