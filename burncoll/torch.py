@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
+from importlib.util import find_spec
 from typing import Any, TypeVar
 
 import numpy as np
@@ -286,7 +287,8 @@ def _create(store: Store, rank: int, size: int, timeout: timedelta
     """torch's creator: a process group over a new burncoll session (two with CUDA)."""
     try:
         comms = {"cpu": open_session(store, rank, size, timeout)}
-        if torch.cuda.is_available():  # pragma: no cover - no GPU on the machines tested
+        if torch.cuda.is_available() and find_spec("cupy") is not None:  # pragma: no cover
+            # (no GPU on the machines tested)
             comms["cuda"] = open_session(store, rank, size, timeout, backend="cupy",
                                          device=torch.cuda.current_device(), label="cuda")
     except CollectiveError as exc:

@@ -46,6 +46,7 @@ def as_array(tensor: torch.Tensor, label: str) -> Any:
     if tensor.device.type == "cuda":  # pragma: no cover - no GPU on the machines tested
         import cupy
 
+        torch.cuda.current_stream(tensor.device).synchronize()  # its writes are done
         return cupy.from_dlpack(tensor)
     if tensor.device.type != "cpu":
         raise UsageError(f"{label}: tensors on {tensor.device} are not supported by burncoll "
