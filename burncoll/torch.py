@@ -5,9 +5,10 @@
 One torch process is one burncoll node with one peer, whose peer id is its rank in the group;
 :mod:`burncoll.torch_session` meets the other ranks through torch's store. Each operation
 maps to one burncoll collective on NumPy views of the tensors (:func:`~burncoll.torch_work.
-as_array`), issued with ``async_op=True``: the returned ``Work`` (:class:`~burncoll.
-torch_work.TorchWork`) completes its future with the tensors, which DDP and its communication
-hooks chain on. In-place operations (all_reduce, broadcast, reduce, the ``*_tensor`` forms,
+as_array`), issued with ``async_op=True`` (in the calling thread instead when torch's caller
+waits at once, ``async_op=False``): the returned ``Work`` (:class:`~burncoll.torch_work.
+TorchWork`) completes its future with the tensors, which DDP and its communication hooks
+chain on. In-place operations (all_reduce, broadcast, reduce, the ``*_tensor`` forms,
 send/recv) write straight into the caller's tensors. docs/pytorch.md is the user's page.
 
 An operation burncoll does not carry raises :class:`~burncoll.UsageError` (a ``ValueError``)
@@ -110,47 +111,56 @@ class BurncollProcessGroup(dist.ProcessGroup):
                              "with CUDA and CuPy when the group is created")
         return comm
 
-    def _issue(self, label: str, tensors: list[torch.Tensor],
-               start: Callable[[Communicator], Work[Any]],
+    def _issue(self, opts: Any, label: str, tensors: list[torch.Tensor],
+               start: Callable[[Communicator, bool], Any],
                then: Callable[[Any], None] | None = None) -> TorchWork:
-        """Start one burncoll operation (``start``) on the session of ``tensors``' device."""
+        """Run one burncoll operation, ``start(comm, async_op)``, on the session of
+        ``tensors``' device: with ``async_op=True`` unless torch says the caller waits at once
+        (``opts.asyncOp`` false: ``dist.all_reduce(t)``), when it runs in this thread, as
+        burncoll's own blocking calls do, with no hand-off to the communicator's worker."""
+        run_async = bool(getattr(opts, "asyncOp", True))
         try:
-            work = start(self._comm(tensors[0] if tensors else None))
+            got = start(self._comm(tensors[0] if tensors else None), run_async)
         except CollectiveError as exc:
             raise torch_error(exc, label) from exc
-        return TorchWork(work, tensors, label, then)
+        if not run_async:
+            done: Work[Any] = Work(label)
+            done.set_result(got)
+            got = done
+        return TorchWork(got, tensors, label, then)
 
     # -- collectives ------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:  # type: ignore[override]
         op = _reduce_op((opts or dist.AllreduceOptions()).reduceOp, "all_reduce")
         t = _one(tensors, "all_reduce")
         a = as_array(t, "all_reduce")
-        return self._issue("all_reduce", [t], lambda c: c.all_reduce(
-            a, op, out=a, async_op=True))
+        return self._issue(opts, "all_reduce", [t], lambda c, s: c.all_reduce(
+            a, op, out=a, async_op=s))
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:  # type: ignore[override]
         root = (opts or dist.BroadcastOptions()).rootRank
         t = _one(tensors, "broadcast")
         a = as_array(t, "broadcast")
         if root == self._rank:
-            return self._issue("broadcast", [t], lambda c: c.broadcast(a, root, async_op=True))
-        return self._issue("broadcast", [t], lambda c: c.broadcast(None, root, out=a,
-                                                                      async_op=True))
+            return self._issue(opts, "broadcast", [t], lambda c, s: c.broadcast(
+                a, root, async_op=s))
+        return self._issue(opts, "broadcast", [t], lambda c, s: c.broadcast(
+            None, root, out=a, async_op=s))
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:  # type: ignore[override]
         opts = opts or dist.ReduceOptions()
         op, root = _reduce_op(opts.reduceOp, "reduce"), opts.rootRank
         t = _one(tensors, "reduce")
         a = as_array(t, "reduce")
-        return self._issue("reduce", [t], lambda c: c.reduce(
-            a, root, op, out=a if root == self._rank else None, async_op=True))
+        return self._issue(opts, "reduce", [t], lambda c, s: c.reduce(
+            a, root, op, out=a if root == self._rank else None, async_op=s))
 
     def allgather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]
                   input_tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
         outs, t = _one(output_tensors, "all_gather"), _one(input_tensors, "all_gather")
         self._check_count(outs, "all_gather")
         a = flat(t, "all_gather")
-        return self._issue("all_gather", outs, lambda c: c.all_gather(a, async_op=True),
+        return self._issue(opts, "all_gather", outs, lambda c, s: c.all_gather(a, async_op=s),
                            lambda got: split_into(got, outs, "all_gather"))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
@@ -158,7 +168,7 @@ class BurncollProcessGroup(dist.ProcessGroup):
         label = "all_gather_into_tensor"
         self._check_numel(output, input, label)
         a, out = flat(input, label), flat(output, label)
-        return self._issue(label, [output], lambda c: c.all_gather(a, out=out, async_op=True))
+        return self._issue(opts, label, [output], lambda c, s: c.all_gather(a, out=out, async_op=s))
 
     _allgather_base = all_gather_single
 
@@ -170,8 +180,8 @@ class BurncollProcessGroup(dist.ProcessGroup):
         whole = np.concatenate([flat(x, "reduce_scatter") for x in ins])
         counts = [x.numel() for x in ins]
         target = flat(out, "reduce_scatter")
-        return self._issue("reduce_scatter", [out], lambda c: c.reduce_scatter(
-            whole, op, counts, out=target, async_op=True))
+        return self._issue(opts, "reduce_scatter", [out], lambda c, s: c.reduce_scatter(
+            whole, op, counts, out=target, async_op=s))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: Any = None) -> TorchWork:
@@ -179,8 +189,8 @@ class BurncollProcessGroup(dist.ProcessGroup):
         op = _reduce_op((opts or dist.ReduceScatterOptions()).reduceOp, label)
         self._check_numel(input, output, label)
         a, out = flat(input, label), flat(output, label)
-        return self._issue(label, [output], lambda c: c.reduce_scatter(
-            a, op, out=out, async_op=True))
+        return self._issue(opts, label, [output], lambda c, s: c.reduce_scatter(
+            a, op, out=out, async_op=s))
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
@@ -192,8 +202,8 @@ class BurncollProcessGroup(dist.ProcessGroup):
             raise UsageError(f"{label}: tensors need at least one dimension (rows)")
         a, out = as_array(input, label), as_array(output, label)
         counts = list(input_split_sizes) or None
-        return self._issue(label, [output], lambda c: c.all_to_all(
-            a, counts, out=out, async_op=True))
+        return self._issue(opts, label, [output], lambda c, s: c.all_to_all(
+            a, counts, out=out, async_op=s))
 
     alltoall_base = all_to_all_single  # type: ignore[assignment]
 
@@ -203,8 +213,8 @@ class BurncollProcessGroup(dist.ProcessGroup):
         self._check_count(output_tensors, "all_to_all")
         whole = np.concatenate([flat(x, "all_to_all") for x in input_tensors])
         counts = [x.numel() for x in input_tensors]
-        return self._issue("all_to_all", output_tensors, lambda c: c.all_to_all(
-            whole, counts, async_op=True),
+        return self._issue(opts, "all_to_all", output_tensors, lambda c, s: c.all_to_all(
+            whole, counts, async_op=s),
             lambda got: split_into(got, output_tensors, "all_to_all"))
 
     def gather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]
@@ -213,10 +223,10 @@ class BurncollProcessGroup(dist.ProcessGroup):
         t = _one(input_tensors, "gather")
         a = flat(t, "gather")
         if root != self._rank:
-            return self._issue("gather", [t], lambda c: c.gather(a, root, async_op=True))
+            return self._issue(opts, "gather", [t], lambda c, s: c.gather(a, root, async_op=s))
         outs = _one(output_tensors, "gather")
         self._check_count(outs, "gather")
-        return self._issue("gather", outs, lambda c: c.gather(a, root, async_op=True),
+        return self._issue(opts, "gather", outs, lambda c, s: c.gather(a, root, async_op=s),
                            lambda got: split_into(got, outs, "gather"))
 
     def scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
@@ -225,27 +235,27 @@ class BurncollProcessGroup(dist.ProcessGroup):
         out = _one(output_tensors, "scatter")
         target = flat(out, "scatter")
         if root != self._rank:
-            return self._issue("scatter", [out], lambda c: c.scatter(
-                None, root, out=target, async_op=True))
+            return self._issue(opts, "scatter", [out], lambda c, s: c.scatter(
+                None, root, out=target, async_op=s))
         ins = _one(input_tensors, "scatter")
         self._check_count(ins, "scatter")
         whole = np.concatenate([flat(x, "scatter") for x in ins])
         counts = [x.numel() for x in ins]
-        return self._issue("scatter", [out], lambda c: c.scatter(
-            whole, root, counts, out=target, async_op=True))
+        return self._issue(opts, "scatter", [out], lambda c, s: c.scatter(
+            whole, root, counts, out=target, async_op=s))
 
     def barrier(self, opts: Any = None) -> TorchWork:
-        return self._issue("barrier", [], lambda c: c.barrier(async_op=True))
+        return self._issue(opts, "barrier", [], lambda c, s: c.barrier(async_op=s))
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> TorchWork:
         t = _one(tensors, "send")
         a = as_array(t, "send")
-        return self._issue("send", [t], lambda c: c.isend(a, dst, tag))
+        return self._issue(None, "send", [t], lambda c, s: c.isend(a, dst, tag))
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> TorchWork:
         t = _one(tensors, "recv")
         a = as_array(t, "recv")
-        return self._issue("recv", [t], lambda c: c.irecv(src, tag, out=a))
+        return self._issue(None, "recv", [t], lambda c, s: c.irecv(src, tag, out=a))
 
     # -- life -------------------------------------------------------------------------------
     def shutdown(self) -> None:
