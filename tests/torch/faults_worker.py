@@ -1,8 +1,8 @@
 """One rank of tests/torch/test_faults.py. Every rank joins through ``init_method=tcp://``
 (rank 0 binds torch's TCPStore) with a short timeout and runs one all_reduce; then
-``exit``: the last rank exits, the others all_reduce again; ``stall``: the last rank sleeps
-past the timeout, the others all_reduce again. Prints what the others got (error type,
-message, seconds) as one JSON line.
+``exit``: the last rank exits, the others all_reduce again with ``async_op=True`` and wait;
+``stall``: the last rank sleeps past the timeout, the others all_reduce again (blocking).
+Prints what the others got (error type, message, seconds) as one JSON line.
 
 Usage: faults_worker.py RANK SIZE PORT TIMEOUT SCENARIO
 """
@@ -37,7 +37,10 @@ def main() -> None:
         os._exit(3)
     start = time.monotonic()
     try:
-        dist.all_reduce(x)
+        if SCENARIO == "exit":  # the error reaches Work.wait() (the operation's future)
+            dist.all_reduce(x, async_op=True).wait()
+        else:  # raised by the blocking call itself
+            dist.all_reduce(x)
         record = {"error": None}
     except Exception as exc:
         record = {"error": type(exc).__name__, "message": str(exc),
