@@ -8,8 +8,9 @@ maps to one burncoll collective on NumPy views of the tensors (:func:`~burncoll.
 as_array`), issued with ``async_op=True`` (in the calling thread instead when torch's caller
 waits at once, ``async_op=False``): the returned ``Work`` (:class:`~burncoll.torch_work.
 TorchWork`) completes its future with the tensors, which DDP and its communication hooks
-chain on. In-place operations (all_reduce, broadcast, reduce, the ``*_tensor`` forms,
-send/recv) write straight into the caller's tensors. docs/pytorch.md is the user's page.
+chain on. all_reduce reduces the caller's tensor in place; the other operations write their
+result into the caller's tensors through burncoll's ``out=``. docs/pytorch.md is the user's
+page.
 
 An operation burncoll does not carry raises :class:`~burncoll.UsageError` (a ``ValueError``)
 naming it, before anything is sent, so no peer is left waiting for it.
