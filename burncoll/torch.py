@@ -29,10 +29,10 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from burncoll.api import Communicator
-from burncoll.errors import CollectiveError, UsageError
+from burncoll.errors import UsageError
 from burncoll.ops import ReduceOp
 from burncoll.torch_session import open_session
-from burncoll.torch_work import TorchWork, as_array, flat, split_into, torch_error
+from burncoll.torch_work import TorchWork, as_array, flat, split_into, torch_errors
 from burncoll.work import Work
 
 T = TypeVar("T")
@@ -120,10 +120,8 @@ class BurncollProcessGroup(dist.ProcessGroup):
         (``opts.asyncOp`` false: ``dist.all_reduce(t)``), when it runs in this thread, as
         burncoll's own blocking calls do, with no hand-off to the communicator's worker."""
         run_async = bool(getattr(opts, "asyncOp", True))
-        try:
+        with torch_errors(label):
             got = start(self._comm(tensors[0] if tensors else None), run_async)
-        except CollectiveError as exc:
-            raise torch_error(exc, label) from exc
         if not run_async:
             done: Work[Any] = Work(label)
             done.set_result(got)
@@ -264,10 +262,8 @@ class BurncollProcessGroup(dist.ProcessGroup):
         flight, each bounded by the timeout)."""
         comms, self._comms = self._comms, {}
         for comm in comms.values():
-            try:
+            with torch_errors("destroy_process_group"):  # a failure after the last call
                 comm.finish()
-            except CollectiveError as exc:  # the session failed after this rank's last call
-                raise torch_error(exc, "destroy_process_group") from exc
 
     # -- checks -----------------------------------------------------------------------------
     def _check_count(self, tensors: list[torch.Tensor], label: str) -> None:
@@ -296,14 +292,12 @@ for _name, _instead in UNSUPPORTED.items():
 def _create(store: Store, rank: int, size: int, timeout: timedelta
             ) -> BurncollProcessGroup:
     """torch's creator: a process group over a new burncoll session (two with CUDA)."""
-    try:
+    with torch_errors("init_process_group"):
         comms = {"cpu": open_session(store, rank, size, timeout)}
         if torch.cuda.is_available() and find_spec("cupy") is not None:  # pragma: no cover
             # (no GPU on the machines tested)
             comms["cuda"] = open_session(store, rank, size, timeout, backend="cupy",
                                          device=torch.cuda.current_device(), label="cuda")
-    except CollectiveError as exc:
-        raise torch_error(exc, "init_process_group") from exc
     return BurncollProcessGroup(comms, rank, size)
 
 

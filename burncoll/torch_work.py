@@ -19,7 +19,8 @@ torch's distributed errors.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -31,7 +32,7 @@ from burncoll.dtypes import dtype_from_name
 from burncoll.errors import CollectiveError, ConfigError, TransportError, UsageError
 from burncoll.work import Work
 
-__all__ = ["TorchWork", "as_array", "flat", "split_into", "torch_error"]
+__all__ = ["TorchWork", "as_array", "flat", "split_into", "torch_error", "torch_errors"]
 
 
 def as_array(tensor: torch.Tensor, label: str) -> Any:
@@ -69,6 +70,18 @@ def torch_error(error: BaseException, label: str) -> BaseException:
                 f"{type(error).__name__}: {error}")
     made.__cause__ = error
     return made
+
+
+@contextlib.contextmanager
+def torch_errors(label: str) -> Iterator[None]:
+    """Raise the burncoll errors of the block as :func:`torch_error` turns them."""
+    try:
+        yield
+    except CollectiveError as exc:
+        converted = torch_error(exc, label)
+        if converted is exc:
+            raise
+        raise converted from exc
 
 
 class TorchWork(dist._Work):  # type: ignore[misc,name-defined]
