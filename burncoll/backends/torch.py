@@ -80,6 +80,7 @@ def as_array(tensor: Any) -> Any:
     if t.device.type == "cuda":  # pragma: no cover - no CUDA device here
         import cupy
 
+        torch.cuda.current_stream(t.device).synchronize()  # the tensor's pending writes are done
         return cupy.from_dlpack(t)
     _check_placed(t)
     if t.dtype == torch.bfloat16:

@@ -187,7 +187,8 @@ def test_each_runnable_block_runs(block: Block, tmp_path: Path) -> None:
 #: Few steps, where the example's argparse has the flags.
 FEW_STEPS = {"ddp_numpy.py": ["--steps", "20", "--no-progress"],
              "ddp_jax.py": ["--steps", "5", "--no-progress"],
-             "ddp_jax_jit.py": ["--steps", "5", "--no-progress"]}
+             "ddp_jax_jit.py": ["--steps", "5", "--no-progress"],
+             "torch_ddp.py": ["--steps", "5"]}
 
 
 def documented(example: str) -> list[str]:
@@ -209,6 +210,8 @@ def test_each_examples_documented_command_runs(example: str, command: str,
         pytest.skip("jax is not installed")
     if example == "ddp_jax_jit.py" and importlib.util.find_spec("optax") is None:
         pytest.skip("optax is not installed")
+    if example == "torch_ddp.py" and importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed")
     if command == "python examples/ddp_jax.py":  # 15 s of XLA compilation: run once, there
         pytest.skip("tests/train/test_examples.py::test_jax_example runs this command")
     argv = shlex.split(command)

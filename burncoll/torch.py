@@ -1,0 +1,305 @@
+"""burncoll as a ``torch.distributed`` backend: ``import burncoll.torch`` registers
+``"burncoll"``, so that ``dist.init_process_group("burncoll")`` (and ``new_group``, DDP, the
+``*_object`` helpers) run their collectives on burncoll.
+
+One torch process is one burncoll node with one peer, whose peer id is its rank in the group;
+:mod:`burncoll.torch_session` meets the other ranks through torch's store. Each operation
+maps to one burncoll collective on NumPy views of the tensors (:func:`~burncoll.torch_work.
+as_array`), issued with ``async_op=True`` (in the calling thread instead when torch's caller
+waits at once, ``async_op=False``): the returned ``Work`` (:class:`~burncoll.torch_work.
+TorchWork`) completes its future with the tensors, which DDP and its communication hooks
+chain on. all_reduce reduces the caller's tensor in place; the other operations write their
+result into the caller's tensors through burncoll's ``out=``. docs/pytorch.md is the user's
+page.
+
+An operation burncoll does not carry raises :class:`~burncoll.UsageError` (a ``ValueError``)
+naming it, before anything is sent, so no peer is left waiting for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from importlib.util import find_spec
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Store
+
+from burncoll.api import Communicator
+from burncoll.errors import UsageError
+from burncoll.ops import ReduceOp
+from burncoll.torch_session import open_session
+from burncoll.torch_work import TorchWork, as_array, flat, split_into, torch_errors
+from burncoll.work import Work
+
+T = TypeVar("T")
+
+__all__ = ["BACKEND_NAME", "BurncollProcessGroup", "UNSUPPORTED"]
+
+#: The name to pass to ``torch.distributed.init_process_group``.
+BACKEND_NAME = "burncoll"
+
+_OPS = {
+    dist.ReduceOp.SUM: ReduceOp.SUM, dist.ReduceOp.AVG: ReduceOp.MEAN,
+    dist.ReduceOp.PRODUCT: ReduceOp.PROD, dist.ReduceOp.MIN: ReduceOp.MIN,
+    dist.ReduceOp.MAX: ReduceOp.MAX, dist.ReduceOp.BAND: ReduceOp.BAND,
+    dist.ReduceOp.BOR: ReduceOp.BOR, dist.ReduceOp.BXOR: ReduceOp.BXOR,
+}
+
+#: ProcessGroup methods burncoll does not carry, and what to use instead.
+UNSUPPORTED: dict[str, str] = {
+    "allreduce_coalesced": "all_reduce each tensor (async_op=True), or flatten them first",
+    "allgather_coalesced": "all_gather each tensor",
+    "allgather_into_tensor_coalesced": "all_gather_into_tensor each tensor",
+    "all_gather_single_coalesced": "all_gather_into_tensor each tensor",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor each tensor",
+    "reduce_scatter_single_coalesced": "reduce_scatter_tensor each tensor",
+    "recv_anysource": "recv with an explicit src",
+    "merge_remote_group": "init_process_group over all the ranks",
+}
+
+
+def _reduce_op(op: Any, label: str) -> ReduceOp:
+    for theirs, ours in _OPS.items():
+        if op == theirs:
+            return ours
+    raise UsageError(
+        f"burncoll's torch.distributed backend does not support reduce op "
+        f"{str(getattr(op, 'op', op)).split('.')[-1]} in {label} "
+        f"(supported: {', '.join(str(o).split('.')[-1] for o in _OPS)})")
+
+
+def _one(tensors: list[T], label: str) -> T:
+    if len(tensors) != 1:
+        raise UsageError(f"{label}: burncoll takes one tensor per rank (one device per "
+                         f"process), got {len(tensors)}")
+    return tensors[0]
+
+
+class BurncollProcessGroup(dist.ProcessGroup):
+    """A ``torch.distributed.ProcessGroup`` whose collectives run on a burncoll
+    :class:`~burncoll.Communicator` (one per device type: ``"cpu"``, and ``"cuda"`` where
+    torch has CUDA). Made by torch through ``init_process_group("burncoll")`` / ``new_group``.
+    """
+
+    def __init__(self, comms: dict[str, Communicator], rank: int, size: int) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]
+        self._comms = comms
+        self._rank = rank
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def __repr__(self) -> str:
+        return f"BurncollProcessGroup(rank={self._rank}, size={self.size()})"
+
+    def communicator(self, device: str = "cpu") -> Communicator:
+        """The burncoll :class:`~burncoll.Communicator` behind this group for ``device``'s
+        tensors, to call burncoll's own API (``all_reduce_tree``, ``scan``, ...) on the same
+        session; its peer ids are this group's ranks."""
+        return self._comm(torch.empty(0, device=device))
+
+    # -- issuing ------------------------------------------------------------------------------
+    def _comm(self, tensor: torch.Tensor | None) -> Communicator:
+        kind = "cpu" if tensor is None else tensor.device.type
+        comm = self._comms.get(kind)
+        if comm is None:
+            raise UsageError(f"burncoll's process group has no session for {kind} tensors "
+                             f"(it has {', '.join(self._comms)}); CUDA tensors need torch "
+                             "with CUDA and CuPy when the group is created")
+        return comm
+
+    def _issue(self, opts: Any, label: str, tensors: list[torch.Tensor],
+               start: Callable[[Communicator, bool], Any],
+               then: Callable[[Any], None] | None = None) -> TorchWork:
+        """Run one burncoll operation, ``start(comm, async_op)``, on the session of
+        ``tensors``' device: with ``async_op=True`` unless torch says the caller waits at once
+        (``opts.asyncOp`` false: ``dist.all_reduce(t)``), when it runs in this thread, as
+        burncoll's own blocking calls do, with no hand-off to the communicator's worker."""
+        run_async = bool(getattr(opts, "asyncOp", True))
+        with torch_errors(label):
+            got = start(self._comm(tensors[0] if tensors else None), run_async)
+        if not run_async:
+            done: Work[Any] = Work(label)
+            done.set_result(got)
+            got = done
+        return TorchWork(got, tensors, label, then)
+
+    # -- collectives ------------------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:  # type: ignore[override]
+        op = _reduce_op((opts or dist.AllreduceOptions()).reduceOp, "all_reduce")
+        t = _one(tensors, "all_reduce")
+        a = as_array(t, "all_reduce")
+        return self._issue(opts, "all_reduce", [t], lambda c, s: c.all_reduce(
+            a, op, out=a, async_op=s))
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:  # type: ignore[override]
+        root = (opts or dist.BroadcastOptions()).rootRank
+        t = _one(tensors, "broadcast")
+        a = as_array(t, "broadcast")
+        if root == self._rank:
+            return self._issue(opts, "broadcast", [t], lambda c, s: c.broadcast(
+                a, root, async_op=s))
+        return self._issue(opts, "broadcast", [t], lambda c, s: c.broadcast(
+            None, root, out=a, async_op=s))
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:  # type: ignore[override]
+        opts = opts or dist.ReduceOptions()
+        op, root = _reduce_op(opts.reduceOp, "reduce"), opts.rootRank
+        t = _one(tensors, "reduce")
+        a = as_array(t, "reduce")
+        return self._issue(opts, "reduce", [t], lambda c, s: c.reduce(
+            a, root, op, out=a if root == self._rank else None, async_op=s))
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]
+                  input_tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        outs, t = _one(output_tensors, "all_gather"), _one(input_tensors, "all_gather")
+        self._check_count(outs, "all_gather")
+        a = flat(t, "all_gather")
+        return self._issue(opts, "all_gather", outs, lambda c, s: c.all_gather(a, async_op=s),
+                           lambda got: split_into(got, outs, "all_gather"))
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts: Any = None) -> TorchWork:
+        label = "all_gather_into_tensor"
+        self._check_numel(output, input, label)
+        a, out = flat(input, label), flat(output, label)
+        return self._issue(opts, label, [output], lambda c, s: c.all_gather(a, out=out, async_op=s))
+
+    _allgather_base = all_gather_single
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
+                       input_tensors: list[list[torch.Tensor]], opts: Any = None) -> TorchWork:
+        op = _reduce_op((opts or dist.ReduceScatterOptions()).reduceOp, "reduce_scatter")
+        out, ins = _one(output_tensors, "reduce_scatter"), _one(input_tensors, "reduce_scatter")
+        self._check_count(ins, "reduce_scatter")
+        whole = np.concatenate([flat(x, "reduce_scatter") for x in ins])
+        counts = [x.numel() for x in ins]
+        target = flat(out, "reduce_scatter")
+        return self._issue(opts, "reduce_scatter", [out], lambda c, s: c.reduce_scatter(
+            whole, op, counts, out=target, async_op=s))
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: Any = None) -> TorchWork:
+        label = "reduce_scatter_tensor"
+        op = _reduce_op((opts or dist.ReduceScatterOptions()).reduceOp, label)
+        self._check_numel(input, output, label)
+        a, out = flat(input, label), flat(output, label)
+        return self._issue(opts, label, [output], lambda c, s: c.reduce_scatter(
+            a, op, out=out, async_op=s))
+
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: list[int], input_split_sizes: list[int],
+                          opts: Any = None) -> TorchWork:
+        label = "all_to_all_single"
+        if input.dim() == 0 or output.dim() == 0:
+            raise UsageError(f"{label}: tensors need at least one dimension (rows)")
+        a, out = as_array(input, label), as_array(output, label)
+        counts = list(input_split_sizes) or None
+        return self._issue(opts, label, [output], lambda c, s: c.all_to_all(
+            a, counts, out=out, async_op=s))
+
+    alltoall_base = all_to_all_single  # type: ignore[assignment]
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts: Any = None) -> TorchWork:
+        self._check_count(input_tensors, "all_to_all")
+        self._check_count(output_tensors, "all_to_all")
+        whole = np.concatenate([flat(x, "all_to_all") for x in input_tensors])
+        counts = [x.numel() for x in input_tensors]
+        return self._issue(opts, "all_to_all", output_tensors, lambda c, s: c.all_to_all(
+            whole, counts, async_op=s),
+            lambda got: split_into(got, output_tensors, "all_to_all"))
+
+    def gather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]
+               input_tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        root = (opts or dist.GatherOptions()).rootRank
+        t = _one(input_tensors, "gather")
+        a = flat(t, "gather")
+        if root != self._rank:
+            return self._issue(opts, "gather", [t], lambda c, s: c.gather(a, root, async_op=s))
+        outs = _one(output_tensors, "gather")
+        self._check_count(outs, "gather")
+        return self._issue(opts, "gather", outs, lambda c, s: c.gather(a, root, async_op=s),
+                           lambda got: split_into(got, outs, "gather"))
+
+    def scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
+                input_tensors: list[list[torch.Tensor]], opts: Any = None) -> TorchWork:
+        root = (opts or dist.ScatterOptions()).rootRank
+        out = _one(output_tensors, "scatter")
+        target = flat(out, "scatter")
+        if root != self._rank:
+            return self._issue(opts, "scatter", [out], lambda c, s: c.scatter(
+                None, root, out=target, async_op=s))
+        ins = _one(input_tensors, "scatter")
+        self._check_count(ins, "scatter")
+        whole = np.concatenate([flat(x, "scatter") for x in ins])
+        counts = [x.numel() for x in ins]
+        return self._issue(opts, "scatter", [out], lambda c, s: c.scatter(
+            whole, root, counts, out=target, async_op=s))
+
+    def barrier(self, opts: Any = None) -> TorchWork:
+        return self._issue(opts, "barrier", [], lambda c, s: c.barrier(async_op=s))
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> TorchWork:
+        t = _one(tensors, "send")
+        a = as_array(t, "send")
+        return self._issue(None, "send", [t], lambda c, s: c.isend(a, dst, tag))
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> TorchWork:
+        t = _one(tensors, "recv")
+        a = as_array(t, "recv")
+        return self._issue(None, "recv", [t], lambda c, s: c.irecv(src, tag, out=a))
+
+    # -- life -------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """``destroy_process_group``: leave the burncoll session(s) (waits for operations in
+        flight, each bounded by the timeout)."""
+        comms, self._comms = self._comms, {}
+        for comm in comms.values():
+            with torch_errors("destroy_process_group"):  # a failure after the last call
+                comm.finish()
+
+    # -- checks -----------------------------------------------------------------------------
+    def _check_count(self, tensors: list[torch.Tensor], label: str) -> None:
+        if len(tensors) != self.size():
+            raise UsageError(f"{label}: expected a list of {self.size()} tensors (one per "
+                             f"rank of the group), got {len(tensors)}")
+
+    def _check_numel(self, whole: torch.Tensor, part: torch.Tensor, label: str) -> None:
+        if whole.numel() != part.numel() * self.size():
+            raise UsageError(f"{label}: the output/input sizes do not match: {whole.numel()} "
+                             f"elements should be {self.size()} x {part.numel()}")
+
+
+def _unsupported(name: str, instead: str) -> Callable[..., Any]:
+    def refuse(self: BurncollProcessGroup, *args: Any, **kwargs: Any) -> Any:
+        raise UsageError(f"burncoll's torch.distributed backend does not support "
+                                  f"{name}: {instead}")
+    refuse.__name__ = name
+    return refuse
+
+
+for _name, _instead in UNSUPPORTED.items():
+    setattr(BurncollProcessGroup, _name, _unsupported(_name, _instead))
+
+
+def _create(store: Store, rank: int, size: int, timeout: timedelta
+            ) -> BurncollProcessGroup:
+    """torch's creator: a process group over a new burncoll session (two with CUDA)."""
+    with torch_errors("init_process_group"):
+        comms = {"cpu": open_session(store, rank, size, timeout)}
+        if torch.cuda.is_available() and find_spec("cupy") is not None:  # pragma: no cover
+            # (no GPU on the machines tested)
+            comms["cuda"] = open_session(store, rank, size, timeout, backend="cupy",
+                                         device=torch.cuda.current_device(), label="cuda")
+    return BurncollProcessGroup(comms, rank, size)
+
+
+if BACKEND_NAME.upper() not in dist.Backend._plugins:
+    dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
