@@ -17,7 +17,7 @@ import griffe
 
 #: Classes users get from burncoll rather than build: ``register`` returns a Communicator,
 #: ``async_op=True`` a Work, ``start_orchestrator`` an Orchestrator, ``ddp`` a DataParallel.
-NOT_CONSTRUCTED = ("burncoll.api.Communicator", "burncoll.work.Work",
+NOT_CONSTRUCTED = ("burncoll.comm.communicator.Communicator", "burncoll.work.Work",
                    "burncoll.orchestrator.Orchestrator", "burncoll.train.ddp.DataParallel")
 
 

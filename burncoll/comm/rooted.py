@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from burncoll import objects
 from burncoll.backends.base import Array, Backend, Device
 from burncoll.backends.out_arrays import check_out
+from burncoll.comm import objects
 from burncoll.errors import UsageError
 from burncoll.ops import OpKind, ReduceOp, parse_reduce_op
 
@@ -150,7 +150,7 @@ class RootedOps:
 
     def gather_object(self, obj: object, root: int) -> list[object] | None:
         """Every peer's ``obj`` in rank order on peer ``root`` (``None`` elsewhere), torch's
-        ``gather_object``; msgpack, never pickle (:mod:`burncoll.objects` says what may go).
+        ``gather_object``; msgpack, never pickle (:mod:`burncoll.comm.objects` says what may go).
 
         Two collectives: a small all-gather of whether each peer could encode its object (so
         a refused object raises :class:`~burncoll.UsageError` on every peer, naming it), then

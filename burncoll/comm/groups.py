@@ -43,12 +43,12 @@ from typing import Protocol, TypeVar
 import numpy as np
 
 from burncoll.backends.base import Device
+from burncoll.comm.registry import REGISTRY
 from burncoll.config import CollectiveConfig
 from burncoll.config.values import parse_host_port
 from burncoll.errors import ProtocolError, TransportError, UsageError
 from burncoll.local.rendezvous import Rendezvous
 from burncoll.orchestrator import Orchestrator, start_orchestrator
-from burncoll.registry import REGISTRY
 
 __all__ = ["Groups"]
 

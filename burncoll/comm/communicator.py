@@ -7,23 +7,23 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from burncoll import objects
 from burncoll.backends import foreign_array, get_backend
 from burncoll.backends.base import Array, Backend, Device
 from burncoll.backends.out_arrays import check_out
-from burncoll.buckets import all_reduce_tree
+from burncoll.comm import objects
+from burncoll.comm.buckets import all_reduce_tree
+from burncoll.comm.groups import Groups
+from burncoll.comm.p2p import PointToPoint
+from burncoll.comm.registry import REGISTRY, close_node
+from burncoll.comm.rooted import RootedOps, parse_counts, write_out
 from burncoll.compression import COMPRESSIONS
 from burncoll.config import CollectiveConfig
 from burncoll.dtypes import SUPPORTED_DTYPES, dtype_from_name, is_inexact
 from burncoll.errors import CollectiveError, ConfigError, UsageError
-from burncoll.groups import Groups
 from burncoll.local.calls import Call
 from burncoll.local.plans import choose
 from burncoll.local.rendezvous import Rendezvous
 from burncoll.ops import OpKind, ReduceOp, check_reduce_dtype, parse_reduce_op
-from burncoll.p2p import PointToPoint
-from burncoll.registry import REGISTRY, close_node
-from burncoll.rooted import RootedOps, parse_counts, write_out
 from burncoll.work import OpQueue, Work
 
 __all__ = ["Communicator", "register"]
@@ -113,7 +113,7 @@ class Communicator(RootedOps, Groups, PointToPoint):
                out: Array | None = None, async_op: bool = False) -> Any:
         """``x`` reduced over every peer, returned on peer ``root``; ``None`` elsewhere.
         ``out=`` (read on the root only; ``out=x`` reduces in place there): where the result
-        is written (see :mod:`burncoll.rooted`)."""
+        is written (see :mod:`burncoll.comm.rooted`)."""
         reduce_op, root = parse_reduce_op(op), self._check_root(root)
         mine = out if root == self.peer_id else None
         if mine is not None:
@@ -168,14 +168,14 @@ class Communicator(RootedOps, Groups, PointToPoint):
 
     def broadcast_object(self, obj: object, root: int) -> object:
         """Peer ``root``'s ``obj`` on every peer (others pass anything, e.g. ``None``): one
-        broadcast of msgpack bytes, never pickle; :mod:`burncoll.objects` says what may go."""
+        broadcast of msgpack bytes, never pickle; :mod:`burncoll.comm.objects` says what may go."""
         mine = objects.payload(obj, self._backend, self.device) if root == self.peer_id else None
         got = self._backend.to_host(self.broadcast(mine, root))
         return objects.unpack(got, [root], "broadcast_object")[0]
 
     def all_gather_object(self, obj: object) -> list[object]:
         """Every peer's ``obj`` in rank order: one all_gather of msgpack bytes, never pickle;
-        :mod:`burncoll.objects` says what may be sent."""
+        :mod:`burncoll.comm.objects` says what may be sent."""
         got = self.all_gather(objects.payload(obj, self._backend, self.device))
         return objects.unpack(self._backend.to_host(got), self.peer_ids, "all_gather_object")
 
