@@ -16,8 +16,9 @@ from typing import Any
 import griffe
 
 #: Classes users get from burncoll rather than build: ``register`` returns a Communicator,
-#: ``async_op=True`` a Work, ``start_orchestrator`` an Orchestrator, ``ddp`` a DataParallel.
-NOT_CONSTRUCTED = ("burncoll.comm.communicator.Communicator", "burncoll.work.Work",
+#: ``async_op=True`` a Work, ``start_orchestrator`` an Orchestrator, ``ddp`` a DataParallel
+#: (a Communicator's constructor is its core's).
+NOT_CONSTRUCTED = ("burncoll.comm.core.CommunicatorCore", "burncoll.work.Work",
                    "burncoll.orchestrator.Orchestrator", "burncoll.train.ddp.DataParallel")
 
 
