@@ -22,7 +22,7 @@ from burncoll.errors import (
     UsageError,
 )
 from burncoll.ops import ReduceOp
-from burncoll.orchestrator import Orchestrator, start_orchestrator
+from burncoll.orchestration.orchestrator import Orchestrator, start_orchestrator
 from burncoll.strategies import Auto, Centralized, Ring, Strategy, Tree
 from burncoll.work import Work
 

@@ -49,7 +49,7 @@ from burncoll.config import CollectiveConfig
 from burncoll.config.values import parse_host_port
 from burncoll.errors import ProtocolError, TransportError, UsageError
 from burncoll.local.rendezvous import Rendezvous
-from burncoll.orchestrator import Orchestrator, start_orchestrator
+from burncoll.orchestration.orchestrator import Orchestrator, start_orchestrator
 
 __all__ = ["Groups"]
 

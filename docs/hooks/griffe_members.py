@@ -19,7 +19,7 @@ import griffe
 #: ``async_op=True`` a Work, ``start_orchestrator`` an Orchestrator, ``ddp`` a DataParallel
 #: (a Communicator's constructor is its core's).
 NOT_CONSTRUCTED = ("burncoll.comm.core.CommunicatorCore", "burncoll.work.Work",
-                   "burncoll.orchestrator.Orchestrator", "burncoll.train.ddp.DataParallel")
+                   "burncoll.orchestration.orchestrator.Orchestrator", "burncoll.train.ddp.DataParallel")
 
 
 def comment_above(obj: griffe.Object) -> str | None:
