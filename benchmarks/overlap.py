@@ -5,7 +5,8 @@
     sudo .venv/bin/python benchmarks/overlap.py --rate 1gbit   # 2 simulated hosts, 1 Gbit/s
 
 Starts an orchestrator and ``--nodes`` node processes (this file with ``--node``, through
-:func:`burncoll.launch.launch_nodes`, as ``burncoll launch --nodes N`` does), each with
+:func:`burncoll.orchestration.launch.launch_nodes`, as ``burncoll launch --nodes N`` does),
+each with
 ``--devices`` peer threads training a NumPy MLP (``--layers`` dense layers of ``--width`` x
 ``--width``, tanh, float32, ``--batch`` examples per peer, full-batch SGD) with
 ``DataParallel.fit``. Backward is computed layer by layer, last layer first. Two modes, the
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _arguments(argv)
     if args.node is not None:
         return node_main(args)
-    from burncoll.launch import launch_nodes
+    from burncoll.orchestration.launch import launch_nodes
 
     threads = str(args.blas_threads)
     env = {name: threads for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",

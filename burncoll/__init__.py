@@ -4,8 +4,9 @@ Thread per device, process per node: every peer thread calls :func:`register` an
 collectives of its :class:`Communicator`. See the README for the tour.
 """
 
-from burncoll.api import Communicator, register
 from burncoll.backends import get_backend
+from burncoll.comm.communicator import Communicator, register
+from burncoll.comm.ranks import node_rank, peer_ids
 from burncoll.config import CollectiveConfig
 from burncoll.errors import (
     AuthenticationError,
@@ -21,8 +22,7 @@ from burncoll.errors import (
     UsageError,
 )
 from burncoll.ops import ReduceOp
-from burncoll.orchestrator import Orchestrator, start_orchestrator
-from burncoll.ranks import node_rank, peer_ids
+from burncoll.orchestration.orchestrator import Orchestrator, start_orchestrator
 from burncoll.strategies import Auto, Centralized, Ring, Strategy, Tree
 from burncoll.work import Work
 

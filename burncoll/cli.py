@@ -44,7 +44,7 @@ def _token(args: argparse.Namespace) -> str | None:
 
 
 def _orchestrator(args: argparse.Namespace) -> int:
-    from burncoll.orchestrator import start_orchestrator
+    from burncoll.orchestration.orchestrator import start_orchestrator
 
     token = _token(args)
     stop = threading.Event()
@@ -62,7 +62,7 @@ def _orchestrator(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from burncoll.launch import launch_host, launch_nodes
+    from burncoll.orchestration.launch import launch_host, launch_nodes
 
     _check_launch_arguments(args.launch_parser, args)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # stop the nodes on the way out

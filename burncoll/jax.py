@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from burncoll.api import Communicator
+from burncoll.comm.communicator import Communicator
+from burncoll.comm.p2p import _check_tag
 from burncoll.dtypes import dtype_name
 from burncoll.errors import BackendUnavailable, UsageError
 from burncoll.ops import ReduceOp, parse_reduce_op
-from burncoll.p2p import _check_tag
 
 try:  # (as Any: jax's own hints are partial, and mypy --strict checks what it sees)
     jax: Any = importlib.import_module("jax")

@@ -18,7 +18,7 @@ Addresses. Each actor's node address is its Ray node IP (``ray.util.get_node_ip_
 and the orchestrator binds node 0's. When every actor reports the same IP they share one
 machine (one network namespace), and then everything binds loopback instead, as with
 ``burncoll launch``. The run is authenticated either way: a fresh random token
-(:func:`burncoll.launch.new_token`) is made for each call.
+(:func:`burncoll.orchestration.launch.new_token`) is made for each call.
 
 Two channels, and what crosses each. ``fn``, ``args``, ``kwargs``, the results, the
 exceptions and the nodes' settings (the token among them) travel between the driver and the
@@ -51,8 +51,8 @@ from burncoll.errors import (
     PeerLost,
     UsageError,
 )
-from burncoll.launch import new_token, node_environment
-from burncoll.orchestrator import Orchestrator, start_orchestrator
+from burncoll.orchestration.launch import new_token, node_environment
+from burncoll.orchestration.orchestrator import Orchestrator, start_orchestrator
 from burncoll.transport import TRANSPORT_NAMES
 
 __all__ = ["run"]

@@ -1,7 +1,8 @@
 """``burncoll bench``: the options, and the glue from them to the runner, peers and output.
 
 With ``--nodes N`` (N > 1) the command re-executes itself as the node script of
-:func:`burncoll.launch.launch_nodes` (``python -m burncoll.cli bench ... --bench-node FILE``);
+:func:`burncoll.orchestration.launch.launch_nodes`
+(``python -m burncoll.cli bench ... --bench-node FILE``);
 node 0 writes its rows to FILE and this process prints them, so the table carries no
 ``[node 0]`` prefixes. Peer baselines run in this process before burncoll, so their ratio
 columns can be printed as each row is measured.
@@ -308,7 +309,7 @@ def _run_node_mode(args: argparse.Namespace, spec: BenchSpec) -> int:
 def _run_multi_node(
     args: argparse.Namespace, spec: BenchSpec, config: CollectiveConfig
 ) -> list[Row] | int:
-    from burncoll.launch import launch_nodes
+    from burncoll.orchestration.launch import launch_nodes
 
     with tempfile.TemporaryDirectory(prefix="burncoll-bench-") as tmp:
         result_path = os.path.join(tmp, "rows.json")

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from burncoll.orchestrator import start_orchestrator
+from burncoll.orchestration.orchestrator import start_orchestrator
 
 __all__ = ["node_script_parser", "node_zero_line"]
 

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from burncoll.api import Communicator, register
 from burncoll.backends import get_backend
 from burncoll.backends.base import Array, Backend
 from burncoll.bench.check import ReferenceCache, count_wrong, element_counts, peer_input
 from burncoll.bench.options import REDUCING_OPS, ROOTED_OPS
 from burncoll.bench.results import Row, busbw_factor, median
+from burncoll.comm.communicator import Communicator, register
 from burncoll.config import CollectiveConfig
 from burncoll.dtypes import dtype_from_name, is_inexact
 from burncoll.errors import CollectiveError

@@ -18,7 +18,8 @@ __all__ = ["OTHER_VARIABLES", "nearest", "refuse_unknown_names", "warn_unknown_v
 
 #: ``BURNCOLL_*`` variables that are no config field but are read all the same.
 OTHER_VARIABLES = frozenset({
-    "BURNCOLL_RESTART_COUNT",  # set by `burncoll launch` for its nodes (burncoll.launch)
+    # set by `burncoll launch` for its nodes (burncoll.orchestration.launch)
+    "BURNCOLL_RESTART_COUNT",
     "BURNCOLL_FAULT_TABLE",  # where tests/reliability writes its table of faults
 })
 

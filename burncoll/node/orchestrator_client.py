@@ -1,4 +1,4 @@
-"""A node's side of the orchestrator protocol (see :mod:`burncoll.orchestrator`)."""
+"""A node's side of the orchestrator protocol (see :mod:`burncoll.orchestration.orchestrator`)."""
 
 from __future__ import annotations
 

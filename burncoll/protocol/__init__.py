@@ -4,6 +4,6 @@
 control messages of a node and the orchestrator, :mod:`.members` those between two members of
 a session, both read through :mod:`.fields`, which checks every field; :mod:`.checks` what a
 received DATA header must say before a byte of its part is used. The node level
-(:mod:`burncoll.node`), the orchestrator (:mod:`burncoll.orchestrator`) and the transports
-(:mod:`burncoll.transport`) all build on it.
+(:mod:`burncoll.node`), the orchestrator (:mod:`burncoll.orchestration.orchestrator`) and the
+transports (:mod:`burncoll.transport`) all build on it.
 """

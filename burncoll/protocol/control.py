@@ -1,12 +1,12 @@
 """Control messages: the JSON objects of CONTROL frames, as frozen dataclasses.
 
-Two conversations use them. A node and the orchestrator (:mod:`burncoll.orchestrator`) share
-this module, which holds their whole conversation: the node sends :class:`Join` (or
-:class:`Abandon`, having failed before it could join), :class:`Finish`, :class:`Leave`; the
-orchestrator answers with :class:`Table`, :class:`Refused`, :class:`Abandoned`,
-:class:`Notice`, :class:`Finished`, :class:`NodeLost`. Two members of a
-session talk with the messages of :mod:`burncoll.protocol.members`, built on what is here:
-the frame (:func:`encode`, :func:`kind_of`), the shapes several messages share
+Two conversations use them. A node and the orchestrator
+(:mod:`burncoll.orchestration.orchestrator`) share this module, which holds their whole
+conversation: the node sends :class:`Join` (or :class:`Abandon`, having failed before it could
+join), :class:`Finish`, :class:`Leave`; the orchestrator answers with :class:`Table`,
+:class:`Refused`, :class:`Abandoned`, :class:`Notice`, :class:`Finished`, :class:`NodeLost`.
+Two members of a session talk with the messages of :mod:`burncoll.protocol.members`, built on
+what is here: the frame (:func:`encode`, :func:`kind_of`), the shapes several messages share
 and the decoding by type.
 
 Each message encodes to the JSON object sent before these types existed (same keys, same

@@ -7,7 +7,7 @@ buckets while backward still runs (a ``grad_fn`` of ``fit`` that yields its grad
 layer gets it). ``burncoll.train.demo`` is the demo.
 """
 
-from burncoll.buckets import (
+from burncoll.comm.buckets import (
     DEFAULT_BUCKET_BYTES,
     all_reduce_tree,
     broadcast_tree,

@@ -31,10 +31,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from burncoll.api import Communicator
 from burncoll.backends import get_backend
 from burncoll.backends.base import Array, Backend, Device
-from burncoll.buckets import broadcast_tree, flatten_tree
+from burncoll.comm.buckets import broadcast_tree, flatten_tree
+from burncoll.comm.communicator import Communicator
 from burncoll.dtypes import dtype_name
 from burncoll.errors import UsageError
 from burncoll.train.checkpoint_file import (

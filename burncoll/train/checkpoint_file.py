@@ -19,7 +19,7 @@ Format (version 2): one uncompressed ``.npz`` archive, readable with
 - ``meta``: a ``uint8`` array holding UTF-8 JSON: ``{"format": "burncoll.train.fit checkpoint",
   "version": 2, "step": <steps done>, "run": {...} | null, "params": [leaf, ...],
   "state": [leaf, ...] | null}``, each leaf ``{"dtype": "float64", "shape": [3, 4], "raw":
-  false}`` in flattening order (:func:`~burncoll.buckets.flatten_tree`); ``state`` is ``null``
+  false}`` in flattening order (:func:`~burncoll.comm.buckets.flatten_tree`); ``state`` is ``null``
   for a plain update function and lists the leaves of the optax optimizer state otherwise.
   ``run`` is the :class:`RunInfo` of the run that wrote it: ``{"seed": 5, "batch": 32,
   "full_batch": false, "examples": 64, "data": [{"dtype": "float64", "shape": [64, 8]},

@@ -22,10 +22,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from burncoll import ranks
-from burncoll.api import Communicator, register
 from burncoll.backends import get_backend
 from burncoll.backends.base import Device
+from burncoll.comm import ranks
+from burncoll.comm.communicator import Communicator, register
 from burncoll.config import CollectiveConfig
 from burncoll.errors import CollectiveAborted, ConfigError, UsageError
 from burncoll.train.fit import FitResult, GradFn, Update, fit

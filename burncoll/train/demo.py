@@ -141,7 +141,7 @@ def _run_multi_node(nodes: int, devices: int, steps: int) -> int:
     """
     import secrets
 
-    from burncoll.launch import launch_nodes
+    from burncoll.orchestration.launch import launch_nodes
 
     command = [sys.executable, "-m", "burncoll.train.demo", "--devices", str(devices),
                "--steps", str(steps)]

@@ -2,7 +2,7 @@
 
 Every peer holds a replica of the parameters. Step by step, each peer takes its shard of the
 global batch, computes the loss and gradients on it with the user's ``grad_fn``, averages them
-over all peers with one bucketed all-reduce (:func:`~burncoll.buckets.all_reduce_tree`)
+over all peers with one bucketed all-reduce (:func:`~burncoll.comm.buckets.all_reduce_tree`)
 and applies the user's update. Since the averaged gradients are bitwise identical everywhere
 and the update is deterministic, the replicas stay bitwise identical.
 
@@ -29,10 +29,10 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
-from burncoll.api import Communicator
 from burncoll.backends import get_backend
 from burncoll.backends.base import Backend
-from burncoll.buckets import DEFAULT_BUCKET_BYTES, broadcast_tree, flatten_tree
+from burncoll.comm.buckets import DEFAULT_BUCKET_BYTES, broadcast_tree, flatten_tree
+from burncoll.comm.communicator import Communicator
 from burncoll.config import CollectiveConfig
 from burncoll.dtypes import dtype_name
 from burncoll.errors import UsageError

@@ -2,7 +2,7 @@
 gradients (:class:`StepReducer`), applying an optimizer's updates, and the progress bar.
 
 Overlap. ``grad_fn`` may return its gradients as a tree, reduced by one bucketed
-:func:`~burncoll.buckets.all_reduce_tree` once ``grad_fn`` has returned, or as an iterator of
+:func:`~burncoll.comm.buckets.all_reduce_tree` once ``grad_fn`` has returned, or as an iterator of
 ``(key, grad)`` pairs that backward yields layer by layer (last layer first): each pair is
 handed to a :class:`~burncoll.train.overlap.GradientBuckets` at once, so a bucket's
 all-reduce runs while the generator computes the next gradients. As DDP rebuilds its buckets
@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from burncoll.api import Communicator
 from burncoll.backends import get_backend
 from burncoll.backends.base import Array, Backend, Device
-from burncoll.buckets import all_reduce_tree, flatten_tree
+from burncoll.comm.buckets import all_reduce_tree, flatten_tree
+from burncoll.comm.communicator import Communicator
 from burncoll.dtypes import dtype_from_name, is_inexact
 from burncoll.errors import UsageError
 from burncoll.train.checkpoint import from_numpy

@@ -17,7 +17,7 @@ Every peer issues the buckets in the same order -- bucket ``k`` once it and ever
 before it are complete -- so gradients may be handed in in any order (they are then reduced
 later, not wrongly). The bucket plan is a pure function of ``like``'s structure, dtypes and
 shapes and of ``order``, so every peer must pass the same ones (as for
-:func:`~burncoll.buckets.all_reduce_tree`). ``fit`` does what DDP does after its first
+:func:`~burncoll.comm.buckets.all_reduce_tree`). ``fit`` does what DDP does after its first
 iteration: it learns the order in which rank 0's ``grad_fn`` yielded the gradients and
 rebuilds the buckets in that order (see :mod:`burncoll.train.fit_step`).
 """
@@ -30,10 +30,9 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
-from burncoll.api import Communicator
 from burncoll.backends import get_backend
 from burncoll.backends.base import Array
-from burncoll.buckets import (
+from burncoll.comm.buckets import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
     LeafSpec,
@@ -43,6 +42,7 @@ from burncoll.buckets import (
     plan_buckets,
     unpack_bucket,
 )
+from burncoll.comm.communicator import Communicator
 from burncoll.errors import UsageError
 from burncoll.ops import ReduceOp, check_reduce_dtype, parse_reduce_op
 from burncoll.work import Work
@@ -56,7 +56,7 @@ Path = tuple[Any, ...]
 
 
 def leaf_paths(tree: Any) -> list[Path]:
-    """The path of every leaf of ``tree``, in :func:`~burncoll.buckets.flatten_tree`'s order.
+    """The path of every leaf of ``tree``, in :func:`~burncoll.comm.buckets.flatten_tree`'s order.
 
     ``{"w": a, "layers": [{"b": c}]}`` gives ``[("layers", 0, "b"), ("w",)]``. With jax
     imported, the paths are ``jax.tree_util``'s (a named tuple's field by name, a registered
@@ -136,7 +136,7 @@ class GradientBuckets(Generic[T]):
     - ``op``: the reduction, by default the mean over every peer (gradients).
     - ``bucket_bytes``: DDP's ``bucket_cap_mb``, in bytes. Smaller buckets start reducing
       sooner; each costs one collective.
-    - ``order``: leaf indices (in :func:`~burncoll.buckets.flatten_tree`'s order) in the
+    - ``order``: leaf indices (in :func:`~burncoll.comm.buckets.flatten_tree`'s order) in the
       order their gradients will be ready; by default the reverse of that order, DDP's
       assumption that backward yields the last parameters first.
     - ``keys_under``: the path of the subtree of ``like`` whose paths :meth:`ready` takes

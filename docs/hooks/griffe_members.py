@@ -16,9 +16,10 @@ from typing import Any
 import griffe
 
 #: Classes users get from burncoll rather than build: ``register`` returns a Communicator,
-#: ``async_op=True`` a Work, ``start_orchestrator`` an Orchestrator, ``ddp`` a DataParallel.
-NOT_CONSTRUCTED = ("burncoll.api.Communicator", "burncoll.work.Work",
-                   "burncoll.orchestrator.Orchestrator", "burncoll.train.ddp.DataParallel")
+#: ``async_op=True`` a Work, ``start_orchestrator`` an Orchestrator, ``ddp`` a DataParallel
+#: (a Communicator's constructor is its core's).
+NOT_CONSTRUCTED = ("burncoll.comm.core.CommunicatorCore", "burncoll.work.Work",
+                   "burncoll.orchestration.orchestrator.Orchestrator", "burncoll.train.ddp.DataParallel")
 
 
 def comment_above(obj: griffe.Object) -> str | None:

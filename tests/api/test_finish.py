@@ -57,16 +57,18 @@ _SCRIPT = """
 import sys, threading
 import numpy as np, burncoll
 with burncoll.start_orchestrator(transport="websocket", expected_nodes=2) as orch:
+    results = [None, None]
     def node(n):
         cfg = burncoll.CollectiveConfig(num_nodes=2, node_rank=n, num_devices=1,
                                         global_address=orch.address, timeout=20.0)
         comm = burncoll.register(n, 0, cfg)
-        print(comm.all_reduce(np.full(3, n + 1.0)).tolist(), flush=True)
+        results[n] = comm.all_reduce(np.full(3, n + 1.0)).tolist()
         if sys.argv[1] == "finish":
             comm.finish()
     threads = [threading.Thread(target=node, args=(n,)) for n in range(2)]
     [t.start() for t in threads]
     [t.join() for t in threads]
+    print("\\n".join(map(str, results)))  # one write: two threads' prints could interleave
 """
 
 

@@ -6,7 +6,7 @@ compared with the objects built again independently (types, dtypes, shapes and v
 stay tuples, dict order is kept). A peer whose object cannot be sent makes every peer raise a
 :class:`~burncoll.UsageError` naming it and where the object went wrong, at once (the timeout
 is 10 s and the error is not a timeout), and the communicator keeps working. Hostile bytes fed
-to :func:`burncoll.objects.decode` raise :class:`~burncoll.ProtocolError`, never another error.
+to :func:`burncoll.comm.objects.decode` raise :class:`~burncoll.ProtocolError`, never another error.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import burncoll
-from burncoll import objects
+from burncoll.comm import objects
 from burncoll.errors import ProtocolError, UsageError
 from burncoll.train import ddp
 from tests.harness import run_nodes

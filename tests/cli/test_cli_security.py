@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from burncoll.launch import node_environment
+from burncoll.orchestration.launch import node_environment
 
 NODE = Path(__file__).with_name("allreduce_node.py")
 REPO = Path(__file__).resolve().parents[2]

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from burncoll import ConfigError
-from burncoll.launch import launch_host
+from burncoll.orchestration.launch import launch_host
 
 WORKER = Path(__file__).with_name("restart_worker.py")
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import threading
 
-from burncoll.launch_report import NodeOutput, Outcome, failure_line, summary
+from burncoll.orchestration.launch_report import NodeOutput, Outcome, failure_line, summary
 
 
 def output_of(text: str) -> tuple[NodeOutput, str]:

@@ -11,7 +11,7 @@ import pytest
 
 from burncoll import CollectiveConfig, ConfigError
 from burncoll.config.names import OTHER_VARIABLES, warn_unknown_variables
-from burncoll.launch import node_environment
+from burncoll.orchestration.launch import node_environment
 
 REPO = Path(__file__).resolve().parents[2]
 FIELDS = tuple(CollectiveConfig.__dataclass_fields__)

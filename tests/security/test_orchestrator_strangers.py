@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 
 import burncoll
-from burncoll import orchestrator_waiting
-from burncoll.launch import node_environment
 from burncoll.node.orchestrator_client import OrchestratorClient
+from burncoll.orchestration import waiting as waiting_room
+from burncoll.orchestration.launch import node_environment
 from burncoll.protocol.control import Join
 from burncoll.protocol.wire import decode, encode_control
 from burncoll.transport import get_transport
@@ -221,7 +221,7 @@ def test_expected_nodes_refuses_other_counts_at_once() -> None:
 def test_waiting_registrations_are_capped_and_freed_when_they_leave(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(orchestrator_waiting, "MAX_WAITING", 3)  # a small cap, to reach it
+    monkeypatch.setattr(waiting_room, "MAX_WAITING", 3)  # a small cap, to reach it
     with burncoll.start_orchestrator() as orch:
         # three groups of one (each its own fingerprint), none of which can fill up
         strangers = [Stranger(orch.port, join(10 + k, num_nodes=3, tag=k)) for k in range(3)]

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import burncoll
-from burncoll.orchestrator_waiting import Member, Session
+from burncoll.orchestration.waiting import Member, Session
 from burncoll.protocol.control import Table, TableEntry
 from tests.harness import run_nodes
 

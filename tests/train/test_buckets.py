@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import burncoll
-from burncoll import buckets
-from burncoll.buckets import LeafSpec
+from burncoll.comm import buckets
+from burncoll.comm.buckets import LeafSpec
 from burncoll.train import all_reduce_tree, broadcast_tree, ddp, flatten_tree, plan_buckets
 from tests.train._util import bitwise_equal, config, leaves
 

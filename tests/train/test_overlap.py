@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import burncoll
-from burncoll.buckets import LeafSpec, flatten_tree
+from burncoll.comm.buckets import LeafSpec, flatten_tree
 from burncoll.train import GradientBuckets, ddp, leaf_paths, plan_stream_buckets
 from burncoll.train.fit_step import StepReducer
 from tests.train._util import bitwise_equal, config, ddp_threads, max_abs_diff

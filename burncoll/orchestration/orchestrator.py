@@ -39,7 +39,7 @@ waiting depends on whether the orchestrator has a token:
   -- what a user who misconfigured one node needs to see.
 
 ``expected_nodes`` (``burncoll orchestrator --nodes N``; ``burncoll launch`` sets it) refuses
-any other ``num_nodes`` at once. State is bounded (:mod:`burncoll.orchestrator_waiting`): the
+any other ``num_nodes`` at once. State is bounded (:mod:`burncoll.orchestration.waiting`): the
 waiting registrations and their peer ids are capped, and so is each join (its peer ids, the
 bytes of its fingerprint and meta); beyond, a join is refused with a logged reason. A waiting
 node whose connection closes (or that says ``leave``) is forgotten. The messages are the
@@ -58,7 +58,7 @@ import logging
 from burncoll.config.security import check_bind_address, check_tls_mode, check_token
 from burncoll.errors import AuthenticationError, ConfigError, ProtocolError, TransportError
 from burncoll.ioloop import IoLoop
-from burncoll.orchestrator_waiting import (
+from burncoll.orchestration.waiting import (
     MAX_WAITING,
     Conflict,
     Group,

@@ -2,29 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
-from burncoll import objects
-from burncoll.backends import foreign_array, get_backend
-from burncoll.backends.base import Array, Backend, Device
+from burncoll.backends import get_backend
+from burncoll.backends.base import Array, Device
 from burncoll.backends.out_arrays import check_out
-from burncoll.buckets import all_reduce_tree
+from burncoll.comm import objects
+from burncoll.comm.buckets import all_reduce_tree
+from burncoll.comm.groups import Groups
+from burncoll.comm.p2p import PointToPoint
+from burncoll.comm.registry import REGISTRY, close_node
+from burncoll.comm.rooted import RootedOps, parse_counts, write_out
 from burncoll.compression import COMPRESSIONS
 from burncoll.config import CollectiveConfig
-from burncoll.dtypes import SUPPORTED_DTYPES, dtype_from_name, is_inexact
-from burncoll.errors import CollectiveError, ConfigError, UsageError
-from burncoll.groups import Groups
-from burncoll.local.calls import Call
-from burncoll.local.plans import choose
-from burncoll.local.rendezvous import Rendezvous
-from burncoll.ops import OpKind, ReduceOp, check_reduce_dtype, parse_reduce_op
-from burncoll.p2p import PointToPoint
-from burncoll.registry import REGISTRY, close_node
-from burncoll.rooted import RootedOps, parse_counts, write_out
-from burncoll.work import OpQueue, Work
+from burncoll.dtypes import dtype_from_name, is_inexact
+from burncoll.errors import UsageError
+from burncoll.ops import OpKind, ReduceOp, parse_reduce_op
 
 __all__ = ["Communicator", "register"]
 
@@ -41,39 +37,6 @@ class Communicator(RootedOps, Groups, PointToPoint):
     reads its input (and writes its ``out=``) on this peer's worker thread: leave them
     unchanged until the Work completes.
     """
-
-    def __init__(self, server: Rendezvous, index: int, device: Device) -> None:
-        self._server = server
-        self._index = index
-        self._backend: Backend = server.backend
-        #: This peer's id, as passed to :func:`register`.
-        self.peer_id: int = server.peer_ids[index]
-        #: The device this peer's results live on.
-        self.device: Device = device
-        #: Position of ``peer_id`` among all peer ids of the collective, sorted.
-        self.rank: int = server.rank_of[self.peer_id]
-        #: Number of peers in the whole collective (all nodes).
-        self.world_size: int = server.world_size
-        #: This peer's operations in the order issued (``async_op=True`` runs them on its
-        #: worker thread; see :mod:`burncoll.work`).
-        self._ops = OpQueue(f"burncoll-peer-{self.peer_id}")
-        self._p2p_in_flight: set[Work[Any]] = set()
-
-    def __repr__(self) -> str:
-        return (
-            f"Communicator(peer_id={self.peer_id}, rank={self.rank}, "
-            f"world_size={self.world_size}, device={self.device!r})"
-        )
-
-    @property
-    def peer_ids(self) -> tuple[int, ...]:
-        """Every peer id of the collective, sorted (index = rank)."""
-        return self._server.world_peer_ids
-
-    @property
-    def config(self) -> CollectiveConfig:
-        """The configuration this peer registered with."""
-        return self._server.config
 
     # -- operations -------------------------------------------------------------------------
     def all_reduce(self, x: Array, op: ReduceOp | str = "sum", *, out: Array | None = None,
@@ -113,7 +76,7 @@ class Communicator(RootedOps, Groups, PointToPoint):
                out: Array | None = None, async_op: bool = False) -> Any:
         """``x`` reduced over every peer, returned on peer ``root``; ``None`` elsewhere.
         ``out=`` (read on the root only; ``out=x`` reduces in place there): where the result
-        is written (see :mod:`burncoll.rooted`)."""
+        is written (see :mod:`burncoll.comm.rooted`)."""
         reduce_op, root = parse_reduce_op(op), self._check_root(root)
         mine = out if root == self.peer_id else None
         if mine is not None:
@@ -168,16 +131,15 @@ class Communicator(RootedOps, Groups, PointToPoint):
 
     def broadcast_object(self, obj: object, root: int) -> object:
         """Peer ``root``'s ``obj`` on every peer (others pass anything, e.g. ``None``): one
-        broadcast of msgpack bytes, never pickle; :mod:`burncoll.objects` says what may go."""
+        broadcast of msgpack bytes, never pickle; :mod:`burncoll.comm.objects` says what may go."""
         mine = objects.payload(obj, self._backend, self.device) if root == self.peer_id else None
         got = self._backend.to_host(self.broadcast(mine, root))
         return objects.unpack(got, [root], "broadcast_object")[0]
 
     def all_gather_object(self, obj: object) -> list[object]:
         """Every peer's ``obj`` in rank order: one all_gather of msgpack bytes, never pickle;
-        :mod:`burncoll.objects` says what may be sent."""
-        got = self.all_gather(objects.payload(obj, self._backend, self.device))
-        return objects.unpack(self._backend.to_host(got), self.peer_ids, "all_gather_object")
+        :mod:`burncoll.comm.objects` says what may be sent."""
+        return self._all_gather_record(objects.payload(obj), "all_gather_object")
 
     def all_reduce_tree(
         self, tree: T, op: ReduceOp | str = "mean", bucket_bytes: int = 25 * 2**20, *,
@@ -210,24 +172,6 @@ class Communicator(RootedOps, Groups, PointToPoint):
         if self._server.finish(self._index):
             close_node(self._server)
 
-    def _issue(self, label: str, fn: Callable[[], Any], async_op: bool) -> Any:
-        """Run ``fn`` (one operation) in program order: now, or queued behind this peer's
-        operations in flight; with ``async_op``, return its :class:`~burncoll.Work` at once."""
-        def reported() -> Any:
-            try:
-                return fn()
-            except (UsageError, ConfigError):  # (the caller's mistake: the session goes on)
-                raise
-            except CollectiveError:
-                link = self._server.link
-                if link is not None:  # (finish() then does not raise it again)
-                    link.failure_reported = True
-                raise
-
-        if async_op:
-            return self._ops.submit(reported, label)
-        return self._ops.run(reported, label)
-
     def _compression(self, x: Array, given: str | None) -> str | None:
         """The wire format of an all-reduce of ``x``: ``given`` (checked), else the config's
         for float32/float64 arrays; ``None`` on a single node (nothing goes on a wire)."""
@@ -244,20 +188,6 @@ class Communicator(RootedOps, Groups, PointToPoint):
         if given is None or given == "none" or not self._server.world.multi_node:
             return None
         return given
-
-    # -- validation ---------------------------------------------------------------------------
-    def _is_array(self, x: object) -> bool:
-        return self._backend.is_array(x)
-
-    def _check_root(self, root: int) -> int:
-        if isinstance(root, bool) or not isinstance(root, int):
-            raise UsageError(f"root must be a peer id (an int), got {root!r}")
-        if root not in self._server.rank_of:
-            raise UsageError(
-                f"root={root} is not a peer of this collective; peer ids are "
-                f"{list(self._server.world_peer_ids)}"
-            )
-        return root
 
     def _check_out(self, x: Array, out: Array, op: ReduceOp) -> Array:
         """``out`` checked; the array to reduce into: ``x`` itself when ``out`` is ``x``'s
@@ -279,41 +209,6 @@ class Communicator(RootedOps, Groups, PointToPoint):
                              "start, dtype or strides); pass out=x to reduce in place, or a "
                              "separate array")
         return out
-
-    def _run(
-        self, kind: OpKind, x: Array | None, op: ReduceOp | None, root: int | None,
-        allow_none: bool = False, out: Array | None = None,
-        counts: tuple[int, ...] | None = None, compression: str | None = None,
-    ) -> Array | None:
-        self._server.check_usable(self._index)
-        dtype: str | None = None
-        shape: tuple[int, ...] | None = None
-        if x is not None or not allow_none:
-            x = self._accept(kind, x)
-            dtype = self._backend.dtype_name(x)
-            if op is not None and op.bitwise:  # refused here, before this peer joins it
-                check_reduce_dtype(op, dtype, kind.label)
-            shape = tuple(self._backend.shape(x))
-        call = Call(self.peer_id, kind, op, root, x, dtype, shape, out, counts, compression)
-        return self._server.run(self._index, call, choose.prepare)
-
-    def _accept(self, kind: OpKind, x: Array | None) -> Array:
-        backend = self._backend
-        if not backend.is_array(x):
-            raise UsageError(f"{kind.label}: {foreign_array(x, backend.name)}")
-        byteorder = getattr(x, "dtype", None)
-        if isinstance(byteorder, np.dtype) and not byteorder.isnative:
-            # the wire carries native-order elements: convert (a copy), as NumPy would
-            x = x.astype(byteorder.newbyteorder("="))  # type: ignore[union-attr]
-        dtype = backend.dtype_name(x)
-        if dtype not in SUPPORTED_DTYPES:
-            raise UsageError(
-                f"{kind.label}: dtype {dtype} is not supported; use one of "
-                f"{', '.join(SUPPORTED_DTYPES)}"
-            )
-        if not backend.same_device(backend.device_of(x), self.device):
-            x = backend.to_device(x, self.device)
-        return x
 
 
 def _overlap(a: Array, b: Array) -> bool:

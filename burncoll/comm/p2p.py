@@ -43,13 +43,14 @@ import concurrent.futures
 import contextlib
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from burncoll.backends import foreign_array
-from burncoll.backends.base import Array, Backend, Device
+from burncoll.backends.base import Array
 from burncoll.backends.out_arrays import check_out
+from burncoll.comm.core import CommunicatorCore
 from burncoll.dtypes import SUPPORTED_DTYPES, dtype_name
 from burncoll.errors import (
     CollectiveAborted,
@@ -61,7 +62,6 @@ from burncoll.errors import (
 from burncoll.ioloop import CLEANUP_GRACE
 from burncoll.levels import MAX_TAG, HostArray
 from burncoll.local.post import Letter, Receipt
-from burncoll.local.rendezvous import Rendezvous
 from burncoll.protocol.wire import MAX_NDIM
 from burncoll.work import Work
 
@@ -72,17 +72,9 @@ T = TypeVar("T")
 Want = tuple[str, tuple[int, ...]] | None
 
 
-class PointToPoint:
-    """send / recv / isend / irecv (a mixin of :class:`~burncoll.Communicator`; the module
+class PointToPoint(CommunicatorCore):
+    """send / recv / isend / irecv (a part of :class:`~burncoll.Communicator`; the module
     docstring says what they promise)."""
-
-    if TYPE_CHECKING:  # provided by Communicator
-        _server: Rendezvous
-        _index: int
-        _backend: Backend
-        peer_id: int
-        device: Device
-        _p2p_in_flight: set[Work[Any]]  # isend / irecv not completed yet
 
     def send(self, x: Array, dst: int, tag: int = 0) -> None:
         """Send ``x`` to peer ``dst`` under ``tag``; returns once ``dst`` received it."""

@@ -30,13 +30,13 @@ from typing import Any
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from burncoll.api import Communicator, register
+from burncoll.comm.communicator import Communicator, register
+from burncoll.comm.registry import REGISTRY
 from burncoll.config import CollectiveConfig
 from burncoll.config.addresses import resolves_to_loopback, route_address
 from burncoll.config.launchers import detect_launcher
 from burncoll.config.values import parse_host_port
-from burncoll.orchestrator import Orchestrator, start_orchestrator
-from burncoll.registry import REGISTRY
+from burncoll.orchestration.orchestrator import Orchestrator, start_orchestrator
 
 __all__ = ["open_session"]
 

@@ -12,14 +12,15 @@ shape, which receives the result and is returned (mutable backends only: NumPy, 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from burncoll import objects
-from burncoll.backends.base import Array, Backend, Device
+from burncoll.backends.base import Array, Backend
 from burncoll.backends.out_arrays import check_out
+from burncoll.comm import objects
+from burncoll.comm.core import CommunicatorCore
 from burncoll.errors import UsageError
 from burncoll.ops import OpKind, ReduceOp, parse_reduce_op
 
@@ -60,28 +61,9 @@ def parse_counts(counts: object, label: str) -> tuple[int, ...] | None:
                          f"{counts!r}") from None
 
 
-class RootedOps:
-    """gather / scatter / all_to_all / scan / exscan and their object forms (a mixin of
-    :class:`~burncoll.Communicator`, whose machinery they use)."""
-
-    if TYPE_CHECKING:  # provided by Communicator
-        _backend: Backend
-        peer_id: int
-        device: Device
-
-        @property
-        def peer_ids(self) -> tuple[int, ...]: ...
-
-        def _issue(self, label: str, fn: Callable[[], Any], async_op: bool) -> Any: ...
-
-        def _check_root(self, root: int) -> int: ...
-
-        def all_gather(self, x: Array, *, out: Array | None = None,
-                       async_op: bool = False) -> Any: ...
-
-        def _run(self, kind: OpKind, x: Array | None, op: ReduceOp | None, root: int | None,
-                 allow_none: bool = False, out: Array | None = None,
-                 counts: tuple[int, ...] | None = None) -> Array | None: ...
+class RootedOps(CommunicatorCore):
+    """gather / scatter / all_to_all / scan / exscan and their object forms (a part of
+    :class:`~burncoll.Communicator`)."""
 
     def _rows(self, x: object, label: str) -> None:
         if self._backend.is_array(x) and len(self._backend.shape(x)) == 0:
@@ -150,17 +132,16 @@ class RootedOps:
 
     def gather_object(self, obj: object, root: int) -> list[object] | None:
         """Every peer's ``obj`` in rank order on peer ``root`` (``None`` elsewhere), torch's
-        ``gather_object``; msgpack, never pickle (:mod:`burncoll.objects` says what may go).
+        ``gather_object``; msgpack, never pickle (:mod:`burncoll.comm.objects` says what may go).
 
         Two collectives: a small all-gather of whether each peer could encode its object (so
         a refused object raises :class:`~burncoll.UsageError` on every peer, naming it), then
         the gather of the encodings."""
         root = self._check_root(root)
         record = objects.payload(obj)
-        status = record if objects.is_refusal(record) else objects.payload(None)
+        self._all_gather_record(record if objects.is_refusal(record) else objects.payload(None),
+                                "gather_object")  # whether each peer's object could go
         backend, device = self._backend, self.device
-        sent = backend.from_host(status, "uint8", status.shape, device)
-        objects.unpack(backend.to_host(self.all_gather(sent)), self.peer_ids, "gather_object")
         got = self.gather(backend.from_host(record, "uint8", record.shape, device), root)
         if got is None:
             return None

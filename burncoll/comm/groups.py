@@ -38,17 +38,18 @@ import secrets
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
-from burncoll.backends.base import Device
+from burncoll.comm import objects
+from burncoll.comm.core import CommunicatorCore
+from burncoll.comm.registry import REGISTRY
 from burncoll.config import CollectiveConfig
 from burncoll.config.values import parse_host_port
 from burncoll.errors import ProtocolError, TransportError, UsageError
 from burncoll.local.rendezvous import Rendezvous
-from burncoll.orchestrator import Orchestrator, start_orchestrator
-from burncoll.registry import REGISTRY
+from burncoll.orchestration.orchestrator import Orchestrator, start_orchestrator
 
 __all__ = ["Groups"]
 
@@ -59,27 +60,10 @@ _DRAIN_SECONDS = 5.0
 _SHOWN = 60
 
 
-class _Parent(Protocol):
-    """What :class:`Groups` uses of the communicator it is part of."""
-
-    _server: Rendezvous
-    device: Device
-    rank: int
-    world_size: int
-    parent_ranks: tuple[int, ...] | None
-
-    def __init__(self, server: Rendezvous, index: int, device: Device) -> None: ...
-
-    @property
-    def config(self) -> CollectiveConfig: ...
-
-    def all_gather_object(self, obj: object) -> list[object]: ...
+C = TypeVar("C", bound="Groups")
 
 
-C = TypeVar("C", bound=_Parent)
-
-
-class Groups:
+class Groups(CommunicatorCore):
     """:meth:`split` and :meth:`group`: new communicators over some of this one's peers."""
 
     #: For a communicator made by :meth:`split` or :meth:`group`: the parent rank of each of
@@ -150,10 +134,11 @@ def _show(value: object) -> str:
     return repr(value)
 
 
-def _gather(comm: _Parent, label: str, mine: object) -> _Seen:
+def _gather(comm: Groups, label: str, mine: object) -> _Seen:
     """Every parent peer's input (one all-gather); peers that called different things (one
     split, another group) raise the same error."""
-    got = comm.all_gather_object([label, mine, min(comm._server.peer_ids), secrets.token_hex(8)])
+    got = comm._all_gather_record(objects.payload(
+        [label, mine, min(comm._server.peer_ids), secrets.token_hex(8)]), "all_gather_object")
     rows = []
     for item in got:
         if not (isinstance(item, list) and len(item) == 4 and isinstance(item[0], str)
@@ -265,7 +250,7 @@ def _node_host(config: CollectiveConfig) -> str:
     return host
 
 
-def _share_address(comm: _Parent, mine: list[int] | None, seen: _Seen, label: str
+def _share_address(comm: Groups, mine: list[int] | None, seen: _Seen, label: str
                    ) -> tuple[str | None, _Hosted | None]:
     """The address of the orchestrator of this peer's group (which its rank 0 starts on its
     node), through an all-gather over the parent that every parent peer joins."""
@@ -283,7 +268,7 @@ def _share_address(comm: _Parent, mine: list[int] | None, seen: _Seen, label: st
         except Exception as exc:  # the others must not wait for an address
             error, record = exc, ["error", f"{type(exc).__name__}: {exc}"]
     try:
-        got = comm.all_gather_object(record)
+        got = comm._all_gather_record(objects.payload(record), "all_gather_object")
     except BaseException:
         if hosted is not None:
             hosted.close()

@@ -3,10 +3,10 @@
 ``*_object`` helpers) run their collectives on burncoll.
 
 One torch process is one burncoll node with one peer, whose peer id is its rank in the group;
-:mod:`burncoll.torch_session` meets the other ranks through torch's store. Each operation
-maps to one burncoll collective on NumPy views of the tensors (:func:`~burncoll.torch_work.
+:mod:`burncoll.torch.session` meets the other ranks through torch's store. Each operation
+maps to one burncoll collective on NumPy views of the tensors (:func:`~burncoll.torch.work.
 as_array`), issued with ``async_op=True`` (in the calling thread instead when torch's caller
-waits at once, ``async_op=False``): the returned ``Work`` (:class:`~burncoll.torch_work.
+waits at once, ``async_op=False``): the returned ``Work`` (:class:`~burncoll.torch.work.
 TorchWork`) completes its future with the tensors, which DDP and its communication hooks
 chain on. all_reduce reduces the caller's tensor in place; the other operations write their
 result into the caller's tensors through burncoll's ``out=``. docs/pytorch.md is the user's
@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from burncoll.api import Communicator
+from burncoll.comm.communicator import Communicator
 from burncoll.errors import UsageError
 from burncoll.ops import ReduceOp
-from burncoll.torch_session import open_session
-from burncoll.torch_work import TorchWork, as_array, flat, split_into, torch_errors
+from burncoll.torch.session import open_session
+from burncoll.torch.work import TorchWork, as_array, flat, split_into, torch_errors
 from burncoll.work import Work
 
 T = TypeVar("T")

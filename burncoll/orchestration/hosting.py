@@ -17,7 +17,7 @@ import threading
 from burncoll.config import CollectiveConfig
 from burncoll.config.values import parse_host_port
 from burncoll.errors import TransportError
-from burncoll.orchestrator import Orchestrator, start_orchestrator
+from burncoll.orchestration.orchestrator import Orchestrator, start_orchestrator
 
 __all__ = ["hosted_orchestrator"]
 

@@ -116,7 +116,7 @@ def encode(obj: object) -> bytes:
         raise UsageError(f"cannot send obj: {type(exc).__name__}: {exc}") from exc
     if len(body) > MAX_OBJECT_BYTES:
         raise UsageError(f"cannot send obj: it encodes to {len(body)} bytes, over the limit of "
-                         f"{MAX_OBJECT_BYTES} (burncoll.objects.MAX_OBJECT_BYTES)")
+                         f"{MAX_OBJECT_BYTES} (burncoll.comm.objects.MAX_OBJECT_BYTES)")
     return _HEADER.pack(_OBJECT, len(body)) + body
 
 
@@ -239,7 +239,7 @@ def _array_ext(array: np.ndarray[Any, Any], code: int) -> msgpack.ExtType:
     """dtype name, dimensions and raw C-order native-endian bytes."""
     if array.nbytes > MAX_OBJECT_BYTES:
         raise ValueError(f"an array of {array.nbytes} bytes is over the limit of "
-                         f"{MAX_OBJECT_BYTES} (burncoll.objects.MAX_OBJECT_BYTES)")
+                         f"{MAX_OBJECT_BYTES} (burncoll.comm.objects.MAX_OBJECT_BYTES)")
     if not array.dtype.isnative:
         array = array.astype(array.dtype.newbyteorder("="))
     name = dtype_name(array.dtype).encode("ascii")

@@ -1,10 +1,11 @@
 """The node processes of one ``burncoll launch``, in rounds: started, watched, stopped, restarted.
 
-A round starts one process per node and copies their output (:mod:`burncoll.launch_report`).
-When one fails, the launcher says so at once (which node, its exit code, its error); the others
-get ``grace`` seconds to exit on their own in the last round (none in a round that is followed
-by a restart), then are stopped: SIGTERM, then SIGKILL after :data:`STOP_SECONDS`. A failed run
-ends with a summary of every node, like torchrun's.
+A round starts one process per node and copies their output
+(:mod:`burncoll.orchestration.launch_report`). When one fails, the launcher says so at once
+(which node, its exit code, its error); the others get ``grace`` seconds to exit on their own
+in the last round (none in a round that is followed by a restart), then are stopped: SIGTERM,
+then SIGKILL after :data:`STOP_SECONDS`. A failed run ends with a summary of every node, like
+torchrun's.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from burncoll.launch_report import NodeOutput, Outcome, describe, failure_line, summary
+from burncoll.orchestration.launch_report import (
+    NodeOutput,
+    Outcome,
+    describe,
+    failure_line,
+    summary,
+)
 
 __all__ = ["FAILURE_GRACE", "STOP_SECONDS", "EnvsFor", "exit_code", "run_rounds"]
 

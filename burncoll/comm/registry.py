@@ -22,8 +22,8 @@ from burncoll.backends import get_backend
 from burncoll.backends.base import Device
 from burncoll.config import CollectiveConfig
 from burncoll.errors import CollectiveError, CollectiveTimeout, UsageError
-from burncoll.hosting import hosted_orchestrator
 from burncoll.local.rendezvous import Rendezvous
+from burncoll.orchestration.hosting import hosted_orchestrator
 
 __all__ = ["REGISTRY", "Registry", "close_node"]
 

@@ -19,7 +19,7 @@ Each node gets its node rank, the orchestrator's address and its own settings th
 torchrun's there), and torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ... for scripts
 that read them (:func:`torchrun_environment`); the token travels through the environment too
 (never argv, which every user can read in ``/proc/PID/cmdline``). Each node's output is
-prefixed with ``[node R]`` (:mod:`burncoll.launch_report`).
+prefixed with ``[node R]`` (:mod:`burncoll.orchestration.launch_report`).
 
 Failures and restarts (``max_restarts``): when a node of this launcher exits non-zero or is
 killed by a signal and restarts remain, the launcher stops its other nodes (SIGTERM, then
@@ -47,8 +47,14 @@ from collections.abc import Sequence
 from burncoll.config.addresses import route_address
 from burncoll.config.security import check_token, is_loopback
 from burncoll.errors import ConfigError
-from burncoll.launch_rounds import FAILURE_GRACE, STOP_SECONDS, EnvsFor, exit_code, run_rounds
-from burncoll.orchestrator import start_orchestrator
+from burncoll.orchestration.launch_rounds import (
+    FAILURE_GRACE,
+    STOP_SECONDS,
+    EnvsFor,
+    exit_code,
+    run_rounds,
+)
+from burncoll.orchestration.orchestrator import start_orchestrator
 
 __all__ = [
     "FAILURE_GRACE",

@@ -1,6 +1,7 @@
 """The orchestrator's waiting room: who waits with whom, and the sessions they form.
 
-Sans-I/O: the orchestrator (:mod:`burncoll.orchestrator`) reads and sends; this module decides.
+Sans-I/O: the orchestrator (:mod:`burncoll.orchestration.orchestrator`) reads and sends; this
+module decides.
 Waiting registrations are grouped by their config fingerprint; a group becomes a
 :class:`Session` when it holds its ``num_nodes`` members. Peer ids must be unique within a
 group. With a token, a registration whose fingerprint differs from a group already waiting is

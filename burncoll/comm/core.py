@@ -1,0 +1,138 @@
+"""The one core every part of :class:`~burncoll.Communicator` shares: the peer's state, the
+queue that runs its operations in program order, and the argument checks every operation makes.
+
+:class:`~burncoll.comm.rooted.RootedOps`, :class:`~burncoll.comm.p2p.PointToPoint` and
+:class:`~burncoll.comm.groups.Groups` subclass it; :class:`~burncoll.Communicator` joins them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from burncoll.backends import foreign_array
+from burncoll.backends.base import Array, Backend, Device
+from burncoll.comm import objects
+from burncoll.config import CollectiveConfig
+from burncoll.dtypes import SUPPORTED_DTYPES
+from burncoll.errors import CollectiveError, ConfigError, UsageError
+from burncoll.local.calls import Call
+from burncoll.local.plans import choose
+from burncoll.local.rendezvous import Rendezvous
+from burncoll.ops import OpKind, ReduceOp, check_reduce_dtype
+from burncoll.work import OpQueue, Work
+
+__all__ = ["CommunicatorCore"]
+
+
+class CommunicatorCore:
+    """One peer's state and the machinery of its operations (see the module docstring)."""
+
+    def __init__(self, server: Rendezvous, index: int, device: Device) -> None:
+        self._server = server
+        self._index = index
+        self._backend: Backend = server.backend
+        #: This peer's id, as passed to :func:`register`.
+        self.peer_id: int = server.peer_ids[index]
+        #: The device this peer's results live on.
+        self.device: Device = device
+        #: Position of ``peer_id`` among all peer ids of the collective, sorted.
+        self.rank: int = server.rank_of[self.peer_id]
+        #: Number of peers in the whole collective (all nodes).
+        self.world_size: int = server.world_size
+        #: This peer's operations in the order issued (``async_op=True`` runs them on its
+        #: worker thread; see :mod:`burncoll.work`).
+        self._ops = OpQueue(f"burncoll-peer-{self.peer_id}")
+        self._p2p_in_flight: set[Work[Any]] = set()
+
+    def __repr__(self) -> str:
+        return (
+            f"Communicator(peer_id={self.peer_id}, rank={self.rank}, "
+            f"world_size={self.world_size}, device={self.device!r})"
+        )
+
+    @property
+    def peer_ids(self) -> tuple[int, ...]:
+        """Every peer id of the collective, sorted (index = rank)."""
+        return self._server.world_peer_ids
+
+    @property
+    def config(self) -> CollectiveConfig:
+        """The configuration this peer registered with."""
+        return self._server.config
+
+    def _issue(self, label: str, fn: Callable[[], Any], async_op: bool) -> Any:
+        """Run ``fn`` (one operation) in program order: now, or queued behind this peer's
+        operations in flight; with ``async_op``, return its :class:`~burncoll.Work` at once."""
+        def reported() -> Any:
+            try:
+                return fn()
+            except (UsageError, ConfigError):  # (the caller's mistake: the session goes on)
+                raise
+            except CollectiveError:
+                link = self._server.link
+                if link is not None:  # (finish() then does not raise it again)
+                    link.failure_reported = True
+                raise
+
+        if async_op:
+            return self._ops.submit(reported, label)
+        return self._ops.run(reported, label)
+
+    # -- validation ---------------------------------------------------------------------------
+    def _is_array(self, x: object) -> bool:
+        return self._backend.is_array(x)
+
+    def _check_root(self, root: int) -> int:
+        if isinstance(root, bool) or not isinstance(root, int):
+            raise UsageError(f"root must be a peer id (an int), got {root!r}")
+        if root not in self._server.rank_of:
+            raise UsageError(
+                f"root={root} is not a peer of this collective; peer ids are "
+                f"{list(self._server.world_peer_ids)}"
+            )
+        return root
+
+    def _run(
+        self, kind: OpKind, x: Array | None, op: ReduceOp | None, root: int | None,
+        allow_none: bool = False, out: Array | None = None,
+        counts: tuple[int, ...] | None = None, compression: str | None = None,
+    ) -> Array | None:
+        self._server.check_usable(self._index)
+        dtype: str | None = None
+        shape: tuple[int, ...] | None = None
+        if x is not None or not allow_none:
+            x = self._accept(kind, x)
+            dtype = self._backend.dtype_name(x)
+            if op is not None and op.bitwise:  # refused here, before this peer joins it
+                check_reduce_dtype(op, dtype, kind.label)
+            shape = tuple(self._backend.shape(x))
+        call = Call(self.peer_id, kind, op, root, x, dtype, shape, out, counts, compression)
+        return self._server.run(self._index, call, choose.prepare)
+
+    def _accept(self, kind: OpKind, x: Array | None) -> Array:
+        backend = self._backend
+        if not backend.is_array(x):
+            raise UsageError(f"{kind.label}: {foreign_array(x, backend.name)}")
+        byteorder = getattr(x, "dtype", None)
+        if isinstance(byteorder, np.dtype) and not byteorder.isnative:
+            # the wire carries native-order elements: convert (a copy), as NumPy would
+            x = x.astype(byteorder.newbyteorder("="))  # type: ignore[union-attr]
+        dtype = backend.dtype_name(x)
+        if dtype not in SUPPORTED_DTYPES:
+            raise UsageError(
+                f"{kind.label}: dtype {dtype} is not supported; use one of "
+                f"{', '.join(SUPPORTED_DTYPES)}"
+            )
+        if not backend.same_device(backend.device_of(x), self.device):
+            x = backend.to_device(x, self.device)
+        return x
+
+    def _all_gather_record(self, record: np.ndarray[Any, Any], label: str) -> list[object]:
+        """Every peer's object in rank order, from this peer's ``record`` (an
+        :func:`~burncoll.comm.objects.payload`): one all-gather of msgpack bytes, never pickle."""
+        sent = self._backend.from_host(record, "uint8", record.shape, self.device)
+        got = self._issue(label, lambda: self._run(OpKind.ALL_GATHER, sent, None, None), False)
+        return objects.unpack(self._backend.to_host(got), self.peer_ids, label)
