@@ -112,20 +112,25 @@ class CommunicatorCore:
         call = Call(self.peer_id, kind, op, root, x, dtype, shape, out, counts, compression)
         return self._server.run(self._index, call, choose.prepare)
 
-    def _accept(self, kind: OpKind, x: Array | None) -> Array:
+    def _checked(self, label: str, x: object) -> Array:
+        """``x`` if it is an array of this backend in a supported dtype, in native byte order
+        (a copy, as NumPy would make, when it was not: the wire carries native elements)."""
         backend = self._backend
         if not backend.is_array(x):
-            raise UsageError(f"{kind.label}: {foreign_array(x, backend.name)}")
+            raise UsageError(f"{label}: {foreign_array(x, backend.name)}")
         byteorder = getattr(x, "dtype", None)
         if isinstance(byteorder, np.dtype) and not byteorder.isnative:
-            # the wire carries native-order elements: convert (a copy), as NumPy would
-            x = x.astype(byteorder.newbyteorder("="))  # type: ignore[union-attr]
+            x = x.astype(byteorder.newbyteorder("="))  # type: ignore[attr-defined]
         dtype = backend.dtype_name(x)
         if dtype not in SUPPORTED_DTYPES:
-            raise UsageError(
-                f"{kind.label}: dtype {dtype} is not supported; use one of "
-                f"{', '.join(SUPPORTED_DTYPES)}"
-            )
+            raise UsageError(f"{label}: dtype {dtype} is not supported; use one of "
+                             f"{', '.join(SUPPORTED_DTYPES)}")
+        return x
+
+    def _accept(self, kind: OpKind, x: Array | None) -> Array:
+        """``x`` checked (:meth:`_checked`) and on this peer's device."""
+        x = self._checked(kind.label, x)
+        backend = self._backend
         if not backend.same_device(backend.device_of(x), self.device):
             x = backend.to_device(x, self.device)
         return x

@@ -45,13 +45,10 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import numpy as np
-
-from burncoll.backends import foreign_array
 from burncoll.backends.base import Array
 from burncoll.backends.out_arrays import check_out
 from burncoll.comm.core import CommunicatorCore
-from burncoll.dtypes import SUPPORTED_DTYPES, dtype_name
+from burncoll.dtypes import dtype_name
 from burncoll.errors import (
     CollectiveAborted,
     CollectiveError,
@@ -220,17 +217,8 @@ class PointToPoint(CommunicatorCore):
         return peer
 
     def _p2p_array(self, label: str, x: object) -> Array:
-        backend = self._backend
-        if not backend.is_array(x):
-            raise UsageError(f"{label}: {foreign_array(x, backend.name)}")
-        dtype = getattr(x, "dtype", None)
-        if isinstance(dtype, np.dtype) and not dtype.isnative:
-            x = x.astype(dtype.newbyteorder("="))  # type: ignore[attr-defined]
-        name = backend.dtype_name(x)
-        if name not in SUPPORTED_DTYPES:
-            raise UsageError(f"{label}: dtype {name} is not supported; use one of "
-                             f"{', '.join(SUPPORTED_DTYPES)}")
-        if len(backend.shape(x)) > MAX_NDIM:
+        x = self._checked(label, x)
+        if len(self._backend.shape(x)) > MAX_NDIM:
             raise UsageError(f"{label}: arrays of more than {MAX_NDIM} dimensions cannot be "
                              "sent")
         return x
