@@ -40,6 +40,7 @@ __all__ = [
     "ProtocolError",
     "TransportError",
     "UsageError",
+    "error_named",
 ]
 
 
@@ -95,3 +96,16 @@ class TransportError(CollectiveError, ConnectionError):
 
 class ProtocolError(TransportError):
     """Bytes received were not a valid burncoll frame (bad magic, version, size, or field)."""
+
+
+def error_named(name: str) -> type[CollectiveError]:
+    """The error class another node named in a message (its ``__name__``); a name that is not
+    one of the classes above arrives as a :class:`CollectiveError`."""
+    return _BY_NAME.get(name, CollectiveError)
+
+
+_BY_NAME: dict[str, type[CollectiveError]] = {
+    cls.__name__: cls for cls in (
+        CollectiveError, ConfigError, UsageError, BackendUnavailable, MismatchError,
+        CollectiveTimeout, PeerLost, AuthenticationError, TransportError, ProtocolError)
+}

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from burncoll.comm.communicator import Communicator
-from burncoll.comm.p2p import _check_tag
+from burncoll.comm.p2p import check_tag
 from burncoll.dtypes import dtype_name
 from burncoll.errors import BackendUnavailable, UsageError
 from burncoll.ops import ReduceOp, parse_reduce_op
@@ -104,7 +104,7 @@ def send(x: Any, dst: int, comm: Communicator, tag: int = 0) -> None:
     nothing, and runs in program order even though nothing uses a result."""
     comm = _checked(comm)
     _send_p.bind(jnp.asarray(x), comm=comm, dst=comm._p2p_peer("burncoll.jax.send", dst, "dst"),
-                 tag=_check_tag("burncoll.jax.send", tag))
+                 tag=check_tag("burncoll.jax.send", tag))
 
 
 def recv(like: Any, src: int, comm: Communicator, tag: int = 0) -> Any:
@@ -112,7 +112,7 @@ def recv(like: Any, src: int, comm: Communicator, tag: int = 0) -> Any:
     ``jax.ShapeDtypeStruct``) gives its shape and dtype, which must be known when tracing."""
     comm, label = _checked(comm), "burncoll.jax.recv"
     return _recv_p.bind(comm=comm, src=comm._p2p_peer(label, src, "src"),
-                        tag=_check_tag(label, tag), shape=tuple(like.shape),
+                        tag=check_tag(label, tag), shape=tuple(like.shape),
                         dtype=np.dtype(like.dtype))[0]
 
 

@@ -75,7 +75,7 @@ class PointToPoint(CommunicatorCore):
 
     def send(self, x: Array, dst: int, tag: int = 0) -> None:
         """Send ``x`` to peer ``dst`` under ``tag``; returns once ``dst`` received it."""
-        dst, tag = self._p2p_peer("send", dst, "dst"), _check_tag("send", tag)
+        dst, tag = self._p2p_peer("send", dst, "dst"), check_tag("send", tag)
         if dst == self.peer_id:
             raise UsageError(
                 f"send: dst={dst} is this peer itself; a blocking send to yourself could never "
@@ -85,20 +85,20 @@ class PointToPoint(CommunicatorCore):
     def isend(self, x: Array, dst: int, tag: int = 0) -> Work[None]:
         """Send ``x`` to peer ``dst`` under ``tag``; returns a :class:`~burncoll.Work` at once,
         completed when ``dst`` received it (keep ``x`` unchanged until then)."""
-        dst, tag = self._p2p_peer("isend", dst, "dst"), _check_tag("isend", tag)
+        dst, tag = self._p2p_peer("isend", dst, "dst"), check_tag("isend", tag)
         return self._in_flight(self._send("isend", x, dst, tag, wait=False))
 
     def recv(self, src: int, tag: int = 0, out: Array | None = None) -> Array:
         """The next message from peer ``src`` under ``tag``: a new array on this peer's device
         (or ``out``, filled; its dtype and shape must be the sender's)."""
-        src, tag = self._p2p_peer("recv", src, "src"), _check_tag("recv", tag)
+        src, tag = self._p2p_peer("recv", src, "src"), check_tag("recv", tag)
         result: Array = self._recv("recv", src, tag, out, wait=True)
         return result
 
     def irecv(self, src: int, tag: int = 0, out: Array | None = None) -> Work[Any]:
         """Receive the next message from peer ``src`` under ``tag``; returns a
         :class:`~burncoll.Work` at once, completed with the array (as :meth:`recv`)."""
-        src, tag = self._p2p_peer("irecv", src, "src"), _check_tag("irecv", tag)
+        src, tag = self._p2p_peer("irecv", src, "src"), check_tag("irecv", tag)
         work: Work[Any] = self._recv("irecv", src, tag, out, wait=False)
         return self._in_flight(work)
 
@@ -230,7 +230,7 @@ class PointToPoint(CommunicatorCore):
         return backend.dtype_name(out), tuple(backend.shape(out))
 
 
-def _check_tag(label: str, tag: object) -> int:
+def check_tag(label: str, tag: object) -> int:
     if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
         raise UsageError(f"{label}: tag must be an int from 0 to {MAX_TAG} (it travels in 16 "
                          f"bits), got {tag!r}")

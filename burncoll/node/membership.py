@@ -18,22 +18,14 @@ from dataclasses import dataclass
 
 from burncoll.errors import (
     CollectiveError,
-    CollectiveTimeout,
-    MismatchError,
-    PeerLost,
     ProtocolError,
+    error_named,
 )
 from burncoll.node.mailbox import Mailbox
 from burncoll.protocol.members import Abort, Hello
 
 __all__ = ["Membership", "NodeInfo", "TableMismatch", "error_from_abort", "explain_lost",
            "table_digest"]
-
-_ERRORS_BY_NAME: dict[str, type[CollectiveError]] = {
-    cls.__name__: cls
-    for cls in (CollectiveError, MismatchError, CollectiveTimeout, PeerLost, ProtocolError)
-}
-
 
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
@@ -141,7 +133,7 @@ class Membership:
 
 def error_from_abort(abort: Abort, nodes: Sequence[NodeInfo]) -> CollectiveError:
     """The exception an :class:`Abort` stands for (never anything but ours)."""
-    cls = _ERRORS_BY_NAME.get(abort.error, CollectiveError)
+    cls = error_named(abort.error)
     text = abort.message
     if abort.node < len(nodes):
         text = f"{text} (reported by {nodes[abort.node].describe()})"

@@ -8,14 +8,12 @@ from collections.abc import Awaitable, Callable
 
 from burncoll.errors import (
     AuthenticationError,
-    BackendUnavailable,
     CollectiveError,
     CollectiveTimeout,
     ConfigError,
-    MismatchError,
     ProtocolError,
     TransportError,
-    UsageError,
+    error_named,
 )
 from burncoll.node.membership import NodeInfo
 from burncoll.protocol.control import (
@@ -42,12 +40,6 @@ __all__ = ["OrchestratorClient"]
 
 #: Longest notice text kept from the orchestrator (it is only shown in an error message).
 _NOTICE_LIMIT = 2000
-#: The errors a node that failed before the collective formed passes on to the nodes waiting
-#: for it, by class name (any other name arrives as a CollectiveError).
-_PASSED_ON: dict[str, type[CollectiveError]] = {
-    cls.__name__: cls for cls in (ConfigError, UsageError, MismatchError, TransportError,
-                                  CollectiveTimeout, BackendUnavailable, AuthenticationError)
-}
 #: Seconds a node that failed before it joined spends telling the orchestrator (best effort).
 ABANDON_SECONDS = 2.0
 
@@ -102,7 +94,7 @@ class OrchestratorClient:
         if isinstance(reply, Refused):
             raise ConfigError(f"the orchestrator refused this node: {reply.reason}")
         if isinstance(reply, Abandoned):
-            raise _PASSED_ON.get(reply.error, CollectiveError)(reply.reason)
+            raise error_named(reply.error)(reply.reason)
         self._take_table(reply)
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
