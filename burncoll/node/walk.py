@@ -303,17 +303,14 @@ class Walk:
         """Put one received part where it goes: combined with ``source`` into ``target`` (a
         REDUCE), or copied there (a part received in place is there already); a compressed
         all-reduce's 16-bit values are widened as they are combined (no decoded copy)."""
-        if self.wire is not None:
-            values = wire_values(np.frombuffer(frame.payload, np.uint16), self.wire)
-            if reduce_op is not None:
-                reduce_into(reduce_op, (source, values), target)
-            else:
-                np.copyto(target, values)
-        elif reduce_op is not None and not frame.placed:  # (placed: combined as it came)
-            reduce_into(reduce_op, (source, np.frombuffer(frame.payload, target.dtype)),
-                        target)
-        elif not frame.placed:
-            target[...] = np.frombuffer(frame.payload, dtype=target.dtype)
+        if frame.placed:  # combined or copied as it came (never a compressed part)
+            return
+        part = (np.frombuffer(frame.payload, target.dtype) if self.wire is None
+                else wire_values(np.frombuffer(frame.payload, np.uint16), self.wire))
+        if reduce_op is not None:
+            reduce_into(reduce_op, (source, part), target)
+        else:
+            np.copyto(target, part)
 
     def _room(self, c: int, target: HostArray, got: int, pipe: Pipeline | None,
               slot: int) -> Generator[Request, Frame | None, memoryview | None]:
