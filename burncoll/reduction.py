@@ -1,12 +1,12 @@
 """The one reduction kernel of host memory: :func:`reduce_into`.
 
-Every host-side reduction -- the fused one-node all-reduce, the exchange, the shared
-segments, the global walk's REDUCE steps (and the parts it combines straight out of a
-transport's memory), the personalised collectives' reduce-scatter and scans -- combines its
-operands here, element-wise, **in the order given**: ``operands[0] op operands[1] op ... op
-operands[-1]``. Every node and every peer passes them in the same (node or rank) order, so
-every one computes the same bits: floating-point sums depend on their order, and this is the
-only place that fixes it.
+The fused one-node all-reduce, the exchange, the shared segments, the global walk's REDUCE
+steps (and the parts it combines straight out of a transport's memory), and the personalised
+collectives' reduce-scatter and scans combine their operands here, element-wise, **in the
+order given**: ``operands[0] op operands[1] op ... op operands[-1]``. Every node and every
+peer passes them in the same (node or rank) order, so every one computes the same bits
+(floating-point sums depend on their order). (The inline plan and the local schedules combine
+any backend's arrays with that backend's own ops.)
 
 When the result is read again after its first pass -- a third operand, a mean's division, a
 copy into other results -- the kernel works a cache-sized block (:data:`BLOCK_BYTES`) at a
