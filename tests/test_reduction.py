@@ -178,13 +178,16 @@ def test_16_bit_operands_are_widened_into_out() -> None:
 
 
 def test_multidimensional_and_strided_arrays() -> None:
-    """Shapes are kept; a strided (non-contiguous) out is written where it lies."""
+    """Shapes are kept; a strided (non-contiguous) out or copy is written where it lies."""
     xs = _operands(3, 24, np.dtype(np.float64), seed=5)
     grids = [x.reshape(4, 6) for x in xs]
     out = reduce_into(ReduceOp.PROD, grids, np.empty((4, 6)), block_bytes=SMALL_BLOCK)
     _check(ReduceOp.PROD, grids, out, 1, "prod of 3 4x6 float64")
-    backing = np.zeros((4, 12))
-    strided = backing[:, ::2]
-    reduce_into(ReduceOp.SUM, grids, strided, block_bytes=SMALL_BLOCK)
-    _check(ReduceOp.SUM, grids, strided, 1, "sum into a strided out")
-    assert np.all(backing[:, 1::2] == 0)
+    for strided_out in (True, False):
+        backing = np.zeros((4, 12))
+        strided = backing[:, :6]  # (rows apart: no flat view of it)
+        out, copy = (strided, np.zeros((4, 6))) if strided_out else (np.zeros((4, 6)), strided)
+        reduce_into(ReduceOp.MEAN, grids, out, divisor=3, copies=[copy],
+                    block_bytes=SMALL_BLOCK)
+        _check(ReduceOp.MEAN, grids, out, 3, f"mean (strided out: {strided_out})")
+        assert copy.tobytes() == out.tobytes() and np.all(backing[:, 6:] == 0)
