@@ -61,9 +61,9 @@ def reduce_into(op: ReduceOp, operands: Sequence[NDArray], out: NDArray, *,
     ufunc = _UFUNCS[op]
     divisor = divisor if op is ReduceOp.MEAN else None
     passes = len(operands) - 1 + len(copies) + (divisor is not None)
-    if passes <= 1 or out.nbytes <= block_bytes or not all(
-            a.flags.c_contiguous for a in (out, *copies)):  # (their flat views are them)
-        _reduce_block(ufunc, operands, out, divisor, copies)  # (nothing kept in cache)
+    if out.nbytes <= block_bytes or passes <= 1 or not all(
+            a.flags.c_contiguous for a in (out, *copies)):  # (blocks are of flat views)
+        _reduce_block(ufunc, operands, out, divisor, copies)  # whole arrays, one block
         return out
     flat = out.reshape(-1)
     flat_operands = [x.reshape(-1) for x in operands]
