@@ -21,9 +21,8 @@ from burncoll.backends.base import Array, Backend
 from burncoll.backends.pool import fresh
 from burncoll.dtypes import dtype_from_name, dtype_name, host_view, is_inexact
 from burncoll.errors import UsageError
-from burncoll.ops import ReduceOp
 
-__all__ = ["CpuDevice", "NumpyBackend", "host_memory", "host_ufunc"]
+__all__ = ["CpuDevice", "NumpyBackend", "host_memory"]
 
 NDArray = np.ndarray[Any, Any]
 
@@ -204,23 +203,6 @@ def _check_device(device: object) -> None:
 
 if TYPE_CHECKING:  # mypy checks that the class satisfies the protocol
     _conforms: Backend = NumpyBackend()
-
-
-_HOST_UFUNCS: dict[ReduceOp, Any] = {
-    ReduceOp.SUM: np.add,
-    ReduceOp.MEAN: np.add,  # the division by the peer count comes after
-    ReduceOp.MAX: np.maximum,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.PROD: np.multiply,
-    ReduceOp.BAND: np.bitwise_and,
-    ReduceOp.BOR: np.bitwise_or,
-    ReduceOp.BXOR: np.bitwise_xor,
-}
-
-
-def host_ufunc(op: ReduceOp) -> Any:
-    """The NumPy ufunc that combines two host arrays element-wise for ``op`` (MEAN sums)."""
-    return _HOST_UFUNCS[op]
 
 
 def host_memory(backend: Backend, x: object) -> NDArray | None:

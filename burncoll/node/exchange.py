@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from burncoll.backends.numpy import host_ufunc
 from burncoll.dtypes import dtype_from_name
 from burncoll.errors import UsageError
 from burncoll.levels import GlobalOp, HostArray
@@ -30,6 +29,7 @@ from burncoll.node.receives import FrameKey, Receives
 from burncoll.ops import ReduceOp
 from burncoll.protocol.checks import Check
 from burncoll.protocol.wire import DataHeader, Frame, encode_data_header
+from burncoll.reduction import reduce_into
 
 if TYPE_CHECKING:
     from burncoll.node.executor import GlobalExecutor
@@ -82,14 +82,8 @@ def reduce_in_node_order(op: GlobalOp, me: int, nodes: int, buf: HostArray,
                          received: Mapping[int, HostArray], out: HostArray) -> None:
     """``out = x0 op x1 op ...`` over the ``nodes`` nodes in node order, ``buf`` being this
     node's ``x`` and ``received`` every other node's: every node computes the same bits."""
-    ufunc = host_ufunc(op.reduce_op or ReduceOp.SUM)
     operands = [buf if i == me else received[i] for i in range(nodes)]
-    if len(operands) == 1:
-        out[...] = buf
-        return
-    ufunc(operands[0], operands[1], out=out)
-    for x in operands[2:]:
-        ufunc(out, x, out=out)
+    reduce_into(op.reduce_op or ReduceOp.SUM, operands, out)
 
 
 def watched_arrays(op: GlobalOp, buf: HostArray, check: Check,

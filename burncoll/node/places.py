@@ -9,29 +9,31 @@ it, and copied the part there, before it lends anything.)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from burncoll.levels import HostArray
+from burncoll.ops import ReduceOp
 from burncoll.protocol.wire import Frame
+from burncoll.reduction import reduce_into
 
 __all__ = ["Place", "ReducePlace", "settled"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ReducePlace:
-    """A part a walk reduces: ``ufunc(source, part, out=target)`` (views of the part's
-    elements, ``nbytes`` of them), straight out of the memory a transport lent."""
+    """A part a walk reduces: ``target = source op part`` (views of the part's elements,
+    ``nbytes`` of them), straight out of the memory a transport lent."""
 
-    ufunc: Any
+    op: ReduceOp
     source: HostArray
     target: HostArray
     nbytes: int
 
     def combine(self, payload: memoryview) -> memoryview:
         """Reduce ``payload`` into the target; the target's bytes."""
-        self.ufunc(self.source, np.frombuffer(payload, self.target.dtype), out=self.target)
+        reduce_into(self.op, (self.source, np.frombuffer(payload, self.target.dtype)),
+                    self.target)
         return memoryview(self.target.view(np.uint8)).cast("B")  # type: ignore[arg-type]
 
 

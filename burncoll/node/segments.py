@@ -45,11 +45,9 @@ import mmap
 import os
 import re
 import secrets
-from typing import Any
 
 import numpy as np
 
-from burncoll.backends.numpy import host_ufunc
 from burncoll.errors import CollectiveError, ProtocolError
 from burncoll.levels import GlobalOp, HostArray
 from burncoll.node.exchange import require_separate_out
@@ -58,6 +56,7 @@ from burncoll.node.shared_mail import MAIL_AREA_BYTES, ORDERED_STORES, SharedMai
 from burncoll.ops import ReduceOp
 from burncoll.protocol.checks import Check
 from burncoll.protocol.wire import DataHeader, encode_data_header
+from burncoll.reduction import reduce_into
 from burncoll.strategies.auto import SEGMENT_NODES
 from burncoll.strategies.layout import even_layout
 from burncoll.transport.ring_files import close_ring, map_offered, new_ring
@@ -75,8 +74,6 @@ _MAIL_AT = 0
 _SLOT_AT = -(-MAIL_AREA_BYTES // mmap.PAGESIZE) * mmap.PAGESIZE
 _RESULT_AT = _SLOT_AT + PIECE_BYTES
 SEGMENT_BYTES = _RESULT_AT + PIECE_BYTES // 2 + 64
-#: Elements reduced at once (a block stays in the cache while every node's is added to it).
-_BLOCK_BYTES = 256 << 10
 #: An offer: the segment's creator's pid, its descriptor there and its name's token, padded.
 _OFFER_BYTES = 64
 _OFFERED = re.compile(rb"([0-9]{1,10})/([0-9]{1,10})/([0-9a-f]{32})\0*")
@@ -163,7 +160,7 @@ class HostSegments:
         slots[self._me] = piece
         self._round(op, check, round_)
         mine = np.frombuffer(maps[self._me], dtype, b - a, _RESULT_AT)
-        _reduce(op.reduce_op or ReduceOp.SUM, [s[a:b] for s in slots], mine)
+        reduce_into(op.reduce_op or ReduceOp.SUM, [s[a:b] for s in slots], mine)
         self._round(op, check, round_ + 1)
         for n, (a, b) in enumerate(layout):
             out[a:b] = np.frombuffer(maps[n], dtype, b - a, _RESULT_AT)
@@ -237,15 +234,3 @@ class HostSegments:
         self._lanes.mail = None
         for mapping in maps.values():
             close_ring(None, mapping)
-
-
-def _reduce(op: ReduceOp, parts: list[HostArray], out: HostArray) -> None:
-    """``out = parts[0] op parts[1] op ...``, a cache-sized block at a time."""
-    ufunc: Any = host_ufunc(op)
-    step = max(_BLOCK_BYTES // out.itemsize, 1)
-    for a in range(0, out.size, step):
-        block = out[a:a + step]
-        ufunc(parts[0][a:a + step], parts[1][a:a + step], out=block)
-        for part in parts[2:]:
-            ufunc(block, part[a:a + step], out=block)
-

@@ -32,11 +32,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from burncoll.backends.numpy import host_ufunc
 from burncoll.compression import WIRE_ITEMSIZE, encode, quantize, wire_values
 from burncoll.dtypes import dtype_from_name
 from burncoll.errors import CollectiveError, ProtocolError
@@ -45,9 +43,10 @@ from burncoll.node.mailbox import PART_BYTES, FrameKey, Receives
 from burncoll.node.pipeline import Pipeline
 from burncoll.node.places import Place, ReducePlace
 from burncoll.node.step_buffers import copy_unwritten, step_buffers, wire_settled
-from burncoll.ops import ROW_KINDS
+from burncoll.ops import ROW_KINDS, ReduceOp
 from burncoll.protocol.checks import Check, expected_bytes, part_of, protocol_error
 from burncoll.protocol.wire import DataHeader, Frame
+from burncoll.reduction import reduce_into
 from burncoll.strategies import Action, Schedule, Step
 
 __all__ = [
@@ -155,7 +154,6 @@ class Walk:
         self.steps = sorted(((r, s) for r, round_ in enumerate(schedule.rounds) for s in round_
                              if me in (s.src, s.dst)), key=lambda rs: (rs[0], rs[1].src != me))
         self.pipelined = any(c is not None and c.nbytes > part_bytes for c in chunks)
-        self._ufunc = host_ufunc(op.reduce_op) if op.reduce_op is not None else None
         #: A compressed all-reduce's wire format: parts, offsets and sizes then count its
         #: 16-bit values, and received values are widened before they are combined.
         self.wire = op.compression
@@ -251,18 +249,18 @@ class Walk:
         once before the pipeline lets a later step read it."""
         c = step.chunk
         key = (self.op.seq, self.channel, r, step.src, c)
-        ufunc = self._ufunc if step.action is Action.REDUCE else None
+        reduce_op = self.op.reduce_op if step.action is Action.REDUCE else None
         got, total = 0, -1
         target, source = write[c], read[c]
         while got < total or total < 0:
             place: Place | None = None
             if target is not None and self.wire is None:
                 room = yield from self._room(c, target, got, pipe, slot)
-                if ufunc is None or room is None:
+                if reduce_op is None or room is None:
                     place = room
                 elif source is not None:  # a REDUCE is offered a reduction, never raw memory
                     a, b = got // target.itemsize, (got + len(room)) // target.itemsize
-                    place = ReducePlace(ufunc, source[a:b], target[a:b], len(room))
+                    place = ReducePlace(reduce_op, source[a:b], target[a:b], len(room))
             frame = yield ReceivePart(key, got, place)
             assert frame is not None  # a ReceivePart is answered with its frame
             h = frame.header
@@ -288,7 +286,7 @@ class Walk:
             if pipe is not None:
                 while not pipe.ready(c, slot, got + size):
                     yield AwaitChunk(c)
-            self._apply(frame, ufunc, source[start:stop], target[start:stop])
+            self._apply(frame, reduce_op, source[start:stop], target[start:stop])
             got += size
             if pipe is not None:
                 pipe.advance(c, slot, got)
@@ -300,20 +298,19 @@ class Walk:
         if pipe is not None:
             pipe.finish(c, slot)
 
-    def _apply(self, frame: Frame, ufunc: Any, source: HostArray, target: HostArray) -> None:
+    def _apply(self, frame: Frame, reduce_op: ReduceOp | None, source: HostArray,
+               target: HostArray) -> None:
         """Put one received part where it goes: combined with ``source`` into ``target`` (a
         REDUCE), or copied there (a part received in place is there already); a compressed
-        all-reduce's 16-bit values are widened first."""
-        if self.wire is not None:  # widened as they are combined: no decoded copy
-            values = wire_values(np.frombuffer(frame.payload, np.uint16), self.wire)
-            if ufunc is not None:
-                ufunc(source, values, out=target, dtype=target.dtype)
-            else:
-                np.copyto(target, values)
-        elif ufunc is not None and not frame.placed:  # (placed: combined as it came)
-            ufunc(source, np.frombuffer(frame.payload, dtype=target.dtype), out=target)
-        elif not frame.placed:
-            target[...] = np.frombuffer(frame.payload, dtype=target.dtype)
+        all-reduce's 16-bit values are widened as they are combined (no decoded copy)."""
+        if frame.placed:  # combined or copied as it came (never a compressed part)
+            return
+        part = (np.frombuffer(frame.payload, target.dtype) if self.wire is None
+                else wire_values(np.frombuffer(frame.payload, np.uint16), self.wire))
+        if reduce_op is not None:
+            reduce_into(reduce_op, (source, part), target)
+        else:
+            np.copyto(target, part)
 
     def _room(self, c: int, target: HostArray, got: int, pipe: Pipeline | None,
               slot: int) -> Generator[Request, Frame | None, memoryview | None]:

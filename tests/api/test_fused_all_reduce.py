@@ -20,7 +20,8 @@ import pytest
 
 import burncoll
 from burncoll.dtypes import dtype_from_name
-from burncoll.local.plans.fused import BLOCK_BYTES, FusedBuffers
+from burncoll.local.plans.fused import FusedBuffers
+from burncoll.reduction import BLOCK_BYTES
 from burncoll.strategies.auto import INLINE_BYTES
 from tests.api.test_single_node_ops import REDUCERS, _config, _inputs
 from tests.harness import run_peers

@@ -4,10 +4,10 @@ share of the elements, reduces it across all inputs and writes it into every pee
 A schedule moves chunks between per-peer buffers round by round, with a thread barrier per
 round and a pass over memory per step. When the peers' arrays all live in this process's
 memory (the NumPy backend), one pass is enough: peer ``i`` reduces the elements
-``[a_i, b_i)`` of every input, a cache-sized block at a time, in peer order
-(``x0 op x1 op ... op x(d-1)``, the same order as the inline path), and copies each block
-into every peer's result while it is still in cache. (torch CPU tensors too: their NumPy views
-are their memory.) Memory traffic is the minimum for an
+``[a_i, b_i)`` of every input with :func:`~burncoll.reduction.reduce_into`, a cache-sized
+block at a time, in peer order (``x0 op x1 op ... op x(d-1)``, the same order as the inline
+path), and copies each block into every peer's result while it is still in cache. (torch
+CPU tensors too: their NumPy views are their memory.) Memory traffic is the minimum for an
 out-of-place all-reduce (read every input once, write every result once), the threads work
 in parallel (NumPy releases the GIL), and there is a single barrier, at the end, so that no
 peer returns (and lets its caller modify its input) while another still reads it.
@@ -23,18 +23,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from burncoll.backends.base import Array
-from burncoll.backends.numpy import host_memory, host_ufunc
+from burncoll.backends.numpy import host_memory
 from burncoll.backends.pool import fresh
 from burncoll.levels import HostArray
 from burncoll.local.plans.phases import peer_call
 from burncoll.local.rendezvous import OpState, Rendezvous
 from burncoll.ops import ReduceOp
+from burncoll.reduction import reduce_into
 from burncoll.strategies.layout import even_layout
 
-__all__ = ["BLOCK_BYTES", "Fused", "FusedBuffers"]
-
-#: Elements are reduced and copied in blocks of about this size (fits a core's L2 cache).
-BLOCK_BYTES = 256 << 10
+__all__ = ["Fused", "FusedBuffers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,20 +71,9 @@ class FusedBuffers:
         rv, inputs, outputs = self.rv, self.inputs, self.outputs
         call = peer_call(self.state, index)
         start, stop = even_layout(inputs[0].size, rv.size)[index]
-        op = call.reduce_op or ReduceOp.SUM
-        ufunc = host_ufunc(op)
-        step = max(1, BLOCK_BYTES // inputs[0].itemsize)
-        first, rest = outputs[0], outputs[1:]
-        for a in range(start, stop, step):
-            b = min(a + step, stop)
-            acc = first[a:b]
-            ufunc(inputs[0][a:b], inputs[1][a:b], out=acc)
-            for x in inputs[2:]:
-                ufunc(acc, x[a:b], out=acc)
-            if op is ReduceOp.MEAN:
-                np.divide(acc, rv.world_size, out=acc)
-            for out in rest:
-                out[a:b] = acc
+        reduce_into(call.reduce_op or ReduceOp.SUM, [x[start:stop] for x in inputs],
+                    outputs[0][start:stop], divisor=rv.world_size,
+                    copies=[out[start:stop] for out in outputs[1:]])
         rv.sync(self.state, index, deadline, "all_reduce")
         if call.out is not None:
             return call.out

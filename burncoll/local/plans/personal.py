@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from burncoll.backends.numpy import host_ufunc
 from burncoll.dtypes import dtype_from_name, is_inexact
 from burncoll.errors import UsageError
 from burncoll.levels import HostArray
@@ -33,6 +32,7 @@ from burncoll.local.plans.inline import InlineResults
 from burncoll.local.plans.phases import global_op, link_of
 from burncoll.local.rendezvous import OpState, Rendezvous
 from burncoll.ops import OpKind, ReduceOp
+from burncoll.reduction import reduce_into
 from burncoll.strategies import Schedule
 from burncoll.strategies.direct import (
     all_to_all_schedule,
@@ -222,11 +222,7 @@ def _all(chunks: Sequence[HostArray | None]) -> list[HostArray]:
 
 def _combine(blocks: Sequence[HostArray], op: ReduceOp) -> HostArray:
     """``blocks`` combined with ``op`` in order (a new array; a mean sums)."""
-    acc = np.array(blocks[0], copy=True)
-    ufunc = host_ufunc(op)
-    for block in blocks[1:]:
-        ufunc(acc, block, out=acc)
-    return acc
+    return reduce_into(op, blocks, np.empty_like(blocks[0], order="C"))
 
 
 def _reduce(blocks: Sequence[HostArray], op: ReduceOp, count: int) -> HostArray:
