@@ -1,5 +1,5 @@
-"""All-reduce through shared memory among node processes of one host (the ``SharedSegments``
-path): every node writes its array into its own segment, reduces one chunk of every node's,
+"""All-reduce through shared memory among node processes of one host (the ``HostReduce``
+route): every node writes its array into its own segment, reduces one chunk of every node's,
 and copies every node's reduced chunk out -- as Open MPI's shared-memory collectives do.
 
 **Why.** Between processes of one host the ring still passes each part from node to node

@@ -7,12 +7,18 @@ peer), ``wants_inline`` (``auto``, at most ``INLINE_BYTES``, across nodes only t
 link's ``_exchanges`` (global ``auto``, at most ``exchange_limit(nodes, one_host)`` bytes per
 node, per shard when sharded; a barrier as a 0-byte exchange) -- not by calling the function.
 
-The global path of each plan (the exchange, or the strategy of the global schedule) is what
+The global route of each plan (the exchange, or the strategy of the global schedule) is what
 the node link used to resolve itself, by hand from ``strategies/auto.py``: the operation's own
 config field (``global_all_reduce_strategy`` for an all-reduce, reduce-scatter, all-gather and
 barrier), and under ``auto`` ``tree:2`` up to 64 KiB and ``ring`` past it, by the size the node
 was handed: the node's array (each shard when sharded) for an all-reduce, its whole array for a
 reduce and a reduce-scatter, and 0 bytes for a barrier, a broadcast and an all-gather.
+
+The rows marked ``route:`` (issue 30, stage 6) were derived by hand from the rules the node
+level applied at run time before the route moved into ``choose``: the shared mail's capacity
+test (a 512 KiB payload), the lanes' one user (channel 0), the segments' usability test (3+
+nodes, channel 0, at most ``MOST_PIECES`` pieces, a set-up every node agreed to), and the
+compressed wire format (always a schedule).
 """
 
 from __future__ import annotations
