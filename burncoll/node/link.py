@@ -227,9 +227,7 @@ class NodeLink:
             self._exchange_on_connections(op, buf, out, channel)
             return
         lanes = self._lanes
-        if lanes is None:  # pragma: no cover - choose gives lanes only to sessions with them
-            raise CollectiveError(f"{op.label}: its route takes the lanes, which this session "
-                                  "does not have (a bug: please report it)")
+        assert lanes is not None, "choose gives the lanes only to sessions that have them"
         lanes.all_reduce(op, buf, out, lanes.mail if medium is Medium.HOST else None)
 
     def _exchange_on_connections(self, op: GlobalOp, buf: HostArray, out: HostArray,
@@ -301,10 +299,7 @@ class NodeLink:
                 if out is None:
                     buf[...] = result
             case HostReduce():
-                if self._segments is None:  # pragma: no cover - choose needs host_memory
-                    raise CollectiveError(f"{op.label}: its route takes the host memory, "
-                                          "which this session does not have (a bug: please "
-                                          "report it)")
+                assert self._segments is not None, "choose needs host_memory for it"
                 self._segments.all_reduce(op, buf, buf if out is None else out)
             case _:
                 schedule = route.all_reduce(self.num_nodes)
@@ -358,13 +353,14 @@ class NodeLink:
         return chunks
 
     def barrier(self, op: GlobalOp, *, route: Exchange | Strategy) -> None:
-        if isinstance(route, Exchange):  # one round, all leave together
-            self._exchange(op, np.empty(0, np.uint8), np.empty(0, np.uint8), 0, route.medium)
-            return
-        schedule = route.all_reduce(self.num_nodes)
-        chunks: list[HostArray | None] = [
-            np.empty(0, np.uint8) for _ in range(schedule.num_chunks)]
-        self._call(op, self._run(op, schedule, chunks))
+        match route:
+            case Exchange(medium=medium):  # one round of empty messages, all leave together
+                self._exchange(op, np.empty(0, np.uint8), np.empty(0, np.uint8), 0, medium)
+            case _:
+                schedule = route.all_reduce(self.num_nodes)
+                chunks: list[HostArray | None] = [
+                    np.empty(0, np.uint8) for _ in range(schedule.num_chunks)]
+                self._call(op, self._run(op, schedule, chunks))
 
     # -- point to point (burncoll.node.p2p_link) ------------------------------------------
     def p2p_send(self, src: int, dst: int, tag: int, buf: HostArray, deadline: float
