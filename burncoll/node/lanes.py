@@ -311,6 +311,8 @@ class Lanes:
             if fd not in node_of:
                 raise LaneWoken()
             node = node_of[fd]
+            if mail.posted(node, k):  # (posted since ``waiting`` was taken: what its lane
+                continue              # holds is a later operation's, or its loss, seen later)
             try:
                 head = self.socks[node].recv(1 << 10, socket.MSG_PEEK)
             except BlockingIOError:
@@ -318,8 +320,6 @@ class Lanes:
             except OSError as exc:
                 raise LaneClosed(node, str(exc)) from None
             if not head:
-                if mail.posted(node, k):  # (its message is in: the loss shows later)
-                    continue
                 raise LaneClosed(node, "it closed the connection")
             if len(head) >= FIXED_HEADER_BYTES and len(head) >= announced_lengths(
                     memoryview(head)[:FIXED_HEADER_BYTES])[0]:
