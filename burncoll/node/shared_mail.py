@@ -124,14 +124,15 @@ class SharedMail:
     def post(self, parts: Sequence[Buffer]) -> int:
         """Post the message ``parts`` make one after the other (at most a slot: the routes
         that take the mail fit, :data:`~burncoll.strategies.auto.MAIL_BYTES`); its number."""
-        views = [memoryview(part).cast("B") for part in parts]
-        if sum(v.nbytes for v in views) > SLOT_BYTES:  # (a wrong route: never the other slot)
-            raise ValueError("a message larger than a slot of the shared mail")
         k = self.posted_count + 1
         at, mine = self._slots[k & 1], self._maps[self._me]
-        for view in views:
-            mine[at:at + view.nbytes] = view
-            at += view.nbytes
+        end = at + SLOT_BYTES
+        for part in parts:
+            size = memoryview(part).nbytes
+            if at + size > end:  # (a wrong route: never into the other slot)
+                raise ValueError("a message larger than a slot of the shared mail")
+            mine[at:at + size] = part
+            at += size
         self._counters[self._me][0] = k  # (after the message: x86-64 keeps stores in order)
         self._futex.wake(self._addresses[self._me])
         self.posted_count = k

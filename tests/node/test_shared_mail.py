@@ -34,7 +34,7 @@ import burncoll
 import burncoll.node.segments as segments_module
 from burncoll.levels import Exchange, Medium
 from burncoll.node.segments import segment_bytes
-from burncoll.node.shared_mail import Futex
+from burncoll.node.shared_mail import SLOT_BYTES, Futex, SharedMail
 from tests.harness import (
     all_reduce_as,
     reduced_float64,
@@ -279,6 +279,19 @@ def test_nodes_of_two_devices_exchange_their_sums_through_the_mail(local: str) -
             want = reduced_float64(np.stack([xs[r, n] for r in range(4)]), "sum")
             np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5)
             np.testing.assert_array_equal(got[i], out[0][0][i])
+
+
+def test_a_message_larger_than_a_slot_is_refused_and_never_posted() -> None:
+    """``choose`` sends through the mail only what fits a slot; a message past it (a wrong
+    route) would write into the other slot, which another node may still read: refused,
+    and the counter stays."""
+    maps = {n: mmap.mmap(-1, 2 << 20) for n in (0, 1)}
+    mail, reader = SharedMail(maps, 0, 0), SharedMail(maps, 1, 0)
+    header = b"h" * 64
+    with pytest.raises(ValueError, match="larger than a slot"):
+        mail.post((header, bytes(SLOT_BYTES - len(header) + 1)))
+    assert mail.posted_count == 0 and not reader.posted(0, 1)
+    assert mail.post((header, bytes(SLOT_BYTES - len(header)))) == 1 and reader.posted(0, 1)
 
 
 # -- the futex the mail sleeps on ------------------------------------------------------------
