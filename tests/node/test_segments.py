@@ -12,7 +12,8 @@ others' (the set-up's answers disagree on one node only: every node still choose
 route); a node that offers a file that is not a segment (not sealed) fails the session at
 join on every node, named, and so does one that offers another node's segment as its own;
 a node that never calls times out the others by their deadline;
-different sizes are a mismatch; and nodes of two devices share their reduction through the
+different sizes are a mismatch; a session that only sends point to point holds no memory for
+the segments' data slots; and nodes of two devices share their reduction through the
 segments (with a local ring, shard 0 there and shard 1 on the ring).
 """
 
@@ -23,6 +24,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import sys
 import threading
 import time
@@ -33,6 +35,7 @@ import pytest
 
 import burncoll
 import burncoll.node.segments as segments_module
+from burncoll.levels import HostReduce
 from burncoll.strategies import Ring
 from tests.harness import (
     all_reduce_as,
@@ -260,6 +263,51 @@ def test_different_sizes_are_a_mismatch() -> None:
     for rank in range(3):
         assert isinstance(out[rank], burncoll.MismatchError), out[rank]
         assert "600000" in str(out[rank]) and "601000" in str(out[rank]), out[rank]
+
+
+def _segments_resident_kib() -> int:
+    """Resident memory of every segment mapped in this process (each node's mappings), from
+    ``/proc/self/smaps``."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+                inside = "memfd:burncoll-" in line
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+def test_segments_made_at_join_hold_memory_only_once_used() -> None:
+    """The segments are set up at join whatever the session does: one that only sends point
+    to point (and meets at barriers, through the mail) holds no memory for their data slots;
+    a 16 MiB all-reduce through them then does (4 MiB of slot per node, mapped by 3)."""
+    before = _segments_resident_kib()
+
+    def fn(comm: burncoll.Communicator) -> Any:
+        if comm.rank == 0:
+            comm.send(np.arange(1000, dtype=np.float32), 1)
+        elif comm.rank == 1:
+            got = comm.recv(0)
+            assert np.array_equal(got, np.arange(1000, dtype=np.float32))
+        comm.barrier()
+        idle = _segments_resident_kib() - before if comm.rank == 0 else None
+        comm.barrier()
+        x = np.full(4 << 20, comm.rank + 1, np.float32)  # 16 MiB
+        result = comm.all_reduce(x)
+        comm.barrier()
+        used = _segments_resident_kib() - before if comm.rank == 0 else None
+        comm.barrier()
+        return idle, used, bool(np.all(result == 6)), _routes(comm)
+
+    out = _threads(3, fn)
+    for rank in range(3):
+        assert not isinstance(out[rank], BaseException), out[rank]
+        assert out[rank][2], rank
+    idle, used, _, routes = out[0]
+    assert HostReduce() in routes, routes
+    assert idle < 4 << 10, idle  # KiB: the mail's pages in use, not 3 x 3 x 48 MiB
+    assert used > 3 * (16 << 10), used  # (16 MiB of slots and results, seen by 3 mappings)
 
 
 @pytest.mark.parametrize("local", ["auto", "ring"])
