@@ -7,14 +7,17 @@ NumPy arrays; ``channel`` separates concurrent sub-collectives of one operation 
 shard). The node level sees the local level as :class:`LocalPeers`: it reports failures there
 and answers other nodes' status queries from it, and never imports the local level.
 
-The path of an operation is decided once, by the local level
-(:func:`burncoll.local.plans.choose.choose`): every global call carries its :data:`GlobalPath`
-(the one-round :class:`Exchange`, :class:`SharedSegments`, or a concrete strategy, ``auto``
-already resolved), and the link runs what it is told rather than deciding again.
+The route of an operation is decided once, by the local level
+(:func:`burncoll.local.plans.choose.choose`), from the call and the capabilities the nodes
+agreed when they joined (:class:`GlobalLink`'s ``lanes``, ``host_memory``, ``host_mail``):
+every global call carries its whole :data:`Route` -- the one-round :class:`Exchange` on its
+:class:`Medium`, :class:`HostReduce`, or a concrete strategy, ``auto`` already resolved --
+and the link runs what it is told, with no size test and no fallback of its own.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -27,8 +30,8 @@ from burncoll.ops import OpKind, ReduceOp
 from burncoll.strategies import Schedule, Strategy
 
 __all__ = [
-    "MAX_TAG", "Exchange", "GlobalLink", "GlobalOp", "GlobalPath", "HostArray", "LocalPeers",
-    "SharedSegments",
+    "MAX_TAG", "Exchange", "GlobalLink", "GlobalOp", "HostArray", "HostReduce", "LocalPeers",
+    "Medium", "Route",
 ]
 
 HostArray = np.ndarray[Any, Any]
@@ -37,22 +40,39 @@ HostArray = np.ndarray[Any, Any]
 MAX_TAG = 2**16 - 1
 
 
+class Medium(enum.Enum):
+    """What carries the messages of an :class:`Exchange`."""
+
+    #: The caller sockets (:mod:`burncoll.node.lanes`): the calling thread sends and reads.
+    LANE = "lane"
+    #: The host mail in the nodes' shared memory (:mod:`burncoll.node.shared_mail`).
+    HOST = "host"
+    #: The member connections, through the event loop (no lanes: QUIC, TLS, integrity
+    #: tags, ``caller_sockets: false``; or a channel other than 0).
+    CONNECTIONS = "connections"
+
+
 @dataclass(frozen=True, slots=True)
 class Exchange:
-    """The one-round exchange: every node sends its array to every other node and reduces
-    them all itself (``auto``'s path for small all-reduces and for barriers)."""
+    """The one-round exchange on ``medium``: every node sends its array to every other node
+    and reduces them all itself (``auto``'s route for small all-reduces, and for barriers
+    with an empty array)."""
+
+    medium: Medium
 
 
 @dataclass(frozen=True, slots=True)
-class SharedSegments:
-    """Every node of one host writes its array into shared memory, reduces a chunk of all
-    of them and copies the result out (:mod:`burncoll.node.segments`; ``auto``'s path for
-    all-reduces past the exchange among node processes of one host, on channel 0)."""
+class HostReduce:
+    """Every node of one host writes its array into its shared memory, reduces a chunk of
+    all of them and copies the result out (:mod:`burncoll.node.segments`; ``auto``'s route
+    for all-reduces past the exchange among 3 or more node processes of one host, on
+    channel 0)."""
 
 
-#: How the nodes run a global all-reduce or barrier: the exchange, the shared segments (an
-#: all-reduce), or a concrete strategy's schedule (never :class:`~burncoll.strategies.Auto`).
-GlobalPath = Exchange | SharedSegments | Strategy
+#: How the nodes run a global all-reduce or barrier: the exchange on a medium, the host
+#: reduction (an all-reduce), or a concrete strategy's schedule (never
+#: :class:`~burncoll.strategies.Auto`). A barrier's route is never :class:`HostReduce`.
+Route = Exchange | HostReduce | Strategy
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,9 +117,13 @@ class GlobalLink(Protocol):
     sharded: bool
     #: Every node runs on this node's host and shares memory with it (same host identity).
     one_host: bool
-    #: All-reduces can go through shared segments (:class:`SharedSegments`): one host, and
-    #: every node uses caller sockets.
-    host_segments: bool
+    #: Every node uses caller sockets (:data:`Medium.LANE`), agreed in the table.
+    lanes: bool
+    #: Every node mapped every other node's shared memory at join (:class:`HostReduce`):
+    #: one host, lanes, and an all-answers round, so every node holds the same bool.
+    host_memory: bool
+    #: And every node's processor allows the host mail (:data:`Medium.HOST`).
+    host_mail: bool
     #: The host of each node, numbered from 0 in node order (equal: they share memory);
     #: ``()`` when some node's host is unknown.
     hosts: tuple[int, ...]
@@ -108,13 +132,13 @@ class GlobalLink(Protocol):
     failure_reported: bool
 
     def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0,
-                   out: HostArray | None = None, *, path: GlobalPath) -> None:
+                   out: HostArray | None = None, *, route: Route) -> None:
         """Reduce the flat ``buf`` over all nodes, bitwise identical everywhere.
 
-        ``path``: the one-round :class:`Exchange` (every node sends ``buf`` to every other node
-        and reduces them all itself), :class:`SharedSegments` (channel 0; where the segments
-        cannot be set up, the ring runs), or the strategy whose all-reduce schedule runs.
-        Every node must pass the same path for the same operation.
+        ``route``: the one-round :class:`Exchange` on its medium (every node sends ``buf`` to
+        every other node and reduces them all itself), :class:`HostReduce` (channel 0, with
+        ``host_memory``), or the strategy whose all-reduce schedule runs. Every node must
+        pass the same route for the same operation.
 
         In place by default. With ``out`` (same dtype and size as ``buf``, C-contiguous,
         writable, not overlapping it) ``buf`` is only read -- it may be read-only, e.g. the
@@ -154,8 +178,8 @@ class GlobalLink(Protocol):
         filled in (allocated from their headers when ``None``); returns ``chunks``."""
         ...
 
-    def barrier(self, op: GlobalOp, *, path: GlobalPath) -> None:
-        """Return once every node has reached this barrier (``path``: a one-round
+    def barrier(self, op: GlobalOp, *, route: Exchange | Strategy) -> None:
+        """Return once every node has reached this barrier (``route``: a one-round
         :class:`Exchange` of empty messages, or the strategy's all-reduce schedule)."""
         ...
 

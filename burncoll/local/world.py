@@ -26,10 +26,13 @@ class World:
     sharded: bool
     #: Every node runs on one host and shares memory (exchanges pay off up to larger sizes).
     one_host: bool = False
-    #: All-reduces can go through the host's shared segments (``levels.SharedSegments``).
-    host_segments: bool = False
     #: The host of each node (``GlobalLink.hosts``); empty on one node or when unknown.
     hosts: tuple[int, ...] = ()
+    #: What the nodes agreed at join (``GlobalLink``'s): every node uses lanes; every node
+    #: mapped every other's host memory (``levels.HostReduce``); and its mail is usable.
+    lanes: bool = False
+    host_memory: bool = False
+    host_mail: bool = False
 
     @classmethod
     def of(cls, peer_ids: Sequence[int], link: GlobalLink | None) -> World:
@@ -38,7 +41,8 @@ class World:
         if link is None:
             return cls(mine, mine, 1, 0, dict.fromkeys(mine, 0), False)
         return cls(mine, link.peer_ids, link.num_nodes, link.node_index, link.node_of,
-                   link.sharded, link.one_host, link.host_segments, link.hosts)
+                   link.sharded, link.one_host, link.hosts, link.lanes, link.host_memory,
+                   link.host_mail)
 
     @property
     def size(self) -> int:

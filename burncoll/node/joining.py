@@ -1,5 +1,9 @@
 """Joining a multi-node collective: the data service, the orchestrator, then every node.
 
+Once every node is connected, node processes of one host set up their host memory
+(:meth:`~burncoll.node.link.NodeLink.share_host_memory`), so that the capabilities the
+routes are chosen from are agreed before the first operation.
+
 A node that fails before it could join (its data service's port is in use, two of its peers
 registered one id) tells the orchestrator so, with :class:`~burncoll.protocol.control.Abandon`:
 the nodes already waiting for it then fail at once with its error, naming it, instead of
@@ -8,6 +12,7 @@ waiting out their timeout with a bare :class:`~burncoll.CollectiveTimeout`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Sequence
@@ -44,7 +49,16 @@ def join_collective(config: CollectiveConfig, local_peer_ids: Sequence[int]) -> 
     except BaseException:
         io.stop()
         raise
-    return NodeLink(io, service, orch)
+    link = NodeLink(io, service, orch)
+    try:
+        link.share_host_memory(deadline)
+    except BaseException as exc:
+        link.failure_reported = True  # (raised here: closing does not raise it again)
+        link.abort(exc)  # (the other nodes' set-up fails at once, naming this node's error)
+        with contextlib.suppress(CollectiveError):
+            link.close(deadline)
+        raise
+    return link
 
 
 def report_failure(config: CollectiveConfig, local_peer_ids: Sequence[int],

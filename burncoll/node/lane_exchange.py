@@ -1,7 +1,8 @@
 """The one-round exchange over the caller sockets (:mod:`burncoll.node.lanes`), run by the
-calling peer thread from start to end: it sends its message on every lane, reads every other
-node's, checks them and reduces in node order (:func:`~burncoll.node.exchange.reduce_in_node_order`,
-the same bits as the event loop's exchange). The rounds of the shared segments
+calling peer thread from start to end: it sends its message on every lane (or through the
+host mail, where the route says ``Medium.HOST``), reads every other node's, checks them and
+reduces in node order (:func:`~burncoll.node.exchange.reduce_in_node_order`, the same bits
+as the event loop's exchange). The rounds of the shared segments
 (:mod:`burncoll.node.segments`) go the same way (:meth:`LaneExchange.trade`).
 
 The operation still starts its lane in the mailbox (``Mailbox.start_watched``, with a watch
@@ -76,8 +77,8 @@ class LaneExchange:
         self.fail_soon = fail_soon
         #: Starts the operation's lane in the mailbox; it takes no frames.
         self._started = Watch(())
-        #: Shared mail among node processes of one host, once their segments are set up
-        #: (:mod:`burncoll.node.shared_mail`): messages that fit go through it.
+        #: Shared mail among node processes of one host, set up at join with their host
+        #: memory (:mod:`burncoll.node.shared_mail`), for the routes that take it.
         self.mail: Mail | None = None
         self._headers: dict[tuple[object, ...], tuple[bytes, np.dtype[Any]]] = {}
         #: This node and the others (the session's table does not change).
@@ -88,15 +89,17 @@ class LaneExchange:
         # spinning while another node of this host waits for a CPU would only delay it
         service.lanes.spinning.allowed = usable_cpus() >= (hosts.count(mine) if mine else 1)
 
-    def all_reduce(self, op: GlobalOp, buf: HostArray, out: HostArray) -> None:
-        """``out = x0 op x1 op ...`` over every node's ``buf`` (``buf`` is only read)."""
-        self.run(op, buf.nbytes, lambda check: self.exchange_into(op, check, buf, out))
+    def all_reduce(self, op: GlobalOp, buf: HostArray, out: HostArray, mail: Mail | None
+                   ) -> None:
+        """``out = x0 op x1 op ...`` over every node's ``buf`` (``buf`` is only read), in
+        ``mail`` (the route's ``Medium.HOST``: :attr:`mail`) or on the lanes (``None``)."""
+        self.run(op, buf.nbytes, lambda check: self._exchange_into(op, check, buf, out, mail))
 
-    def exchange_into(self, op: GlobalOp, check: Check, buf: HostArray, out: HostArray
-                      ) -> None:
+    def _exchange_into(self, op: GlobalOp, check: Check, buf: HostArray, out: HostArray,
+                       mail: Mail | None) -> None:
         """The exchange of ``buf`` into ``out`` (separate arrays) inside :meth:`run`."""
         header, dtype = self._header(op, buf)
-        received = self.trade(op, check, header, payload_bytes(buf))
+        received = self.trade(op, check, header, payload_bytes(buf), mail)
         arrays = {node: np.frombuffer(data, dtype, offset=len(header))
                   for node, data in received.items()}
         reduce_in_node_order(op, self._me, len(self._others) + 1, buf, arrays, out)
@@ -128,16 +131,14 @@ class LaneExchange:
             if started.started:
                 mailbox.done(op.seq)
 
-    def trade(self, op: GlobalOp, check: Check, header: bytes, payload: Buffer
-              ) -> Mapping[int, Buffer]:
-        """One round: send ``header`` (this node's, for ``op``) and ``payload`` on every lane
-        (through the shared mail where it fits), and read every other node's message of the
-        same length, which must start with the same header from that node; its bytes by
-        node (the payload after the header; in the mail, a view of the other node's slot,
-        valid until this node posts again)."""
-        mail, size = self.mail, len(header) + memoryview(payload).nbytes
-        if mail is not None and size > mail.capacity:
-            mail = None
+    def trade(self, op: GlobalOp, check: Check, header: bytes, payload: Buffer,
+              mail: Mail | None) -> Mapping[int, Buffer]:
+        """One round: send ``header`` (this node's, for ``op``) and ``payload`` through
+        ``mail`` (it fits: the route said so), or on every lane without it, and read every
+        other node's message of the same length, which must start with the same header from
+        that node; its bytes by node (the payload after the header; in the mail, a view of
+        the other node's slot, valid until this node posts again)."""
+        size = len(header) + memoryview(payload).nbytes
         lanes = self.service.lanes
         received: Mapping[int, Buffer]
         try:

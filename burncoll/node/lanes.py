@@ -19,11 +19,12 @@ starts only with every lane open.
 **When.** Every node says in the orchestrator's table whether it uses lanes (config
 ``caller_sockets``, on a plain stream transport: tcp or websocket, without TLS or integrity
 tags, which need the event loop's codec); they are used only when every node does, and then
-for exactly the operations that take the one-round exchange on channel 0 (an all-reduce up to
-the exchange limit; a barrier) or the shared segments (:mod:`burncoll.node.segments`): every
-node decides alike from the same call, and a node's channel-0 operations run one after the
-other, so a lane carries, per direction and in operation order, one message per exchange and
-one per round of the segments (each header names its operation and round).
+for exactly the operations whose route takes them: the one-round exchange on channel 0 (an
+all-reduce up to the exchange limit; a barrier) on ``Medium.LANE``, and the host memory's
+set-up at join and the host reduction's rounds (:mod:`burncoll.node.segments`): every node
+chooses the same route from the same call, and a node's channel-0 operations run one after
+the other, so a lane carries, per direction and in operation order, one message per exchange
+and one per round (each header names its operation and round).
 
 **What is read.** Exactly the length this node's own call gives the other node's message
 (header and payload), into a buffer of that size allocated before a byte is read: what a
@@ -32,9 +33,10 @@ checks a frame (session, operation number, channel, round, sender, chunk, offset
 fingerprint). A message that announces another length is read only as far as its header
 (at most :data:`~burncoll.protocol.wire.MAX_NDIM` shape entries) and reported from it.
 
-**Shared mail.** Among node processes of one host, once their shared segments are set up,
-the messages go through the shared mail instead (:mod:`burncoll.node.shared_mail`) and the
-lanes are only watched while a thread waits for mail (:meth:`Lanes.exchange` with ``mail``).
+**Shared mail.** Among node processes of one host that set up their host memory at join,
+the routes on ``Medium.HOST`` (and the host reduction's rounds) go through the shared mail
+instead (:mod:`burncoll.node.shared_mail`), and the lanes are only watched while a thread
+waits for mail (:meth:`Lanes.exchange_mail`).
 
 **Waiting.** Once its message is out, the thread reads without sleeping for a short while
 where that pays (:mod:`burncoll.node.spinning`), then sleeps in ``poll``.
@@ -80,9 +82,6 @@ MAIL_NAP = 2e-3
 
 class Mail(Protocol):
     """Messages through shared memory (:class:`burncoll.node.shared_mail.SharedMail`)."""
-
-    @property
-    def capacity(self) -> int: ...
 
     def post(self, parts: Sequence[Buffer]) -> int: ...
 
@@ -312,6 +311,8 @@ class Lanes:
             if fd not in node_of:
                 raise LaneWoken()
             node = node_of[fd]
+            if mail.posted(node, k):  # (posted since ``waiting`` was taken: what its lane
+                continue              # holds is a later operation's, or its loss, seen later)
             try:
                 head = self.socks[node].recv(1 << 10, socket.MSG_PEEK)
             except BlockingIOError:
@@ -319,8 +320,6 @@ class Lanes:
             except OSError as exc:
                 raise LaneClosed(node, str(exc)) from None
             if not head:
-                if mail.posted(node, k):  # (its message is in: the loss shows later)
-                    continue
                 raise LaneClosed(node, "it closed the connection")
             if len(head) >= FIXED_HEADER_BYTES and len(head) >= announced_lengths(
                     memoryview(head)[:FIXED_HEADER_BYTES])[0]:

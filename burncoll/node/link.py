@@ -3,8 +3,10 @@
 Peer threads call its blocking methods; the work runs on the node's event loop. Built once
 the node joined the collective (:mod:`burncoll.node.joining`), it runs global schedules with the
 :class:`GlobalExecutor`, and fails the local peers (:class:`~burncoll.levels.LocalPeers`) on
-any failure. Which path each operation takes (the exchange, the shared segments, a strategy's
-schedule) is decided with the operation's plan, by the local level; the link only runs it.
+any failure. Which route each operation takes (the exchange on a medium, the host reduction,
+a strategy's schedule) is decided with the operation's plan, by the local level, from the
+capabilities the nodes agreed at join (:meth:`NodeLink.share_host_memory`); the link only
+dispatches it (``match route``), with no size test and no fallback.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import time
 from collections.abc import Coroutine, Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -21,7 +24,7 @@ import numpy as np
 from burncoll.dtypes import dtype_from_name
 from burncoll.errors import CollectiveError, CollectiveTimeout, PeerLost
 from burncoll.ioloop import IoLoop
-from burncoll.levels import Exchange, GlobalOp, GlobalPath, HostArray, LocalPeers, SharedSegments
+from burncoll.levels import Exchange, GlobalOp, HostArray, HostReduce, LocalPeers, Medium, Route
 from burncoll.node.data_service import DataService
 from burncoll.node.exchange import (
     exchange_all_reduce,
@@ -40,14 +43,25 @@ from burncoll.node.p2p_link import NodePointToPoint
 from burncoll.node.receives import Receives
 from burncoll.node.segments import HostSegments
 from burncoll.node.watch import Watch
+from burncoll.ops import OpKind
 from burncoll.protocol.checks import Check
-from burncoll.strategies import Ring, Schedule, Strategy
+from burncoll.strategies import Schedule, Strategy
 from burncoll.strategies.layout import even_layout
 
 __all__ = ["NodeLink"]
 
 log = logging.getLogger("burncoll.node")
 T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class _JoinOp(GlobalOp):
+    """The rounds that set up the host memory at join: operation number 0's rounds 1 and 2
+    on the lanes, before any operation (as the first operation's were, when they ran in it)."""
+
+    @property
+    def label(self) -> str:
+        return "register (host memory)"
 
 
 class NodeLink:
@@ -77,12 +91,26 @@ class NodeLink:
         #: The exchange on caller sockets, when every node offers them.
         self._lanes = LaneExchange(service, self._executor, self._call, lambda error: (
             io.loop.call_soon_threadsafe(service.fail, error))) if service.uses_lanes else None
-        #: The shared segments of one host's node processes (set up at first use).
-        self._segments = HostSegments(self._lanes) if self._lanes and self.one_host else None
-        self.host_segments = self._segments is not None
+        self.lanes = self._lanes is not None
+        #: The host memory of one host's node processes, once set up at join (with it, the
+        #: host mail where every processor allows it: ``self._lanes.mail``).
+        self._segments: HostSegments | None = None
+        self.host_memory = self.host_mail = False
         service.on_failure = self._on_failure
         service.status = self._status
         orchestrator.on_node_lost = self._on_node_lost
+
+    def share_host_memory(self, deadline: float) -> None:
+        """(At join, from the registering thread, once the lanes are open.) Set up the host
+        memory of node processes of one host (:meth:`HostSegments.set_up`): every node ends
+        with the same ``host_memory`` and ``host_mail``, before the first plan is chosen."""
+        if self._lanes is None or not self.one_host:
+            return
+        segments = HostSegments(self._lanes)
+        op = _JoinOp(0, OpKind.BARRIER, None, None, (), -1, deadline, time.monotonic())
+        if segments.set_up(op):
+            self._segments = segments
+            self.host_memory, self.host_mail = True, self._lanes.mail is not None
 
     def attach(self, local: LocalPeers) -> None:
         """Route failures reported by other nodes to the ``local`` peers, and answer other
@@ -192,13 +220,22 @@ class NodeLink:
         finally:
             mailbox.done(op.seq)
 
-    def _exchange(self, op: GlobalOp, buf: HostArray, out: HostArray, channel: int) -> None:
-        """The exchange, from the calling peer thread: it sends its message itself where the
-        connection allows (no event-loop wake-up before the bytes leave), then the loop sends
-        the rest, collects the other nodes' messages and reduces."""
-        if channel == 0 and self._lanes is not None:  # (through the shared mail if any)
-            (self._segments.exchange if self._segments else self._lanes.all_reduce)(op, buf, out)
+    def _exchange(self, op: GlobalOp, buf: HostArray, out: HostArray, channel: int,
+                  medium: Medium) -> None:
+        """The one-round exchange of ``buf`` into ``out`` (separate arrays) on ``medium``."""
+        if medium is Medium.CONNECTIONS:
+            self._exchange_on_connections(op, buf, out, channel)
             return
+        lanes = self._lanes
+        assert lanes is not None, "choose gives the lanes only to sessions that have them"
+        lanes.all_reduce(op, buf, out, lanes.mail if medium is Medium.HOST else None)
+
+    def _exchange_on_connections(self, op: GlobalOp, buf: HostArray, out: HostArray,
+                                 channel: int) -> None:
+        """The exchange on the member connections, from the calling peer thread: it sends its
+        message itself where the connection allows (no event-loop wake-up before the bytes
+        leave), then the loop sends the rest, collects the other nodes' messages and
+        reduces."""
         service = self._service
         parts = exchange_parts(service, op, buf, channel)
         sent_to: frozenset[int] = frozenset()
@@ -252,27 +289,25 @@ class NodeLink:
             mailbox.done(op.seq)
 
     def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0,
-                   out: HostArray | None = None, *, path: GlobalPath) -> None:
-        if isinstance(path, SharedSegments):  # (unusable on every node alike: the ring)
-            if self._segments and self._segments.all_reduce(op, buf, channel, out):
-                return
-            path = Ring()
-        if isinstance(path, Exchange):
-            if out is not None:
-                require_separate_out(buf, out)
-            result = np.empty_like(buf) if out is None else out
-            self._exchange(op, buf, result, channel)
-            if out is None:
-                buf[...] = result
-            return
-        schedule = path.all_reduce(self.num_nodes)
-        layout = even_layout(buf.size, schedule.num_chunks)
-        chunks: list[HostArray | None] = [buf[a:b] for a, b in layout]
-        outs: list[HostArray | None] | None = None
+                   out: HostArray | None = None, *, route: Route) -> None:
         if out is not None:
             require_separate_out(buf, out)
-            outs = [out[a:b] for a, b in layout]
-        self._call(op, self._run(op, schedule, chunks, channel, outs))
+        match route:
+            case Exchange(medium=medium):
+                result = np.empty_like(buf) if out is None else out
+                self._exchange(op, buf, result, channel, medium)
+                if out is None:
+                    buf[...] = result
+            case HostReduce():
+                assert self._segments is not None, "choose needs host_memory for it"
+                self._segments.all_reduce(op, buf, buf if out is None else out)
+            case _:
+                schedule = route.all_reduce(self.num_nodes)
+                layout = even_layout(buf.size, schedule.num_chunks)
+                chunks: list[HostArray | None] = [buf[a:b] for a, b in layout]
+                outs: list[HostArray | None] | None = (
+                    None if out is None else [out[a:b] for a, b in layout])
+                self._call(op, self._run(op, schedule, chunks, channel, outs))
 
     def reduce(self, op: GlobalOp, buf: HostArray, root_node: int, *,
                strategy: Strategy) -> None:
@@ -317,14 +352,15 @@ class NodeLink:
         self._call(op, self._run(op, schedule, chunks))
         return chunks
 
-    def barrier(self, op: GlobalOp, *, path: GlobalPath) -> None:
-        if isinstance(path, Exchange | SharedSegments):  # one round, all leave together
-            self._exchange(op, np.empty(0, np.uint8), np.empty(0, np.uint8), 0)
-            return
-        schedule = path.all_reduce(self.num_nodes)
-        chunks: list[HostArray | None] = [
-            np.empty(0, np.uint8) for _ in range(schedule.num_chunks)]
-        self._call(op, self._run(op, schedule, chunks))
+    def barrier(self, op: GlobalOp, *, route: Exchange | Strategy) -> None:
+        match route:
+            case Exchange(medium=medium):  # one round of empty messages, all leave together
+                self._exchange(op, np.empty(0, np.uint8), np.empty(0, np.uint8), 0, medium)
+            case _:
+                schedule = route.all_reduce(self.num_nodes)
+                chunks: list[HostArray | None] = [
+                    np.empty(0, np.uint8) for _ in range(schedule.num_chunks)]
+                self._call(op, self._run(op, schedule, chunks))
 
     # -- point to point (burncoll.node.p2p_link) ------------------------------------------
     def p2p_send(self, src: int, dst: int, tag: int, buf: HostArray, deadline: float

@@ -1,5 +1,5 @@
-"""All-reduce through shared memory among node processes of one host (the ``SharedSegments``
-path): every node writes its array into its own segment, reduces one chunk of every node's,
+"""All-reduce through shared memory among node processes of one host (the ``HostReduce``
+route): every node writes its array into its own segment, reduces one chunk of every node's,
 and copies every node's reduced chunk out -- as Open MPI's shared-memory collectives do.
 
 **Why.** Between processes of one host the ring still passes each part from node to node
@@ -9,14 +9,19 @@ node copies its array in once, reduces ``1/n`` of it reading every node's segmen
 the result out once, in two rounds of empty messages on the caller sockets
 (:mod:`burncoll.node.lanes`) per piece of :data:`PIECE_BYTES`.
 
-**Setup.** At the first such all-reduce of the session, every node makes its segment (a
-sealed anonymous file, :mod:`burncoll.transport.ring_files`) and offers it on the lanes
-(round 1); every node maps the others' read-only -- only if each is a segment a node makes,
-of the segment's size, sealed, not offered twice -- and answers whether it mapped them all
-(round 2). Every node reads every answer, so all of them agree: with every segment mapped the
-session uses them from then on; otherwise (a node without the memory, ``/proc`` closed) that
-operation's pieces go whole on the lanes (the exchange), and every later one takes the ring
-(:meth:`HostSegments.all_reduce` returns ``False``).
+**Setup, at join.** Once the lanes are open, before the session's first operation
+(:func:`burncoll.node.joining.join_collective`), every node makes its segment (a sealed
+anonymous file, :mod:`burncoll.transport.ring_files`) and offers it on the lanes (round 1);
+every node maps the others' read-only -- only if each is a segment a node makes, of the
+segment's size, sealed, not offered twice -- and answers whether it mapped them all, and
+whether its processor keeps stores in order (round 2). Every node reads every answer, so all
+of them agree on the session's capabilities: ``host_memory`` (every segment mapped
+everywhere) and ``host_mail`` (and every processor allows the mail). Without them (a node
+without the memory, ``/proc`` closed) the session runs without host memory from its first
+operation: the route of every operation is chosen knowing it
+(:func:`burncoll.local.plans.choose.choose`), never changed here. No page of a segment is
+touched at set-up: a session that never all-reduces through it (point to point only) holds
+no memory for its data slot.
 
 **Each piece** (round ``3 + 2p`` and ``4 + 2p`` of piece ``p``): a node writes its piece into
 its segment's slot -- all but its own chunk (``even_layout`` over the nodes), which only it
@@ -30,9 +35,8 @@ its round and its sender, checked byte for byte as the exchange's are; every wai
 operation's deadline, and a process that dies closes its lanes (``PeerLost`` at once).
 
 **Mail.** At its start, each segment holds the node's shared mail
-(:mod:`burncoll.node.shared_mail`): once the segments are set up -- by the session's first
-exchange (:meth:`HostSegments.exchange`) or all-reduce past it -- every message that fits,
-the exchange's and the rounds' above alike, goes through it instead of the caller sockets.
+(:mod:`burncoll.node.shared_mail`): with ``host_mail`` the rounds above go through it, and so
+do the exchanges whose route says so (``Exchange(Medium.HOST)``), instead of the lanes.
 
 A node can write only its own segment: another node's is mapped read-only, and its size
 cannot change under the mapping (sealed). What a node puts in its slot is its contribution,
@@ -41,6 +45,7 @@ as any node's array is.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
@@ -50,23 +55,18 @@ import numpy as np
 
 from burncoll.errors import CollectiveError, ProtocolError
 from burncoll.levels import GlobalOp, HostArray
-from burncoll.node.exchange import require_separate_out
 from burncoll.node.lane_exchange import LaneExchange
 from burncoll.node.shared_mail import MAIL_AREA_BYTES, ORDERED_STORES, SharedMail
 from burncoll.ops import ReduceOp
 from burncoll.protocol.checks import Check
 from burncoll.protocol.wire import DataHeader, encode_data_header
 from burncoll.reduction import reduce_into
-from burncoll.strategies.auto import SEGMENT_NODES
+from burncoll.strategies.auto import MOST_PIECES, PIECE_BYTES, SEGMENT_NODES
 from burncoll.strategies.layout import even_layout
 from burncoll.transport.ring_files import close_ring, map_offered, new_ring
 
-__all__ = ["PIECE_BYTES", "SEGMENT_BYTES", "HostSegments", "segment_bytes"]
+__all__ = ["SEGMENT_BYTES", "HostSegments", "segment_bytes"]
 
-#: The largest piece of an array that goes through the segments at once (its slot's size):
-#: two rounds of messages per piece, so larger pieces wait less (4 node processes, 256 MiB:
-#: ~400 ms against ~420 with 8 MiB; docs/performance.md), for 48 MiB of shared memory a node.
-PIECE_BYTES = 32 << 20
 #: A segment: the shared mail (:mod:`burncoll.node.shared_mail`) first, then (from
 #: :data:`SEGMENT_NODES` nodes) the slot from the next page on, and the result area: a result
 #: chunk is at most half a piece (2 nodes or more), plus an element.
@@ -78,8 +78,9 @@ SEGMENT_BYTES = _RESULT_AT + PIECE_BYTES // 2 + 64
 _OFFER_BYTES = 64
 _OFFERED = re.compile(rb"([0-9]{1,10})/([0-9]{1,10})/([0-9a-f]{32})\0*")
 _OFFER_ROUND, _ANSWER_ROUND, _FIRST_PIECE_ROUND = 1, 2, 3
-#: A message's round is a u16: more pieces than this run the ring instead.
-_MOST_PIECES = (2**16 - 1 - _FIRST_PIECE_ROUND) // 2
+assert _FIRST_PIECE_ROUND + 2 * MOST_PIECES <= 2**16 - 1  # (a message's round is a u16)
+#: A node's answer in round 2: it mapped every segment; its processor allows the mail.
+_MAPPED, _ORDERED = 1, 2
 
 
 def segment_bytes(nodes: int) -> int:
@@ -98,53 +99,19 @@ class HostSegments:
         self._nodes = len(lanes.service.nodes)
         self._session = lanes.service.session or 0
         self._bytes = segment_bytes(self._nodes)
-        #: Whether the segments are in use: ``None`` until the first all-reduce sets them up.
-        self.usable: bool | None = None
         #: Every node's segment, this node's writable, by node index.
         self._maps: dict[int, mmap.mmap] = {}
 
-    def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int,
-                   out: HostArray | None) -> bool:
-        """``out = x0 op x1 op ...`` over every node's flat ``buf`` (into ``buf`` without
-        ``out``); ``False``, on every node alike, when the segments cannot be used (then run
-        the ring): off channel 0, or when the setup failed in an earlier operation."""
-        if out is not None:
-            require_separate_out(buf, out)
-        pieces = -(-buf.nbytes // PIECE_BYTES)
-        if channel or self.usable is False or pieces > _MOST_PIECES or (
-                self._bytes < SEGMENT_BYTES):  # (fewer nodes than the segments serve)
-            return False
-        target = buf if out is None else out
-        return self._lanes.run(op, _OFFER_BYTES,
-                               lambda check: self._run(op, check, buf, target))
+    def all_reduce(self, op: GlobalOp, buf: HostArray, out: HostArray) -> None:
+        """``out = x0 op x1 op ...`` over every node's flat ``buf`` (``out`` may be ``buf``),
+        a piece of :data:`PIECE_BYTES` at a time."""
+        self._lanes.run(op, _OFFER_BYTES, lambda check: self._run(op, check, buf, out))
 
-    def exchange(self, op: GlobalOp, buf: HostArray, out: HostArray) -> None:
-        """The one-round exchange of ``buf`` into ``out`` (separate arrays): through the
-        shared mail once the segments are set up -- by the session's first exchange, here,
-        where the processor allows the mail (:data:`ORDERED_STORES`) -- else on the lanes."""
-        lanes = self._lanes
-
-        def body(check: Check) -> None:
-            if self.usable is None and ORDERED_STORES:
-                self.usable = self._set_up(op, check)
-            lanes.exchange_into(op, check, buf, out)
-
-        lanes.run(op, buf.nbytes, body)
-
-    def _run(self, op: GlobalOp, check: Check, buf: HostArray, out: HostArray) -> bool:
-        if self.usable is None:
-            self.usable = self._set_up(op, check)
+    def _run(self, op: GlobalOp, check: Check, buf: HostArray, out: HostArray) -> None:
         per_piece = PIECE_BYTES // buf.itemsize
         for p, start in enumerate(range(0, buf.size, per_piece)):
             end = min(start + per_piece, buf.size)
-            if self.usable:
-                self._piece(op, check, _FIRST_PIECE_ROUND + 2 * p, buf[start:end],
-                            out[start:end])
-            else:  # the setup just failed: this operation's pieces go whole on the lanes
-                result = np.empty_like(buf[start:end])
-                self._lanes.exchange_into(op, check, buf[start:end], result)
-                out[start:end] = result
-        return True
+            self._piece(op, check, _FIRST_PIECE_ROUND + 2 * p, buf[start:end], out[start:end])
 
     def _piece(self, op: GlobalOp, check: Check, round_: int, piece: HostArray,
                out: HostArray) -> None:
@@ -167,42 +134,46 @@ class HostSegments:
 
     def _round(self, op: GlobalOp, check: Check, round_: int, payload: bytes = b""
                ) -> dict[int, bytes]:
-        """Round ``round_`` of ``op`` on the lanes: every node's ``payload``, by node (a
-        copy: a few bytes)."""
+        """Round ``round_`` of ``op`` in the mail, if the session has it, else on the lanes:
+        every node's ``payload``, by node (a copy: a few bytes)."""
         header = encode_data_header(DataHeader(
             session=self._session, seq=op.seq, op_kind=op.kind, reduce_op=op.reduce_op,
             dtype=op.dtype, shape=op.shape, root=op.root, src=self._me, round=round_,
             channel=0, chunk=0, offset=0, chunk_bytes=len(payload)), len(payload))
-        received = self._lanes.trade(op, check, header, payload)
+        received = self._lanes.trade(op, check, header, payload, self._lanes.mail)
         return {node: bytes(data[len(header):]) for node, data in received.items()}
 
-    def _set_up(self, op: GlobalOp, check: Check) -> bool:
-        """Make, offer and map the segments (rounds 1 and 2); whether every node has all."""
+    def set_up(self, op: GlobalOp) -> bool:
+        """(At join.) Make, offer and map the segments (rounds 1 and 2 of ``op`` on the
+        lanes); whether every node mapped every other's, the same on every node. With every
+        processor allowing it, the mail is then the lanes' (``LaneExchange.mail``)."""
+        check = self._lanes.executor.checker(op)
         token = secrets.token_hex(16)
         fd: int | None = None
         seen: set[tuple[int, int]] = set()  # (every segment is a file of its own)
         try:
-            try:
-                fd, self._maps[self._me] = new_ring(token, self._bytes)
-                mine = os.fstat(fd)
-                seen.add((mine.st_dev, mine.st_ino))
-                offer = f"{os.getpid()}/{fd}/{token}".encode()
-            except OSError:  # (no memory or descriptor for it: this node says so)
-                offer = b""
+            offer = b""
+            if ORDERED_STORES or self._nodes >= SEGMENT_NODES:  # (else it would serve nothing)
+                with contextlib.suppress(OSError):  # (no memory or descriptor for it)
+                    fd, self._maps[self._me] = new_ring(token, self._bytes, populate=False)
+                    mine = os.fstat(fd)
+                    seen.add((mine.st_dev, mine.st_ino))
+                    offer = f"{os.getpid()}/{fd}/{token}".encode()
             offers = self._round(op, check, _OFFER_ROUND, offer.ljust(_OFFER_BYTES, b"\0"))
             mapped = [self._map(op, n, o, seen) for n, o in offers.items()]  # (all checked)
-            ok = bool(offer) and all(mapped)
-            answers = self._round(op, check, _ANSWER_ROUND, b"\1" if ok else b"\0")
-            usable = ok and all(answer == b"\1" for answer in answers.values())
+            answer = (_MAPPED if offer and all(mapped) else 0) | (_ORDERED * ORDERED_STORES)
+            answers = [answer, *(a[0] for a in self._round(op, check, _ANSWER_ROUND,
+                                                           bytes([answer])).values())]
         except BaseException:
             self.close()
             raise
         finally:
             if fd is not None:  # (every node mapped it before it answered, or never will)
                 os.close(fd)
+        usable = all(a & _MAPPED for a in answers)
         if not usable:
             self.close()
-        elif ORDERED_STORES:
+        elif all(a & _ORDERED for a in answers):
             self._lanes.mail = SharedMail(self._maps, self._me, _MAIL_AT)
         return usable
 
@@ -220,7 +191,7 @@ class HostSegments:
             return False
         pid, fd, token = int(found[1]), int(found[2]), found[3].decode()
         try:
-            mapping = map_offered(pid, fd, token, self._bytes, seen)
+            mapping = map_offered(pid, fd, token, self._bytes, seen, populate=False)
         except ProtocolError as exc:
             self._lanes.refuse(op, ProtocolError(f"{op.label}: node {node} {exc}"))
         if mapping is None:

@@ -47,9 +47,10 @@ from typing import Any
 import numpy as np
 
 from burncoll.protocol.wire import FIXED_HEADER_BYTES, MAX_NDIM
+from burncoll.strategies.auto import MAIL_BYTES
 from burncoll.transport.base import Buffer
 
-__all__ = ["MAIL_BYTES", "ORDERED_STORES", "SharedMail"]
+__all__ = ["ORDERED_STORES", "SharedMail"]
 
 #: Whether this processor keeps a thread's stores, and its loads, in program order (x86-64,
 #: and a 64-bit Python: a 32-bit one there has other system call numbers).
@@ -58,13 +59,10 @@ ORDERED_STORES = platform.machine().lower() in {"x86_64", "amd64"} and sys.maxsi
 _SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE, _ALL = 202, 0, 1, 2**31 - 1
 #: How a futex wait ends without an error: the word had changed, the time passed, a signal.
 _WAIT_ENDS = frozenset({errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR})
-#: The largest message that goes through the mail: a 512 KiB payload (the largest exchange of
-#: one host's node processes from 3 of them; larger ones, between 2, go on the caller
-#: sockets), with the largest header.
-MAIL_BYTES = (512 << 10) + FIXED_HEADER_BYTES + 8 * MAX_NDIM
 _LINE = 64
-#: A slot's size (whole cache lines).
-SLOT_BYTES = -(-MAIL_BYTES // _LINE) * _LINE
+#: A slot's size (whole cache lines): the largest payload ``choose`` sends through the mail
+#: (:data:`~burncoll.strategies.auto.MAIL_BYTES`) with the largest header.
+SLOT_BYTES = -(-(MAIL_BYTES + FIXED_HEADER_BYTES + 8 * MAX_NDIM) // _LINE) * _LINE
 #: The mail's size in a segment: the counter's line and two slots.
 MAIL_AREA_BYTES = _LINE + 2 * SLOT_BYTES
 
@@ -120,18 +118,19 @@ class SharedMail:
         self._addresses = {n: int(c.ctypes.data) for n, c in self._counters.items()}
         self._futex = Futex()
         self._slots = (at + _LINE, at + _LINE + SLOT_BYTES)
-        #: The largest message that fits.
-        self.capacity: int = SLOT_BYTES
         #: Messages this node has posted (all of them read by every other node but the last).
         self.posted_count = 0
 
     def post(self, parts: Sequence[Buffer]) -> int:
-        """Post the message ``parts`` make one after the other (at most :attr:`capacity`
-        bytes); its number."""
+        """Post the message ``parts`` make one after the other (at most a slot: the routes
+        that take the mail fit, :data:`~burncoll.strategies.auto.MAIL_BYTES`); its number."""
         k = self.posted_count + 1
         at, mine = self._slots[k & 1], self._maps[self._me]
+        end = at + SLOT_BYTES
         for part in parts:
             size = memoryview(part).nbytes
+            if at + size > end:  # (a wrong route: never into the other slot)
+                raise ValueError("a message larger than a slot of the shared mail")
             mine[at:at + size] = part
             at += size
         self._counters[self._me][0] = k  # (after the message: x86-64 keeps stores in order)

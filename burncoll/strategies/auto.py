@@ -6,8 +6,8 @@ also runs small operations *inline*: the last peer to arrive computes every peer
 one pass (a centralized reduction without the thread barriers of a schedule).
 
 These are the thresholds; the one place that applies them to an operation (inline, fused,
-exchange, and the strategies of its local and global phases) is
-:func:`burncoll.local.plans.choose.choose`.
+the exchange and its medium, the host reduction, and the strategies of its local and global
+phases) is :func:`burncoll.local.plans.choose.choose`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from burncoll.strategies.schedule import Schedule
 from burncoll.strategies.tree import Tree
 
 __all__ = ["CROSSOVERS", "EXCHANGE_BYTES", "EXCHANGE_BYTES_ONE_HOST", "EXCHANGE_BYTES_SEGMENTS",
-           "INLINE_BYTES", "SEGMENT_NODES", "Auto", "exchange_limit", "resolve"]
+           "INLINE_BYTES", "MAIL_BYTES", "MOST_PIECES", "PIECE_BYTES", "SEGMENT_NODES", "Auto",
+           "exchange_limit", "resolve"]
 
 #: Local operations of at most this many bytes run inline in one thread under ``auto``.
 INLINE_BYTES = 1 << 20
@@ -34,21 +35,33 @@ EXCHANGE_BYTES: dict[int, int] = {2: 2 << 20, 3: 256 << 10, 4: 128 << 10, 8: 32 
 #: where sending the whole array to every node costs copies, not link time): 4 node processes
 #: of one host exchanged 256-512 KiB in 0.6-0.9x the ring's time (docs/performance.md).
 EXCHANGE_BYTES_ONE_HOST: dict[int, int] = {**EXCHANGE_BYTES, 4: 512 << 10}
-#: Past the exchange, node processes of one host all-reduce through shared segments from
-#: this many nodes (``levels.SharedSegments``); 2 nodes keep the ring.
+#: Past the exchange, node processes of one host all-reduce through their shared memory from
+#: this many nodes (``levels.HostReduce``); 2 nodes keep the ring.
 SEGMENT_NODES = 3
-#: The exchange's limits where those segments take over past it: they cost a copy in, a
-#: copy out and two rounds of empty messages, and beat the exchange from 256 KiB among 3 node
-#: processes and from 128 KiB among 4 (CPU per operation, docs/performance.md).
+#: The exchange's limits where the host reduction takes over past it: it costs a copy in, a
+#: copy out and two rounds of empty messages, and beats the exchange from 256 KiB among 3
+#: node processes and from 128 KiB among 4 (CPU per operation, docs/performance.md).
 EXCHANGE_BYTES_SEGMENTS: dict[int, int] = {**EXCHANGE_BYTES, 3: 128 << 10, 4: 64 << 10}
+#: The largest piece of an array that the host reduction moves at once (its data slot's
+#: size): two rounds of messages per piece, so larger pieces wait less (4 node processes,
+#: 256 MiB: ~400 ms against ~420 with 8 MiB; docs/performance.md), for 48 MiB of shared memory
+#: a node.
+PIECE_BYTES = 32 << 20
+#: The most pieces of one host reduction: piece ``p`` takes rounds ``3 + 2p`` and ``4 + 2p``
+#: of a u16 (1 and 2 were the set-up's); a larger array takes the strategy.
+MOST_PIECES = (2**16 - 1 - 3) // 2
+#: The largest payload an exchange sends through the host mail (a slot holds it and the
+#: longest header): the largest exchange of one host's node processes from 3 of them; larger
+#: ones, between 2, go on the lanes.
+MAIL_BYTES = 512 << 10
 
 
-def exchange_limit(world: int, one_host: bool = False, segments: bool = False) -> int:
+def exchange_limit(world: int, one_host: bool = False, host_reduce: bool = False) -> int:
     """The largest all-reduce (bytes per node) that ``auto`` exchanges among ``world`` nodes
-    (``one_host``: all of them on one host, sharing memory; ``segments``: and their shared
-    segments take over past it, from :data:`SEGMENT_NODES` nodes)."""
+    (``one_host``: all of them on one host, sharing memory; ``host_reduce``: and their host
+    reduction takes over past it, from :data:`SEGMENT_NODES` nodes)."""
     table = EXCHANGE_BYTES_ONE_HOST if one_host else EXCHANGE_BYTES
-    if one_host and segments and world >= SEGMENT_NODES:
+    if one_host and host_reduce and world >= SEGMENT_NODES:
         table = EXCHANGE_BYTES_SEGMENTS
     fitting = [limit for w, limit in table.items() if w <= world]
     return fitting[-1] if fitting else 0

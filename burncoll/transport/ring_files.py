@@ -77,12 +77,13 @@ def sealed_file(name: str, size: int) -> int:
     return fd
 
 
-def new_ring(token: str, size: int) -> tuple[int, mmap.mmap]:
+def new_ring(token: str, size: int, *, populate: bool = True) -> tuple[int, mmap.mmap]:
     """A new sealed ring named with ``token``: its descriptor and its writable mapping, every
-    page mapped now (not a page fault per message until the ring first wraps)."""
+    page mapped now (not a page fault per message until the ring first wraps), or, without
+    ``populate``, each page at its first use (no memory for the pages never used)."""
     fd = sealed_file(f"burncoll-{token}", size)
     try:
-        return fd, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+        return fd, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (_POPULATE if populate else 0))
     except BaseException:
         os.close(fd)
         raise
@@ -108,13 +109,14 @@ def _memfd_device() -> int:
 
 
 def map_offered(pid: int, fd: int, token: str, size: int,
-                seen: set[tuple[int, int]] | None = None) -> mmap.mmap | None:
+                seen: set[tuple[int, int]] | None = None, *, populate: bool = True
+                ) -> mmap.mmap | None:
     """The ring process ``pid`` offered as its descriptor ``fd`` named with ``token``, mapped
     read-only; ``None`` when it cannot be reached or is not that ring (its sender has ended or
     closed it, ``/proc`` is closed to this process): the receiver declines it. A file that is
     named as the ring but is not one a sender makes is :class:`ProtocolError`; so is, with
     ``seen`` (the files already offered, as ``(st_dev, st_ino)``, to which this one is
-    added), a file offered twice."""
+    added), a file offered twice. ``populate`` as :func:`new_ring`'s."""
     try:
         handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_PATH)
     except OSError:
@@ -131,12 +133,12 @@ def map_offered(pid: int, fd: int, token: str, size: int,
         if not stat.S_ISREG(info.st_mode) or info.st_dev != device:
             raise ProtocolError("offered a shared-memory ring that is not an ordinary "
                                 "anonymous file")
-        return _map_checked(handle, size, seen)
+        return _map_checked(handle, size, seen, _POPULATE if populate else 0)
     finally:
         os.close(handle)
 
 
-def _map_checked(handle: int, size: int, seen: set[tuple[int, int]] | None
+def _map_checked(handle: int, size: int, seen: set[tuple[int, int]] | None, populate: int
                  ) -> mmap.mmap | None:
     try:  # O_NONBLOCK: a file under a lease fails at once instead of blocking the loop
         fd = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_NONBLOCK)
@@ -158,7 +160,7 @@ def _map_checked(handle: int, size: int, seen: set[tuple[int, int]] | None
                                     "this one) offered too")
             seen.add((info.st_dev, info.st_ino))
         try:
-            return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+            return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
         except OSError:  # (no memory for it now: the receiver declines)
             return None
     finally:

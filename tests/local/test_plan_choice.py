@@ -7,12 +7,18 @@ peer), ``wants_inline`` (``auto``, at most ``INLINE_BYTES``, across nodes only t
 link's ``_exchanges`` (global ``auto``, at most ``exchange_limit(nodes, one_host)`` bytes per
 node, per shard when sharded; a barrier as a 0-byte exchange) -- not by calling the function.
 
-The global path of each plan (the exchange, or the strategy of the global schedule) is what
+The global route of each plan (the exchange, or the strategy of the global schedule) is what
 the node link used to resolve itself, by hand from ``strategies/auto.py``: the operation's own
 config field (``global_all_reduce_strategy`` for an all-reduce, reduce-scatter, all-gather and
 barrier), and under ``auto`` ``tree:2`` up to 64 KiB and ``ring`` past it, by the size the node
 was handed: the node's array (each shard when sharded) for an all-reduce, its whole array for a
 reduce and a reduce-scatter, and 0 bytes for a barrier, a broadcast and an all-gather.
+
+The rows marked ``route:`` (issue 30, stage 6) were derived by hand from the rules the node
+level applied at run time before the route moved into ``choose``: the shared mail's capacity
+test (a 512 KiB payload), the lanes' one user (channel 0), the segments' usability test (3+
+nodes, channel 0, at most ``MOST_PIECES`` pieces, a set-up every node agreed to), and the
+compressed wire format (always a schedule).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import pytest
 import burncoll
 from burncoll.backends import get_backend
 from burncoll.backends.base import Backend
-from burncoll.levels import Exchange, SharedSegments
+from burncoll.levels import Exchange, HostReduce, Medium
 from burncoll.local.calls import Call
 from burncoll.local.plans.barrier import LocalBarrier
 from burncoll.local.plans.choose import OpPlan, _plan_key, choose
@@ -46,10 +52,14 @@ from burncoll.local.world import World
 from burncoll.node.membership import NodeInfo, number_hosts
 from burncoll.ops import OpKind, ReduceOp
 from burncoll.strategies import ByHost, Centralized, Ring, Tree
+from burncoll.strategies.auto import MOST_PIECES, PIECE_BYTES
 
 MiB = 1 << 20
 KiB = 1 << 10
-C, R, T, T3, X, S = Centralized(), Ring(), Tree(2), Tree(3), Exchange(), SharedSegments()
+C, R, T, T3 = Centralized(), Ring(), Tree(2), Tree(3)
+#: The exchange on the member connections, on the lanes, in the host mail; the host reduction.
+X, XL, XH, H = (Exchange(Medium.CONNECTIONS), Exchange(Medium.LANE), Exchange(Medium.HOST),
+                HostReduce())
 AR, RED, BC, RS, AG, BAR = (OpKind.ALL_REDUCE, OpKind.REDUCE, OpKind.BROADCAST,
                             OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.BARRIER)
 
@@ -59,15 +69,18 @@ def one_node(devices: int) -> World:
 
 
 def nodes(layout: list[int], node: int = 0, sharded: bool = False,
-          one_host: bool = False, segments: bool = False, hosts: tuple[int, ...] = ()) -> World:
+          one_host: bool = False, segments: bool = False, hosts: tuple[int, ...] = (),
+          lanes: bool = False, mail: bool = True) -> World:
     """Node ``node`` of nodes with ``layout[n]`` local peers each (peer ids in node order),
-    on hosts of their own unless ``one_host`` (``segments``: one host, and its shared
-    segments usable) or ``hosts`` (each node's host)."""
+    on hosts of their own unless ``one_host`` or ``hosts`` (each node's host); ``lanes``:
+    every node uses lanes; ``segments``: one host, lanes, and the host memory mapped at join
+    (with its mail unless ``mail`` is false: a processor without ordered stores)."""
     ids = [list(range(sum(layout[:n]), sum(layout[:n + 1]))) for n in range(len(layout))]
     return World(peer_ids=tuple(ids[node]), all_peer_ids=tuple(range(sum(layout))),
                  num_nodes=len(layout), node_index=node,
                  node_of={p: n for n, peers in enumerate(ids) for p in peers}, sharded=sharded,
-                 one_host=one_host or segments, host_segments=segments, hosts=hosts)
+                 one_host=one_host or segments, hosts=hosts, lanes=lanes or segments,
+                 host_memory=segments, host_mail=segments and mail)
 
 
 @dataclass(frozen=True)
@@ -180,20 +193,21 @@ CASES: list[tuple[str, Case, World, OpPlan]] = [
      nodes([1] * 4, 3, one_host=True), OutOfPlace(R)),
     ("3 nodes of one host keep the 3-node limit", Case(AR, 256 * KiB + 4),
      nodes([1] * 3, one_host=True), OutOfPlace(R)),
-    # -- node processes of one host sharing segments: past the exchange, the segments (on
-    #    channel 0, under a global auto, uncompressed); never for a barrier
+    # -- node processes of one host sharing host memory: past the exchange, the host
+    #    reduction (on channel 0, under a global auto, uncompressed); never for a barrier;
+    #    their exchanges on channel 0 in the host mail up to 512 KiB, then on the lanes
     ("4 nodes sharing segments, 64 KiB: the exchange", Case(AR, 64 * KiB),
-     nodes([1] * 4, segments=True), OutOfPlace(X)),
+     nodes([1] * 4, segments=True), OutOfPlace(XH)),
     ("4 nodes sharing segments, past 64 KiB", Case(AR, 64 * KiB + 4),
-     nodes([1] * 4, 2, segments=True), OutOfPlace(S)),
+     nodes([1] * 4, 2, segments=True), OutOfPlace(H)),
     ("3 nodes sharing segments, 128 KiB: the exchange", Case(AR, 128 * KiB),
-     nodes([1] * 3, segments=True), OutOfPlace(X)),
+     nodes([1] * 3, segments=True), OutOfPlace(XH)),
     ("6 nodes sharing segments, past 64 KiB", Case(AR, 64 * KiB + 8, "float64"),
-     nodes([1] * 6, 5, segments=True), OutOfPlace(S)),
+     nodes([1] * 6, 5, segments=True), OutOfPlace(H)),
     ("2 nodes sharing segments keep 2 MiB", Case(AR, 2 * MiB),
-     nodes([1, 1], segments=True), OutOfPlace(X)),
+     nodes([1, 1], segments=True), OutOfPlace(XL)),
     ("3 nodes sharing segments, past 128 KiB", Case(AR, 128 * KiB + 8, "float64"),
-     nodes([1] * 3, segments=True), OutOfPlace(S)),
+     nodes([1] * 3, segments=True), OutOfPlace(H)),
     ("2 nodes sharing segments keep the ring", Case(AR, 2 * MiB + 8, "float64"),
      nodes([1, 1], segments=True), OutOfPlace(R)),
     ("sharing segments, compressed: the schedule", Case(AR, 4 * MiB, compression="bf16"),
@@ -201,18 +215,18 @@ CASES: list[tuple[str, Case, World, OpPlan]] = [
     ("sharing segments, global ring: the ring", Case(AR, 4 * MiB, strategies=GLOBAL_RING),
      nodes([1] * 3, segments=True), OutOfPlace(R)),
     ("2x1x1 sharing segments, inline past the exchange", Case(AR, 128 * KiB + 4),
-     nodes([2, 1, 1], segments=True), Inline(S)),
+     nodes([2, 1, 1], segments=True), Inline(H)),
     ("2x1x1 sharing segments, past the inline size", Case(AR, 2 * MiB),
-     nodes([2, 1, 1], segments=True), ReduceGlobalBroadcast(C, C, 0, S)),
+     nodes([2, 1, 1], segments=True), ReduceGlobalBroadcast(C, C, 0, H)),
     ("2x2x2 sharing segments, small: inline, exchanged", Case(AR),
-     nodes([2, 2, 2], segments=True), Inline(X)),
+     nodes([2, 2, 2], segments=True), Inline(XH)),
     ("sharded sharing segments: only channel 0", Case(AR, 8 * MiB, strategies=RING),
-     nodes([2, 2, 2], sharded=True, segments=True), HierarchicalRing(R, (S, R))),
+     nodes([2, 2, 2], sharded=True, segments=True), HierarchicalRing(R, (H, R))),
     ("sharded sharing segments: the other channels keep the one-host exchange",
      Case(AR, MiB, strategies=RING), nodes([4] * 4, 1, sharded=True, segments=True),
-     HierarchicalRing(R, (S, X, X, X))),
+     HierarchicalRing(R, (H, X, X, X))),
     ("3 nodes sharing segments, barrier", Case(BAR), nodes([1] * 3, segments=True),
-     GlobalBarrier(X)),
+     GlobalBarrier(XH)),
     ("5 nodes use the 4-node limit", Case(AR, 128 * KiB), nodes([1] * 5), OutOfPlace(X)),
     ("5 nodes, past the 4-node limit", Case(AR, 128 * KiB + 8, "float64"), nodes([1] * 5),
      OutOfPlace(R)),
@@ -362,6 +376,73 @@ CASES: list[tuple[str, Case, World, OpPlan]] = [
     ("2x2 barrier, global tree:3", Case(BAR, strategies={
         "global_all_reduce_strategy": "tree:3", "global_broadcast_strategy": "ring"}),
      nodes([2, 2]), GlobalBarrier(T3)),
+    # -- the whole route (derived by hand from the rules, not by calling choose): the medium
+    #    of an exchange is the host mail (host memory with its mail, channel 0, a payload of
+    #    at most MAIL_BYTES = 512 KiB), else the lanes (lanes, channel 0), else the member
+    #    connections; the host reduction needs host memory, 3+ nodes, channel 0, global auto,
+    #    no compression and at most MOST_PIECES pieces of PIECE_BYTES = 32 MiB
+    ("route: 4 nodes with lanes, 8 B", Case(AR, 8), nodes([1] * 4, lanes=True),
+     OutOfPlace(XL)),
+    ("route: 4 nodes with lanes, 128 KiB", Case(AR, 128 * KiB), nodes([1] * 4, 1, lanes=True),
+     OutOfPlace(XL)),
+    ("route: 4 nodes with lanes, past 128 KiB", Case(AR, 128 * KiB + 4),
+     nodes([1] * 4, lanes=True), OutOfPlace(R)),
+    ("route: 4 nodes without lanes, 8 B", Case(AR, 8), nodes([1] * 4), OutOfPlace(X)),
+    ("route: 4 nodes of one host whose set-up failed: the lanes to 512 KiB",
+     Case(AR, 512 * KiB), nodes([1] * 4, one_host=True, lanes=True), OutOfPlace(XL)),
+    ("route: 4 nodes of one host whose set-up failed, past 512 KiB: the ring",
+     Case(AR, 512 * KiB + 4), nodes([1] * 4, 2, one_host=True, lanes=True), OutOfPlace(R)),
+    ("route: host memory, 8 B in the mail", Case(AR, 8), nodes([1] * 4, 3, segments=True),
+     OutOfPlace(XH)),
+    ("route: host memory without its mail (no ordered stores): the lanes", Case(AR, 8),
+     nodes([1] * 4, segments=True, mail=False), OutOfPlace(XL)),
+    ("route: host memory without its mail, past 64 KiB: the host reduction",
+     Case(AR, 64 * KiB + 4), nodes([1] * 4, segments=True, mail=False), OutOfPlace(H)),
+    ("route: 2 nodes of one host, exactly 512 KiB in the mail", Case(AR, 512 * KiB),
+     nodes([1, 1], segments=True), OutOfPlace(XH)),
+    ("route: 2 nodes of one host, past 512 KiB: the lanes", Case(AR, 512 * KiB + 4),
+     nodes([1, 1], 1, segments=True), OutOfPlace(XL)),
+    ("route: a mean of integers in the mail (the sum travels in its dtype)",
+     Case(AR, 512 * KiB, "int32", ReduceOp.MEAN), nodes([1, 1], segments=True),
+     OutOfPlace(XH)),
+    ("route: 2x2 with lanes, small: inline, on the lanes", Case(AR), nodes([2, 2], lanes=True),
+     Inline(XL)),
+    ("route: 2x2 of one host, 2 MiB: reduced, then the lanes", Case(AR, 2 * MiB),
+     nodes([2, 2], segments=True), ReduceGlobalBroadcast(C, C, 0, XL)),
+    ("route: exactly MOST_PIECES pieces: the host reduction",
+     Case(AR, MOST_PIECES * PIECE_BYTES), nodes([1] * 3, segments=True), OutOfPlace(H)),
+    ("route: more pieces than a round number holds: the ring",
+     Case(AR, MOST_PIECES * PIECE_BYTES + 4), nodes([1] * 3, segments=True), OutOfPlace(R)),
+    # -- compressed: never an exchange nor the host reduction (its wire format is the walk's)
+    ("route: compressed 16 B with host memory: the tree", Case(AR, 16, compression="bf16"),
+     nodes([1] * 4, segments=True), OutOfPlace(T)),
+    ("route: compressed 16 B with lanes: the tree", Case(AR, 16, compression="fp16"),
+     nodes([1] * 4, lanes=True), OutOfPlace(T)),
+    ("route: compressed, 2x2 inline: the tree", Case(AR, 16, compression="bf16"),
+     nodes([2, 2], lanes=True), Inline(T)),
+    ("route: compressed and sharded: every channel's schedule",
+     Case(AR, 256 * KiB, compression="bf16", strategies=RING),
+     nodes([2, 2, 2], sharded=True, segments=True), HierarchicalRing(R, (R, R))),
+    # -- channels >= 1: never the lanes nor the mail (they have one user: channel 0)
+    ("route: sharded with lanes, small: channel 1 on the connections",
+     Case(AR, strategies=RING), nodes([2, 2], sharded=True, lanes=True),
+     HierarchicalRing(R, (XL, X))),
+    ("route: sharded with host memory, small: the mail, then the connections",
+     Case(AR, strategies=RING), nodes([2, 2, 2], sharded=True, segments=True),
+     HierarchicalRing(R, (XH, X))),
+    ("route: sharded with host memory, 4 shards of 128 KiB",
+     Case(AR, 512 * KiB, strategies=RING), nodes([4] * 4, 2, sharded=True, segments=True),
+     HierarchicalRing(R, (H, X, X, X))),
+    ("route: sharded without lanes: the connections everywhere", Case(AR, strategies=RING),
+     nodes([3, 3], sharded=True), HierarchicalRing(R, (X, X, X))),
+    # -- a barrier: a 0-byte exchange on the medium, or the configured schedule
+    ("route: barrier with host memory: the mail", Case(BAR), nodes([1, 1], segments=True),
+     GlobalBarrier(XH)),
+    ("route: barrier with host memory without its mail: the lanes", Case(BAR),
+     nodes([1] * 3, segments=True, mail=False), GlobalBarrier(XL)),
+    ("route: barrier with lanes", Case(BAR), nodes([2, 2], lanes=True), GlobalBarrier(XL)),
+    ("route: barrier with host memory, global ring", Case(BAR, strategies=GLOBAL_RING),
+     nodes([1] * 3, segments=True), GlobalBarrier(R)),
 ]
 
 

@@ -4,7 +4,8 @@ Two levels. The exchange engine alone, on real connected sockets between real th
 message arrives whole, one larger than the sockets' buffers does not deadlock, a silent node
 times out at the deadline, a closed one is reported, a session failure wakes the wait, and a
 message that announces another length is read no further than its header (nothing is
-allocated on its word). Then real nodes through a real orchestrator, where a member holding
+allocated on its word); a node whose shared mail is in is not blamed for what its lane holds
+next. Then real nodes through a real orchestrator, where a member holding
 the token (a test double inside its process) writes on its lane what an honest node never
 would -- a huge size, another operation's number, another dtype, bytes that are no frame --
 or closes it: every node fails with an error that says what was wrong and names that node;
@@ -16,6 +17,7 @@ dropped without harming the session. Results are checked against NumPy float64.
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import select
 import signal
 import socket
@@ -29,6 +31,7 @@ import pytest
 
 import burncoll
 from burncoll.node.lanes import LaneClosed, LaneOdd, Lanes, LaneTimeout, LaneWoken
+from burncoll.node.shared_mail import SharedMail
 from burncoll.protocol.wire import FIXED_HEADER_BYTES, decode_data_head, encode_data_header
 from tests.harness import run_nodes
 
@@ -229,6 +232,39 @@ def test_peek_leaves_what_waits_in_the_socket() -> None:
         one.socks[0].sendall(b"abc")
         select.select([zero.socks[1]], [], [], 5)
         assert zero.peek(10) == {1: b"abc"} == zero.peek(10)
+    finally:
+        zero.close()
+        one.close()
+
+
+class _LookedJustBefore(SharedMail):
+    """Node 0's shared mail, whose first look at the counters comes just before node 1's
+    post (a fault injected: the order of two threads on a busy host)."""
+
+    early = True
+
+    def posted(self, node: int, k: int) -> bool:
+        if self.early:
+            self.early = False
+            return False
+        return super().posted(node, k)
+
+
+def test_a_message_on_the_lane_of_a_node_whose_mail_is_in_is_no_mismatch() -> None:
+    """Node 1 posts its mail, then at once sends its next operation's message on its lane (an
+    exchange too large for the mail). Node 0, which looked at the counters just before the
+    post and at the lanes just after the send, takes node 1's posted message: the lane holds
+    a later operation's (before, a benchmark's barrier failed as a mismatch here)."""
+    zero, one = _pair()
+    maps = {n: mmap.mmap(-1, 2 << 20) for n in (0, 1)}
+    try:
+        mail = _LookedJustBefore(maps, 0, 0)
+        SharedMail(maps, 1, 0).post([b"node 1's"])
+        one.socks[0].sendall(_frame(b"\0" * 16, seq=4))
+        zero.yielding.sleeping = 1  # (it sleeps at once: its first step looks at the lanes)
+        got = zero.exchange_mail(mail, [b"node 0's"], 8, time.monotonic() + 5.0)
+        assert bytes(got[1]) == b"node 1's"
+        assert len(zero.peek(1 << 10)[1]) > FIXED_HEADER_BYTES  # (left for its operation)
     finally:
         zero.close()
         one.close()

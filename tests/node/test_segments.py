@@ -6,11 +6,14 @@ every reduce op and dtype, arrays of several pieces with an uneven last one, fre
 ``out=`` and in place, each result compared with NumPy in float64 and bitwise identical on
 every node; the segments were used; and a node process that dies in the middle of the
 session is reported by every survivor, naming it. Then nodes as threads of this process (one
-host too): a node that cannot make its segment (a test double) leaves every node on the ring,
-with correct results; a node that offers a file that is not a segment (not sealed) fails the
-session on every node, named, and so does one that offers another node's segment as its own;
+host too): a node that cannot make its segment at join (a test double) leaves every node on
+the ring from the first operation, with correct results; so does a node that cannot map the
+others' (the set-up's answers disagree on one node only: every node still chooses the same
+route); a node that offers a file that is not a segment (not sealed) fails the session at
+join on every node, named, and so does one that offers another node's segment as its own;
 a node that never calls times out the others by their deadline;
-different sizes are a mismatch; and nodes of two devices share their reduction through the
+different sizes are a mismatch; a session that only sends point to point holds no memory for
+the segments' data slots; and nodes of two devices share their reduction through the
 segments (with a local ring, shard 0 there and shard 1 on the ring).
 """
 
@@ -21,6 +24,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import sys
 import threading
 import time
@@ -31,6 +35,8 @@ import pytest
 
 import burncoll
 import burncoll.node.segments as segments_module
+from burncoll.levels import HostReduce
+from burncoll.strategies import Ring
 from tests.harness import (
     all_reduce_as,
     reduced_float64,
@@ -59,9 +65,14 @@ def _reference(nodes: int, call: int) -> np.ndarray:
     return reduced_float64(np.stack([_input(n, call) for n in range(nodes)]), CALLS[call][2])
 
 
-def _segments_used(comm: burncoll.Communicator) -> bool | None:
-    segments = comm._server.link._segments  # type: ignore[attr-defined]
-    return None if segments is None else segments.usable
+def _segments_used(comm: burncoll.Communicator) -> bool:
+    """Whether the nodes agreed at join that they share host memory."""
+    return bool(comm._server.link.host_memory)  # type: ignore[attr-defined]
+
+
+def _routes(comm: burncoll.Communicator) -> list[Any]:
+    """The routes of this node's plans so far, in the order first planned."""
+    return [plan.route for plan in comm._server.plans.values()]  # type: ignore[attr-defined]
 
 
 def _call(comm: burncoll.Communicator, node: int, call: int) -> np.ndarray:
@@ -128,49 +139,71 @@ def _threads(nodes: int, fn: Any, timeout: float = 20.0, devices: int = 1,
                          **config)
 
 
-def _first_call_only(double: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Replace ``new_ring`` in the segments module with ``double`` for its first caller."""
-    real, lock, taken = segments_module.new_ring, threading.Lock(), []
+def _first_call_only(name: str, double: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replace ``name`` (``new_ring`` or ``map_offered``) in the segments module with
+    ``double`` for the first node that calls it (the nodes are threads of this process)."""
+    real, lock, first_caller = getattr(segments_module, name), threading.Lock(), []
 
-    def new_ring(token: str, size: int) -> tuple[int, mmap.mmap]:
+    def replaced(*args: Any, **kwargs: Any) -> Any:
         with lock:
-            first = not taken
-            taken.append(token)
-        return double(token, size) if first else real(token, size)
+            if not first_caller:
+                first_caller.append(threading.current_thread())
+        if first_caller[0] is threading.current_thread():
+            return double(*args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(segments_module, "new_ring", new_ring)
+    monkeypatch.setattr(segments_module, name, replaced)
 
 
-def test_a_node_without_its_segment_leaves_every_node_on_the_ring(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_memory(token: str, size: int) -> tuple[int, mmap.mmap]:
-        raise OSError(12, "Cannot allocate memory (a test double)")
-
-    _first_call_only(no_memory, monkeypatch)
-
-    def fn(comm: burncoll.Communicator) -> Any:
-        got = [_call(comm, comm.rank, call) for call in (0, 1)]
-        return got, _segments_used(comm)
-
-    out = _threads(3, fn)
+def _on_the_ring_from_the_first_operation(out: dict[int, Any]) -> None:
+    """Every node: no host memory, the ring for both calls (3 nodes of one host: the
+    exchange stops at 256 KiB), the same routes, results right and the same."""
     for rank in range(3):
         assert not isinstance(out[rank], BaseException), out[rank]
-        got, used = out[rank]
+        got, used, routes = out[rank]
         assert used is False
+        assert routes == [Ring(), Ring()], routes
         for call, result in zip((0, 1), got, strict=True):
             np.testing.assert_allclose(result, _reference(3, call), rtol=1e-5, atol=1e-5)
             np.testing.assert_array_equal(result, out[0][0][call])
 
 
+def _two_calls(comm: burncoll.Communicator) -> Any:
+    return [_call(comm, comm.rank, call) for call in (0, 1)], _segments_used(comm), _routes(
+        comm)
+
+
+def test_a_node_without_its_segment_leaves_every_node_on_the_ring(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_memory(token: str, size: int, **kwargs: Any) -> tuple[int, mmap.mmap]:
+        raise OSError(12, "Cannot allocate memory (a test double)")
+
+    _first_call_only("new_ring", no_memory, monkeypatch)
+    _on_the_ring_from_the_first_operation(_threads(3, _two_calls))
+
+
+def test_a_node_that_cannot_map_the_others_leaves_every_node_on_the_ring(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The set-up fails on one node only: it made and offered its segment, as every node
+    did, but cannot map the others' (``/proc`` closed to it: ``map_offered`` declines). Only
+    its answer says so, and every node reads every answer: the session forms, every node
+    without host memory and with the same routes."""
+    def declined(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    _first_call_only("map_offered", declined, monkeypatch)
+    _on_the_ring_from_the_first_operation(_threads(3, _two_calls))
+
+
 def test_a_node_offering_a_file_that_is_not_a_segment_is_named_by_the_others(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    def unsealed(token: str, size: int) -> tuple[int, mmap.mmap]:
+    def unsealed(token: str, size: int, **kwargs: Any) -> tuple[int, mmap.mmap]:
         fd = os.memfd_create(f"burncoll-{token}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, size)  # ... and no seals: it could shrink under a reader's mapping
         assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) == 0
         return fd, mmap.mmap(fd, size)
 
-    _first_call_only(unsealed, monkeypatch)
+    _first_call_only("new_ring", unsealed, monkeypatch)
     out = _threads(3, lambda comm: _call(comm, comm.rank, 0))
     named = set()
     for rank in range(3):
@@ -189,11 +222,11 @@ def test_a_node_offering_another_nodes_segment_as_its_own_is_refused(
     lock = threading.Lock()
     real = segments_module.new_ring
 
-    def new_ring(token: str, size: int) -> tuple[int, mmap.mmap]:
+    def new_ring(token: str, size: int, **kwargs: Any) -> tuple[int, mmap.mmap]:
         with lock:
             if made:
                 return os.dup(made[0][0]), made[0][1]
-            made.append(real(token, size))
+            made.append(real(token, size, **kwargs))
             return made[0]
 
     monkeypatch.setattr(segments_module, "new_ring", new_ring)
@@ -230,6 +263,51 @@ def test_different_sizes_are_a_mismatch() -> None:
     for rank in range(3):
         assert isinstance(out[rank], burncoll.MismatchError), out[rank]
         assert "600000" in str(out[rank]) and "601000" in str(out[rank]), out[rank]
+
+
+def _segments_resident_kib() -> int:
+    """Resident memory of every segment mapped in this process (each node's mappings), from
+    ``/proc/self/smaps``."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+                inside = "memfd:burncoll-" in line
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+def test_segments_made_at_join_hold_memory_only_once_used() -> None:
+    """The segments are set up at join whatever the session does: one that only sends point
+    to point (and meets at barriers, through the mail) holds no memory for their data slots;
+    a 16 MiB all-reduce through them then does (4 MiB of slot per node, mapped by 3)."""
+    before = _segments_resident_kib()
+
+    def fn(comm: burncoll.Communicator) -> Any:
+        if comm.rank == 0:
+            comm.send(np.arange(1000, dtype=np.float32), 1)
+        elif comm.rank == 1:
+            got = comm.recv(0)
+            assert np.array_equal(got, np.arange(1000, dtype=np.float32))
+        comm.barrier()
+        idle = _segments_resident_kib() - before if comm.rank == 0 else None
+        comm.barrier()
+        x = np.full(4 << 20, comm.rank + 1, np.float32)  # 16 MiB
+        result = comm.all_reduce(x)
+        comm.barrier()
+        used = _segments_resident_kib() - before if comm.rank == 0 else None
+        comm.barrier()
+        return idle, used, bool(np.all(result == 6)), _routes(comm)
+
+    out = _threads(3, fn)
+    for rank in range(3):
+        assert not isinstance(out[rank], BaseException), out[rank]
+        assert out[rank][2], rank
+    idle, used, _, routes = out[0]
+    assert HostReduce() in routes, routes
+    assert idle < 4 << 10, idle  # KiB: the mail's pages in use, not 3 x 3 x 48 MiB
+    assert used > 3 * (16 << 10), used  # (16 MiB of slots and results, seen by 3 mappings)
 
 
 @pytest.mark.parametrize("local", ["auto", "ring"])

@@ -11,9 +11,9 @@ them. A node process that dies while the others wait in the mail is named by eve
 at once. Then nodes as threads of this process (one host too): a node that never calls times
 the others out by their deadline, naming it; different sizes are a mismatch on every node; a
 node that cannot make its segment leaves every node on the caller sockets, with correct
-results; a processor without ordered stores keeps the exchange on the sockets; and nodes of
-two devices exchange their sums through the mail. Last, the futex the mail sleeps on, between
-real threads.
+results; a processor without ordered stores keeps the exchange on the sockets (the route says
+so from the first operation); and nodes of two devices exchange their sums through the mail.
+Last, the futex the mail sleeps on, between real threads.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ import pytest
 
 import burncoll
 import burncoll.node.segments as segments_module
+from burncoll.levels import Exchange, Medium
 from burncoll.node.segments import segment_bytes
-from burncoll.node.shared_mail import Futex
+from burncoll.node.shared_mail import SLOT_BYTES, Futex, SharedMail
 from tests.harness import (
     all_reduce_as,
     reduced_float64,
@@ -148,18 +149,22 @@ def _threads(nodes: int, fn: Any, timeout: float = 20.0, **config: Any) -> dict[
                          **config)
 
 
-def _small_calls(comm: burncoll.Communicator) -> tuple[list[np.ndarray], int]:
+def _small_calls(comm: burncoll.Communicator) -> tuple[list[np.ndarray], int, list[Any]]:
     got = [_call(comm, _input(comm.rank, i, call), call)
            for i, call in enumerate(CALLS * 2)]
     comm.barrier()
-    return got, _posted(comm)
+    return got, _posted(comm), list(comm._server.plans.values())  # type: ignore[attr-defined]
 
 
-def _check_small_calls(out: dict[int, Any], nodes: int, posted: int) -> None:
+def _check_small_calls(out: dict[int, Any], nodes: int, posted: int,
+                       medium: Medium = Medium.HOST) -> None:
+    """Every node's results are right and the same, it posted ``posted`` messages, and
+    every exchange of its plans took ``medium``."""
     for rank in range(nodes):
         assert not isinstance(out[rank], BaseException), out[rank]
-        got, count = out[rank]
+        got, count, plans = out[rank]
         assert count == posted, count
+        assert {plan.route for plan in plans} == {Exchange(medium)}, plans
         for i, call in enumerate(CALLS * 2):
             np.testing.assert_allclose(got[i], _reference(nodes, i, call), rtol=1e-5, atol=1e-5)
             np.testing.assert_array_equal(got[i], out[0][0][i])
@@ -228,20 +233,22 @@ def test_a_node_without_its_segment_leaves_every_node_on_the_sockets(
         monkeypatch: pytest.MonkeyPatch) -> None:
     real, taken = segments_module.new_ring, []
 
-    def new_ring(token: str, size: int) -> tuple[int, mmap.mmap]:
+    def new_ring(token: str, size: int, **kwargs: Any) -> tuple[int, mmap.mmap]:
         taken.append(token)
         if len(taken) == 1:
             raise OSError(12, "Cannot allocate memory (a test double)")
-        return real(token, size)
+        return real(token, size, **kwargs)
 
     monkeypatch.setattr(segments_module, "new_ring", new_ring)
-    _check_small_calls(_threads(2, _small_calls), 2, posted=0)
+    _check_small_calls(_threads(2, _small_calls), 2, posted=0, medium=Medium.LANE)
 
 
 def test_a_processor_without_ordered_stores_keeps_the_exchange_on_the_sockets(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host memory is set up (3 nodes: for the host reduction), without its mail: the
+    routes take the lanes from the first operation."""
     monkeypatch.setattr(segments_module, "ORDERED_STORES", False)
-    _check_small_calls(_threads(3, _small_calls), 3, posted=0)
+    _check_small_calls(_threads(3, _small_calls), 3, posted=0, medium=Medium.LANE)
 
 
 def test_the_mail_carries_the_small_calls_of_thread_nodes_too() -> None:
@@ -272,6 +279,19 @@ def test_nodes_of_two_devices_exchange_their_sums_through_the_mail(local: str) -
             want = reduced_float64(np.stack([xs[r, n] for r in range(4)]), "sum")
             np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5)
             np.testing.assert_array_equal(got[i], out[0][0][i])
+
+
+def test_a_message_larger_than_a_slot_is_refused_and_never_posted() -> None:
+    """``choose`` sends through the mail only what fits a slot; a message past it (a wrong
+    route) would write into the other slot, which another node may still read: refused,
+    and the counter stays."""
+    maps = {n: mmap.mmap(-1, 2 << 20) for n in (0, 1)}
+    mail, reader = SharedMail(maps, 0, 0), SharedMail(maps, 1, 0)
+    header = b"h" * 64
+    with pytest.raises(ValueError, match="larger than a slot"):
+        mail.post((header, bytes(SLOT_BYTES - len(header) + 1)))
+    assert mail.posted_count == 0 and not reader.posted(0, 1)
+    assert mail.post((header, bytes(SLOT_BYTES - len(header)))) == 1 and reader.posted(0, 1)
 
 
 # -- the futex the mail sleeps on ------------------------------------------------------------

@@ -4,9 +4,14 @@ Every choice that depends on the operation, the world or the backend is made her
 the last peer to arrive, before any data moves: ``auto``'s inline and fused paths at the local
 level (:data:`~burncoll.strategies.auto.INLINE_BYTES`), the composition with the other nodes
 (sharded, reduce -> global -> broadcast, a single local peer), each local phase's strategy,
-and each global part's path: whether a global all-reduce or barrier runs as the one-round
-exchange (:func:`~burncoll.strategies.auto.exchange_limit`), and otherwise which strategy's
-schedule (``auto``'s tree or ring by size). The node then only executes that path.
+and each global part's whole route (:data:`~burncoll.levels.Route`): whether a global
+all-reduce or barrier runs as the one-round exchange
+(:func:`~burncoll.strategies.auto.exchange_limit`) and on which medium (the host mail up to
+:data:`~burncoll.strategies.auto.MAIL_BYTES` on channel 0, else the lanes on channel 0, else
+the member connections), as the host reduction, or otherwise which strategy's schedule
+(``auto``'s tree or ring by size). Its inputs are the call and the capabilities every node
+agreed at join (:class:`~burncoll.local.world.World`), so every node computes the same
+route; the node then only executes it.
 
 The plan kinds, by when they are chosen (first match):
 
@@ -40,7 +45,7 @@ from burncoll.backends.numpy import host_memory
 from burncoll.config import CollectiveConfig
 from burncoll.dtypes import ITEMSIZES, dtype_from_name, is_inexact
 from burncoll.errors import UsageError
-from burncoll.levels import Exchange, GlobalPath, SharedSegments
+from burncoll.levels import Exchange, HostReduce, Medium, Route
 from burncoll.local.calls import Call
 from burncoll.local.plans.barrier import LocalBarrier
 from burncoll.local.plans.fused import Fused
@@ -59,7 +64,14 @@ from burncoll.local.rendezvous import OpState, Prepared, Rendezvous
 from burncoll.local.world import World
 from burncoll.ops import OpKind, ReduceOp
 from burncoll.strategies import Auto, Strategy, resolve
-from burncoll.strategies.auto import INLINE_BYTES, SEGMENT_NODES, exchange_limit
+from burncoll.strategies.auto import (
+    INLINE_BYTES,
+    MAIL_BYTES,
+    MOST_PIECES,
+    PIECE_BYTES,
+    SEGMENT_NODES,
+    exchange_limit,
+)
 from burncoll.strategies.by_host import ByHost
 from burncoll.strategies.layout import even_layout
 
@@ -125,13 +137,13 @@ def choose(calls: Sequence[Call], world: World, backend: Backend,
         return Personal()
     nbytes = max(_nbytes(c) for c in calls)
     if _inline(call, world, config, nbytes):
-        return Inline(_all_reduce_path(config, world, nbytes, call.compression is not None)
+        return Inline(_route(config, world, nbytes, call.compression is not None)
                       if world.multi_node else None)
     if _fused(calls, world, backend, config):
         return Fused()
     if call.kind is OpKind.BARRIER:
         if world.multi_node:
-            return GlobalBarrier(_all_reduce_path(config, world, 0))
+            return GlobalBarrier(_barrier_route(config, world))
         return LocalBarrier()
     if call.kind is OpKind.ALL_GATHER and not call.shape:
         raise UsageError("all_gather needs arrays with at least one dimension")
@@ -173,19 +185,29 @@ def _fused(calls: Sequence[Call], world: World, backend: Backend,
     return call.reduce_op is not ReduceOp.MEAN or is_inexact(dtype_from_name(call.dtype or ""))
 
 
-def _exchanges(config: CollectiveConfig, world: World, nbytes: int, segments: bool) -> bool:
+def _exchanges(config: CollectiveConfig, world: World, nbytes: int, host_reduce: bool) -> bool:
     """Whether ``auto`` runs a global all-reduce of ``nbytes`` (per node) as an exchange
-    (``segments``: the shared segments take over past it)."""
+    (``host_reduce``: the host reduction takes over past it)."""
     return (isinstance(config.strategy("global_all_reduce_strategy"), Auto)
             and world.num_nodes > 1
-            and nbytes <= exchange_limit(world.num_nodes, world.one_host, segments))
+            and nbytes <= exchange_limit(world.num_nodes, world.one_host, host_reduce))
 
 
-def _segments(config: CollectiveConfig, world: World, channel: int) -> bool:
-    """Whether ``auto``'s all-reduces past the exchange on ``channel`` go through the host's
-    shared segments: channel 0, 3 or more node processes of one host sharing them."""
-    return (world.host_segments and world.num_nodes >= SEGMENT_NODES and channel == 0
+def _host_reduces(config: CollectiveConfig, world: World, channel: int) -> bool:
+    """Whether ``auto``'s all-reduces past the exchange on ``channel`` go through the host
+    memory: channel 0, 3 or more node processes of one host that mapped it at join."""
+    return (world.host_memory and world.num_nodes >= SEGMENT_NODES and channel == 0
             and isinstance(config.strategy("global_all_reduce_strategy"), Auto))
+
+
+def _medium(world: World, nbytes: int, channel: int) -> Medium:
+    """What carries an exchange of ``nbytes`` per node on ``channel``: the host mail where it
+    fits, else the lanes (both channel 0 only: they have one user), else the connections."""
+    if channel:
+        return Medium.CONNECTIONS
+    if world.host_mail and nbytes <= MAIL_BYTES:
+        return Medium.HOST
+    return Medium.LANE if world.lanes else Medium.CONNECTIONS
 
 
 def _global(config: CollectiveConfig, kind: OpKind, nbytes: int, world: World) -> Strategy:
@@ -203,20 +225,27 @@ def _global(config: CollectiveConfig, kind: OpKind, nbytes: int, world: World) -
     return resolve(configured, "global", nbytes, world.num_nodes)
 
 
-def _all_reduce_path(config: CollectiveConfig, world: World, nbytes: int,
-                     compressed: bool = False, channel: int = 0) -> GlobalPath:
-    """The exchange, the shared segments, or the global all-reduce schedule's strategy, for
-    ``nbytes`` per node (a barrier is a 0-byte all-reduce) on ``channel``. A compressed
-    all-reduce always takes a schedule (its 16-bit wire format is the walk's); the segments
-    serve ``auto``'s all-reduces past the exchange on channel 0 among 3 or more node
-    processes of one host (no wire: nothing to compress; between 2 the ring's two steps
-    move fewer bytes)."""
-    segments = not compressed and _segments(config, world, channel)
-    if not compressed and _exchanges(config, world, nbytes, segments):
-        return Exchange()
-    if segments:
-        return SharedSegments()
+def _route(config: CollectiveConfig, world: World, nbytes: int, compressed: bool = False,
+           channel: int = 0) -> Route:
+    """The exchange on its medium, the host reduction, or the global all-reduce schedule's
+    strategy, for ``nbytes`` per node on ``channel``. A compressed all-reduce always takes a
+    schedule (its 16-bit wire format is the walk's); the host reduction serves ``auto``'s
+    all-reduces past the exchange on channel 0 among 3 or more node processes of one host
+    (no wire: nothing to compress; between 2 the ring's two steps move fewer bytes), of at
+    most :data:`MOST_PIECES` pieces."""
+    host_reduce = not compressed and _host_reduces(config, world, channel)
+    if not compressed and _exchanges(config, world, nbytes, host_reduce):
+        return Exchange(_medium(world, nbytes, channel))
+    if host_reduce and -(-nbytes // PIECE_BYTES) <= MOST_PIECES:
+        return HostReduce()
     return _global(config, OpKind.ALL_REDUCE, nbytes, world)
+
+
+def _barrier_route(config: CollectiveConfig, world: World) -> Exchange | Strategy:
+    """A barrier is a 0-byte all-reduce: the exchange of empty messages under ``auto``."""
+    if isinstance(config.strategy("global_all_reduce_strategy"), Auto):
+        return Exchange(_medium(world, 0, 0))
+    return _global(config, OpKind.ALL_REDUCE, 0, world)
 
 
 def _local(config: CollectiveConfig, field: str, nbytes: int, world: World) -> Strategy:
@@ -258,12 +287,12 @@ def _all_reduce_across_nodes(call: Call, world: World, config: CollectiveConfig,
     local = _local(config, "local_all_reduce_strategy", nbytes, world)
     compressed = call.compression is not None
     if world.size == 1:
-        return OutOfPlace(_all_reduce_path(config, world, nbytes, compressed))
+        return OutOfPlace(_route(config, world, nbytes, compressed))
     if world.sharded:
         itemsize = ITEMSIZES[call.dtype or "uint8"]
         shards = even_layout(math.prod(call.shape or ()), world.size)
-        return HierarchicalRing(local, tuple(_all_reduce_path(config, world, (b - a) * itemsize,
-                                                              compressed, channel)
+        return HierarchicalRing(local, tuple(_route(config, world, (b - a) * itemsize,
+                                                    compressed, channel)
                                              for channel, (a, b) in enumerate(shards)))
     return ReduceGlobalBroadcast(local, _local(config, "local_broadcast_strategy", nbytes, world),
-                                 0, _all_reduce_path(config, world, nbytes, compressed))
+                                 0, _route(config, world, nbytes, compressed))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from burncoll.backends.base import Array
-from burncoll.levels import GlobalPath
+from burncoll.levels import Route
 from burncoll.local.buffers import ChunkBuffer
 from burncoll.local.plans import steps as steps_of
 from burncoll.local.plans.phases import (
@@ -34,11 +34,11 @@ __all__ = ["HierarchicalRing", "HierarchicalRingRun"]
 
 @dataclass(frozen=True, slots=True)
 class HierarchicalRing:
-    """``strategy``: the local reduce-scatter's and all-gather's; ``global_paths[i]``: the path
+    """``strategy``: the local reduce-scatter's and all-gather's; ``routes[i]``: the route
     of shard ``i``'s global all-reduce (each shard chosen by its own size)."""
 
     strategy: Strategy
-    global_paths: tuple[GlobalPath, ...]
+    routes: tuple[Route, ...]
 
     def prepare(self, rv: Rendezvous, state: OpState) -> HierarchicalRingRun:
         call = first_call(state)
@@ -69,7 +69,7 @@ class HierarchicalRingRun:
         if not in_place:
             host = np.array(host, copy=True, order="C")
         link_of(rv).all_reduce(global_op(state, deadline), host, channel=index,
-                               path=self.plan.global_paths[index])
+                               route=self.plan.routes[index])
         if not in_place:
             mine.assign(index, backend.from_host(host, call.dtype or "float32", (host.size,),
                                                  mine.device))

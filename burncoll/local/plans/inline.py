@@ -16,7 +16,7 @@ import numpy as np
 from burncoll.backends.base import Array, Backend, Device, combine
 from burncoll.backends.numpy import CpuDevice, NumpyBackend, host_memory
 from burncoll.dtypes import dtype_name
-from burncoll.levels import GlobalPath
+from burncoll.levels import Route
 from burncoll.local.calls import Call
 from burncoll.local.plans.phases import global_op, link_of
 from burncoll.local.rendezvous import OpState, Rendezvous
@@ -30,10 +30,10 @@ _NUMPY = NumpyBackend()
 
 @dataclass(frozen=True, slots=True)
 class Inline:
-    """Every result computed at arrival. ``global_path``: ``None`` on one node; with several,
-    the path of the global all-reduce of the node's reduction."""
+    """Every result computed at arrival. ``route``: ``None`` on one node; with several,
+    the route of the global all-reduce of the node's reduction."""
 
-    global_path: GlobalPath | None = None
+    route: Route | None = None
 
     def prepare(self, rv: Rendezvous, state: OpState) -> InlineResults:
         return InlineResults(inline_results(rv, state, self))
@@ -76,7 +76,7 @@ def _copies(on: _Where, x: Array, calls: list[Call] | None = None) -> list[Array
             for d, out in zip(on.devices, outs, strict=True)]
 
 
-def _across_nodes(rv: Rendezvous, on: _Where, state: OpState, flat: Array, path: GlobalPath
+def _across_nodes(rv: Rendezvous, on: _Where, state: OpState, flat: Array, route: Route
                   ) -> Array:
     """The global all-reduce of this node's reduction ``flat``."""
     backend = on.backend
@@ -85,7 +85,7 @@ def _across_nodes(rv: Rendezvous, on: _Where, state: OpState, flat: Array, path:
     if not host.flags.writeable:
         host = np.array(host, copy=True)
     deadline = state.started + rv.config.timeout
-    link_of(rv).all_reduce(global_op(state, deadline), host, path=path)
+    link_of(rv).all_reduce(global_op(state, deadline), host, route=route)
     return backend.from_host(host, call.dtype or "float32", (host.size,), on.devices[0])
 
 
@@ -145,8 +145,8 @@ def _results(rv: Rendezvous, on: _Where, state: OpState, calls: list[Call], plan
                                                  for c in calls]))
     op = call.reduce_op or ReduceOp.SUM
     flat = _reduce_all(on, calls, op)
-    if plan.global_path is not None:
-        flat = _across_nodes(rv, on, state, flat, plan.global_path)
+    if plan.route is not None:
+        flat = _across_nodes(rv, on, state, flat, plan.route)
     total = backend.reshape(flat, shape)
     if op is ReduceOp.MEAN:
         total = backend.scale(total, rv.world_size)

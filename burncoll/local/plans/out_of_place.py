@@ -18,7 +18,7 @@ import numpy as np
 from burncoll.backends.base import Array
 from burncoll.backends.numpy import host_memory
 from burncoll.backends.pool import fresh
-from burncoll.levels import GlobalOp, GlobalPath, HostArray
+from burncoll.levels import GlobalOp, HostArray, Route
 from burncoll.local.calls import Call
 from burncoll.local.plans.phases import finish_reduce, flat_input, global_op, link_of, peer_call
 from burncoll.local.rendezvous import OpState, Rendezvous
@@ -29,9 +29,9 @@ __all__ = ["OutOfPlace", "OutOfPlaceRun"]
 
 @dataclass(frozen=True, slots=True)
 class OutOfPlace:
-    """``global_path``: the global all-reduce's, the one-round exchange or a schedule."""
+    """``route``: the global all-reduce's, the one-round exchange or a schedule."""
 
-    global_path: GlobalPath
+    route: Route
 
     def prepare(self, rv: Rendezvous, state: OpState) -> OutOfPlaceRun:
         return OutOfPlaceRun(self, rv, state)
@@ -54,13 +54,13 @@ class OutOfPlaceRun:
             x = np.asarray(call.array)  # (a subclass's reshape may keep its dimensions)
             flat = x.reshape(-1)
             out = fresh(flat.size, flat.dtype)
-            link_of(rv).all_reduce(gop, flat, out=out, path=self.plan.global_path)
+            link_of(rv).all_reduce(gop, flat, out=out, route=self.plan.route)
             return finish_reduce(rv, out.reshape(x.shape), call.reduce_op)
         host = rv.backend.to_host(flat_input(rv, call))
         if not host.flags.c_contiguous:  # pragma: no cover - flatten gives C order
             host = np.ascontiguousarray(host)
         out = fresh(host.size, host.dtype)  # (no page faults when the last result is gone)
-        link_of(rv).all_reduce(gop, host, out=out, path=self.plan.global_path)
+        link_of(rv).all_reduce(gop, host, out=out, route=self.plan.route)
         result = rv.backend.from_host(out, call.dtype or "float32", call.shape or (),
                                       rv.devices[0])
         return finish_reduce(rv, result, call.reduce_op)
@@ -69,11 +69,11 @@ class OutOfPlaceRun:
         """The caller's ``out=`` on host memory (``out``: its NumPy view): the network result
         goes straight into it (in place when the caller's ``out`` is its ``x``); a mean is
         divided there too (``out`` is a float array)."""
-        link, path = link_of(self.rv), self.plan.global_path
+        link, route = link_of(self.rv), self.plan.route
         flat_out = np.asarray(out).reshape(-1)  # (np.matrix: reshape keeps two dimensions)
         if call.out is call.array:
-            link.all_reduce(gop, flat_out, path=path)
+            link.all_reduce(gop, flat_out, route=route)
         else:
-            link.all_reduce(gop, np.asarray(x).reshape(-1), out=flat_out, path=path)
+            link.all_reduce(gop, np.asarray(x).reshape(-1), out=flat_out, route=route)
         if call.reduce_op is ReduceOp.MEAN:
             np.divide(flat_out, self.rv.world_size, out=flat_out)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from burncoll.backends.base import Array
-from burncoll.levels import GlobalPath
+from burncoll.levels import Route
 from burncoll.local.plans import steps as steps_of
 from burncoll.local.plans.phases import (
     LocalBroadcast,
@@ -28,13 +28,13 @@ __all__ = ["ReduceGlobalBroadcast", "ReduceGlobalBroadcastRun"]
 @dataclass(frozen=True, slots=True)
 class ReduceGlobalBroadcast:
     """``reduce``, ``broadcast``: the local phases' strategies; ``leader``: the local index
-    that talks to other nodes; ``global_path``: the global all-reduce's, the one-round
+    that talks to other nodes; ``route``: the global all-reduce's, the one-round
     exchange or a schedule."""
 
     reduce: Strategy
     broadcast: Strategy
     leader: int
-    global_path: GlobalPath
+    route: Route
 
     def prepare(self, rv: Rendezvous, state: OpState) -> ReduceGlobalBroadcastRun:
         return ReduceGlobalBroadcastRun(
@@ -61,7 +61,7 @@ class ReduceGlobalBroadcastRun:
         if index == leader:
             host = self.local_reduce.host()
             link_of(rv).all_reduce(global_op(self.state, deadline), host,
-                                   path=self.plan.global_path)
+                                   route=self.plan.route)
             self.total = rv.backend.from_host(host, dtype, (host.size,), rv.devices[index])
         rv.sync(self.state, index, deadline, "global all_reduce")
         out = self.local_broadcast.run(index, deadline, leader, self.total, dtype, owned=True)
