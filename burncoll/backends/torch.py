@@ -1,24 +1,12 @@
 """The torch backend: ``torch.Tensor`` on the CPU or on CUDA GPUs, without copies.
 
-A tensor is handed to the backend of its memory through a zero-copy view, and every result
-comes back as a tensor over the same memory:
-
-- a CPU tensor is a NumPy array (:func:`as_array`: ``tensor.numpy()``; ``bfloat16`` through
-  an ``int16`` view reinterpreted as ``ml_dtypes.bfloat16``), worked on by the NumPy backend,
-  and its results become tensors again with ``torch.from_numpy`` (:func:`as_tensor`);
-- a CUDA tensor is a CuPy array through DLPack (``cupy.from_dlpack``), worked on by the CuPy
-  backend, and back with ``torch.from_dlpack``. **This path is untested here**: the project's
-  machines have no GPU; its tests skip with "no CUDA device here".
-
-So the values and dtypes of every operation are exactly the NumPy (or CuPy) backend's, and a
-result keeps the caller's dtype (``bfloat16`` included) and device. Tensors are mutable:
-``out=`` takes a tensor (contiguous). Like ``torch.distributed``, the backend works on a
-tensor's data whether or not it requires grad (``tensor.detach()``: no autograd record).
-
-Devices: ``devices(n)`` are CUDA devices (``torch.device("cuda", i)``) when torch sees CUDA,
-else logical CPU devices (:class:`~burncoll.backends.numpy.CpuDevice`, one per local peer,
-all sharing host memory, as with NumPy); ``torch.device("cpu")`` is accepted as a CPU device.
-torch is imported when :class:`TorchBackend` is constructed, never when this module is.
+A CPU tensor is worked on by the NumPy backend through ``tensor.numpy()`` (``bfloat16`` via an
+``int16`` view as ``ml_dtypes.bfloat16``) and comes back with ``torch.from_numpy``; a CUDA
+tensor by the CuPy backend through DLPack (**untested here**: no GPU; its tests skip). Values,
+dtypes and devices are therefore exactly the NumPy (or CuPy) backend's; ``out=`` takes a
+contiguous tensor; like ``torch.distributed`` it works on a tensor's data whether or not it
+requires grad. ``devices(n)``: CUDA devices when torch sees CUDA, else logical CPU devices
+(``torch.device("cpu")`` accepted). torch is imported when :class:`TorchBackend` is made.
 """
 
 from __future__ import annotations

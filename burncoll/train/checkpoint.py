@@ -1,24 +1,13 @@
 """Checkpoints of :func:`burncoll.train.fit.fit`, so that a restarted run resumes where it stopped.
 
-An elastic launcher kills a failed training process and starts it again; with
-``checkpoint_dir`` set, ``fit`` picks up from the last checkpoint instead of from step 0, and
-ends with the same parameters as a run that was never interrupted (bitwise, since the
-batches are a function of the step and the update is deterministic).
-
-Writing. After every ``checkpoint_every``-th step and after the last one, the peer of global
-rank 0 writes ``DIR/fit-checkpoint.npz`` atomically, with the :class:`RunInfo` of the run
-(seed, global batch, data shapes and dtypes). The file and its format (one ``.npz``, JSON
-metadata, nothing pickled) are :mod:`burncoll.train.checkpoint_file`'s; its names are
-re-exported here.
-
-Resuming. The peer of global rank 0 reads the file and checks it against its own run; every
-peer then receives its verdict, the step, the losses and the leaves through collectives, so
-only rank 0's filesystem matters on several hosts. The same :class:`~burncoll.UsageError` is
-raised on every peer for a checkpoint that is unreadable or of another format version, that
-another run wrote (another seed, global batch or data: resuming would silently continue a
-different experiment), that does not match the model (leaf count, dtypes, shapes), or whose
-step is beyond this run's ``steps``. The world size is not compared (an elastic restart may
-resume on fewer nodes with the same global batch), nor are ``steps``, which may grow.
+With ``checkpoint_dir`` set, the peer of global rank 0 writes ``DIR/fit-checkpoint.npz`` (with
+the run's :class:`RunInfo`; the file is :mod:`burncoll.train.checkpoint_file`'s, its names
+re-exported here) after every ``checkpoint_every``-th and the last step. A restarted ``fit``
+resumes from it and ends bitwise like an uninterrupted run. Rank 0 reads and checks the file
+and every peer gets its verdict, step, losses and leaves through collectives, so only rank 0's
+filesystem matters. Every peer raises the same :class:`~burncoll.UsageError` for a checkpoint
+that is unreadable, of another version, of another run (seed, global batch, data) or model, or
+beyond ``steps``. The world size is not compared (an elastic restart may have fewer nodes).
 """
 
 from __future__ import annotations

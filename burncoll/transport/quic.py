@@ -1,24 +1,15 @@
 """QUIC transport (RFC 9000) on aioquic's asyncio API; always TLS 1.3, ALPN ``burncoll``.
 
-Theory of operation. A connection is one QUIC connection carrying one bidirectional stream of
-length-prefixed messages (:mod:`burncoll.transport.quic_connection`). Until
-:meth:`~burncoll.transport.quic_connection.QuicStreamConnection.authenticated` (called on both
-ends by :mod:`burncoll.transport.auth` after the challenge-response) the other side is a
-stranger: it gets :data:`~burncoll.transport.base.PREAUTH_BYTES` of flow-control credit and no
-more, and nothing larger is allocated on its word (:mod:`burncoll.transport.quic_credit`). A
-listener caps, screens and times out handshakes, and admits only completed ones
-(:mod:`burncoll.transport.quic_server`).
-
-A peer that vanishes without a word is noticed after ``idle_timeout``; pings every
-``idle_timeout / 3`` keep a quiet but live connection open. A client's UDP socket is
-connected, so on a LAN a dead peer's ICMP "port unreachable" fails the connection (and a
-connect to a port nobody listens on) at once.
-
-Throughput: aioquic's defaults (1200-byte datagrams, 1 MiB flow-control windows) give about
-30 MB/s. Datagrams of ``max_datagram_size`` (16 KiB by default, the most aioquic 1.x handles: IP
-fragments them on a 1500-byte-MTU network, which works on a LAN; lower it where fragments are
-dropped), windows of
-``2 * max_message_bytes`` and larger UDP socket buffers lift that several times over.
+A connection is one QUIC connection carrying one bidirectional stream of length-prefixed
+messages (:mod:`burncoll.transport.quic_connection`). Until it is authenticated the other side
+gets :data:`~burncoll.transport.base.PREAUTH_BYTES` of flow-control credit and nothing larger
+is allocated on its word (:mod:`burncoll.transport.quic_credit`); listeners screen handshakes
+(:mod:`burncoll.transport.quic_server`). A silent peer is declared gone after
+``idle_timeout`` (pings every third of it keep a live one open); a client's UDP socket is
+connected, so an ICMP "port unreachable" fails it at once. Throughput: aioquic's defaults give
+about 30 MB/s; 16 KiB datagrams (IP fragments them on a LAN; lower ``max_datagram_size`` where
+fragments are dropped), ``2 * max_message_bytes`` windows and larger socket buffers lift that
+several times over.
 """
 
 from __future__ import annotations
@@ -68,26 +59,18 @@ class QuicTransport(Transport):
     """Listen and connect with QUIC.
 
     Args:
-        tls: certificates as described in :mod:`burncoll.transport.tls`; ``None`` means an
-            ephemeral self-signed certificate that clients do not verify.
+        tls: certificates (:mod:`burncoll.transport.tls`); ``None``: an ephemeral self-signed one
+            that clients do not verify.
         max_message_bytes: the largest message this side accepts.
-        max_datagram_size: the largest UDP payload sent: 1200 (aioquic's default) to
-            :data:`MAX_DATAGRAM_SIZE`.
+        max_datagram_size: the largest UDP payload sent, 1200 to :data:`MAX_DATAGRAM_SIZE`.
         congestion_control: ``"reno"`` or ``"cubic"``.
-        connect_timeout: seconds for the QUIC handshake. A listener drops a handshake not
-            completed within ``min(connect_timeout, HANDSHAKE_SECONDS)`` (3 s): a slot held by a
-            client that never finishes is soon free again.
+        connect_timeout: seconds for the QUIC handshake.
         close_timeout: seconds ``close`` waits for the peer to acknowledge what was sent.
         idle_timeout: seconds of silence after which a peer is declared gone.
-        preauth_seconds: a listener drops a connection not authenticated this long after
-            its first packet.
-        max_handshakes: handshakes in progress at a listener; beyond it a new connection from
-            a validated address evicts the oldest handshake of the source holding the most
-            (when that source holds more than the newcomer's would), or is dropped unread.
-        max_handshakes_per_source: handshakes in progress per source (an IPv4 address, an
-            IPv6 /64) beyond which that source's Initial packets are dropped unread.
-        retry_handshakes: handshakes in progress beyond which a new client must validate its
-            address with a Retry first.
+        preauth_seconds: a listener drops a connection not authenticated this long after its
+            first packet.
+        max_handshakes, max_handshakes_per_source, retry_handshakes: a listener's handshake caps
+            (:mod:`burncoll.transport.quic_server`).
         max_connections, max_pending, max_pending_per_source: a listener's
             :class:`~burncoll.transport.admission.Admission` caps.
     """

@@ -1,29 +1,16 @@
 """The listening side of the QUIC transport: handshake admission and the listener.
 
-A listener defends itself against handshake floods (:class:`GuardedServer`). Sources are
-grouped as :func:`source_of` does (an IPv4 address; an IPv6 /64, what one host or site usually
-holds). At most ``max_handshakes_per_source`` handshakes are in progress per source (8: more
-than a host running several nodes opens at once; a dropped Initial is retransmitted by its
-client) and ``max_handshakes`` in all. A new client must first prove its address with a
-stateless Retry (RFC 9000 section 8.1) when its source already has a handshake in progress,
-when ``retry_handshakes`` are in progress, or when the global cap is reached: a host cannot
-claim slots for addresses it does not hold. When the global cap is reached, a validated
-newcomer evicts the oldest handshake of the source holding the most, provided that source
-then still holds at least as many as the newcomer's (max-min fairness: one host holding
-half-open handshakes cannot lock others out, and sources holding one each do not churn);
-otherwise, or over the per-source cap, the Initial is dropped before any
-cryptographic work. A handshake not completed within ``min(connect_timeout, HANDSHAKE_SECONDS)``
-(:data:`HANDSHAKE_SECONDS` is 3 s: a LAN handshake takes milliseconds, and a few lost packets'
-retransmissions fit) is dropped, so a slot held by a silent client is soon free again; and
-every connection whose handshake completes passes the listener's
-:class:`~burncoll.transport.admission.Admission`
-(caps on unauthenticated connections, total and per source host, oldest evicted first; a cap
-on all connections, also checked before a handshake starts; the ``preauth_seconds`` deadline,
-counted from the end of the handshake). Admitting only completed handshakes keeps a flood of
-Initial packets, which never completes one, from evicting a legitimate client that is
-authenticating. A dropped connection is sent a CONNECTION_CLOSE (its client
-sees a :class:`~burncoll.TransportError` and may retry) and forgotten at once: its state is
-released without waiting for QUIC's closing period.
+:class:`GuardedServer` defends a listener against handshake floods, per source
+(:func:`source_of`: an IPv4 address, an IPv6 /64) and in all. A new client must prove its
+address with a stateless Retry (RFC 9000 section 8.1) when its source already has a handshake
+in progress, past ``retry_handshakes``, or at the global cap, so a host cannot claim slots for
+addresses it does not hold. At the global cap a validated newcomer evicts the oldest handshake
+of the source holding the most, if that source still holds at least as many as the newcomer's
+(max-min fairness); otherwise, and over the per-source cap, the Initial is dropped before any
+cryptographic work. A handshake not done within ``min(connect_timeout, HANDSHAKE_SECONDS)`` is
+dropped. Only completed handshakes reach the listener's
+:class:`~burncoll.transport.admission.Admission`, so a flood of Initials cannot evict a client
+that is authenticating. A dropped connection is sent CONNECTION_CLOSE and forgotten at once.
 """
 
 from __future__ import annotations
