@@ -14,17 +14,8 @@ import threading
 from burncoll.backends.base import Array, Backend, Device, combine
 from burncoll.errors import BackendUnavailable, ConfigError, UsageError
 
-__all__ = [
-    "BACKEND_NAMES",
-    "Array",
-    "Backend",
-    "Device",
-    "backend_for_array",
-    "combine",
-    "foreign_array",
-    "get_backend",
-    "installed_backends",
-]
+__all__ = ["BACKEND_NAMES", "Array", "Backend", "Device", "backend_for_array", "combine",
+           "foreign_array", "get_backend", "installed_backends"]
 
 #: Every backend name, in the order :func:`backend_for_array` tries them.
 BACKEND_NAMES: tuple[str, ...] = ("numpy", "jax", "cupy", "torch")

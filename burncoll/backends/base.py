@@ -168,16 +168,10 @@ class Backend(Protocol):
 
 #: The backend method that combines two arrays for each op (MEAN sums; the division by the
 #: peer count comes at the end).
-_COMBINERS: dict[ReduceOp, str] = {
-    ReduceOp.SUM: "add",
-    ReduceOp.MEAN: "add",
-    ReduceOp.MAX: "maximum",
-    ReduceOp.MIN: "minimum",
-    ReduceOp.PROD: "multiply",
-    ReduceOp.BAND: "bitwise_and",
-    ReduceOp.BOR: "bitwise_or",
-    ReduceOp.BXOR: "bitwise_xor",
-}
+_COMBINERS: dict[ReduceOp, str] = {ReduceOp.SUM: "add", ReduceOp.MEAN: "add",
+                                   ReduceOp.MAX: "maximum", ReduceOp.MIN: "minimum",
+                                   ReduceOp.PROD: "multiply", ReduceOp.BAND: "bitwise_and",
+                                   ReduceOp.BOR: "bitwise_or", ReduceOp.BXOR: "bitwise_xor"}
 
 
 def combine(backend: Backend, op: ReduceOp, a: Array, b: Array, out: Array | None = None) -> Array:

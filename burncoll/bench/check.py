@@ -113,13 +113,9 @@ class ReferenceCache:
         """What rank ``rank`` must get from ``op`` on ``count``-element inputs."""
         if op == "reduce" and rank != root:
             return None
-        key = (
-            op,
-            count,
-            dtype,
-            redop if op in ("all_reduce", "reduce", "reduce_scatter") else None,
-            root if op == "broadcast" else None,
-        )
+        key = (op, count, dtype,
+               redop if op in ("all_reduce", "reduce", "reduce_scatter") else None,
+               root if op == "broadcast" else None)
         with self._lock:
             full = self._entries.get(key)
             if full is None:

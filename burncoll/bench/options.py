@@ -13,28 +13,12 @@ from typing import TypeVar
 
 from burncoll.dtypes import SUPPORTED_DTYPES
 
-__all__ = [
-    "ALL_OPS",
-    "BENCH_DTYPES",
-    "REDOPS",
-    "argtype",
-    "format_size",
-    "int_at_least",
-    "parse_dtype",
-    "parse_ops",
-    "parse_size",
-    "size_sweep",
-]
+__all__ = ["ALL_OPS", "BENCH_DTYPES", "REDOPS", "argtype", "format_size", "int_at_least",
+           "parse_dtype", "parse_ops", "parse_size", "size_sweep"]
 
 #: Every operation the benchmark measures, in the order ``--op all`` runs them.
-ALL_OPS: tuple[str, ...] = (
-    "all_reduce",
-    "reduce",
-    "broadcast",
-    "reduce_scatter",
-    "all_gather",
-    "barrier",
-)
+ALL_OPS: tuple[str, ...] = ("all_reduce", "reduce", "broadcast", "reduce_scatter", "all_gather",
+                            "barrier")
 #: Operations that take a reduce op (``redop`` column) and a root (``root`` column).
 REDUCING_OPS = frozenset({"all_reduce", "reduce", "reduce_scatter"})
 ROOTED_OPS = frozenset({"reduce", "broadcast"})

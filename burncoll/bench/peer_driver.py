@@ -53,18 +53,8 @@ def _free_port() -> int:
 def _worker_args(
     sizes: Sequence[int], dtype: str, redop: str, iters: int, warmup: int
 ) -> list[str]:
-    return [
-        "--sizes",
-        ",".join(str(s) for s in sizes),
-        "--dtype",
-        dtype,
-        "--redop",
-        redop,
-        "--iters",
-        str(iters),
-        "--warmup",
-        str(warmup),
-    ]
+    return ["--sizes", ",".join(str(s) for s in sizes), "--dtype", dtype, "--redop", redop,
+            "--iters", str(iters), "--warmup", str(warmup)]
 
 
 _EXCEPTION = re.compile(r"^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception)\b")
@@ -104,19 +94,8 @@ def _gloo(result: PeerResult, world: int, worker_args: list[str], timeout: float
         logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(2 * world)]
         procs = [
             subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "burncoll.bench.peers",
-                    "gloo",
-                    "--rank",
-                    str(rank),
-                    "--world",
-                    str(world),
-                    "--port",
-                    str(port),
-                    *worker_args,
-                ],
+                [sys.executable, "-m", "burncoll.bench.peers", "gloo", "--rank", str(rank),
+                 "--world", str(world), "--port", str(port), *worker_args],
                 stdout=logs[2 * rank],
                 stderr=logs[2 * rank + 1],
             )
@@ -153,18 +132,8 @@ def _mpi(result: PeerResult, world: int, worker_args: list[str], timeout: float)
     if mpirun is None:
         result.skipped = "mpirun not found (install OpenMPI: apt-get install openmpi-bin)"
         return
-    command = [
-        mpirun,
-        "-n",
-        str(world),
-        "--oversubscribe",
-        "--allow-run-as-root",
-        sys.executable,
-        "-m",
-        "burncoll.bench.peers",
-        "mpi",
-        *worker_args,
-    ]
+    command = [mpirun, "-n", str(world), "--oversubscribe", "--allow-run-as-root", sys.executable,
+               "-m", "burncoll.bench.peers", "mpi", *worker_args]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -178,16 +147,8 @@ def _mpi(result: PeerResult, world: int, worker_args: list[str], timeout: float)
     result.description += f" [{parsed.get('library', 'MPI')}]"
 
 
-def run_peers(
-    names: Sequence[str],
-    sizes: Sequence[int],
-    dtype: str,
-    iters: int,
-    warmup: int,
-    world: int,
-    redop: str = "sum",
-    timeout: float = 900.0,
-) -> list[PeerResult]:
+def run_peers(names: Sequence[str], sizes: Sequence[int], dtype: str, iters: int, warmup: int,
+              world: int, redop: str = "sum", timeout: float = 900.0) -> list[PeerResult]:
     """Measure each baseline in ``names`` at ``sizes``; one :class:`PeerResult` each."""
     worker_args = _worker_args(sizes, dtype, redop, iters, warmup)
     results: list[PeerResult] = []

@@ -37,15 +37,8 @@ from burncoll.bench.check import peer_input
 from burncoll.bench.results import PeerRow, busbw_factor, median
 from burncoll.dtypes import dtype_from_name
 
-__all__ = [
-    "RESULT_MARKER",
-    "gloo_worker",
-    "main",
-    "mpi_worker",
-    "naive_threads",
-    "numpy_add",
-    "tcp_loopback",
-]
+__all__ = ["RESULT_MARKER", "gloo_worker", "main", "mpi_worker", "naive_threads", "numpy_add",
+           "tcp_loopback"]
 
 #: Prefix of the line that carries a worker's JSON result on stdout.
 RESULT_MARKER = "BURNCOLL_PEER_RESULT "
@@ -66,34 +59,17 @@ def _counts(sizes: Sequence[int], itemsize: int) -> list[tuple[int, int]]:
     return [(size, size // itemsize) for size in sizes if size // itemsize > 0]
 
 
-def gloo_worker(
-    rank: int,
-    world: int,
-    port: int,
-    sizes: Sequence[int],
-    dtype: str,
-    iters: int,
-    warmup: int,
-    redop: str = "sum",
-) -> list[PeerRow]:
+def gloo_worker(rank: int, world: int, port: int, sizes: Sequence[int], dtype: str, iters: int,
+                warmup: int, redop: str = "sum") -> list[PeerRow]:
     """Time Gloo's all-reduce as rank ``rank`` of ``world``; rows are meaningful on rank 0."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # one process per device, as burncoll's one thread per device
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=300),
-    )
-    op = {
-        "sum": dist.ReduceOp.SUM,
-        "max": dist.ReduceOp.MAX,
-        "min": dist.ReduceOp.MIN,
-        "prod": dist.ReduceOp.PRODUCT,
-    }[redop]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=300))
+    op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+          "prod": dist.ReduceOp.PRODUCT}[redop]
     itemsize = dtype_from_name(dtype).itemsize
     rows: list[PeerRow] = []
     try:
@@ -111,17 +87,15 @@ def gloo_worker(
             slowest = torch.tensor(times, dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             seconds = median([float(t) for t in slowest.tolist()])
-            rows.append(
-                _row(requested, count, itemsize, seconds, busbw_factor("all_reduce", world))
-            )
+            rows.append(_row(requested, count, itemsize, seconds,
+                             busbw_factor("all_reduce", world)))
     finally:
         dist.destroy_process_group()
     return rows
 
 
-def mpi_worker(
-    sizes: Sequence[int], dtype: str, iters: int, warmup: int, redop: str = "sum"
-) -> tuple[int, list[PeerRow], str]:
+def mpi_worker(sizes: Sequence[int], dtype: str, iters: int, warmup: int, redop: str = "sum"
+               ) -> tuple[int, list[PeerRow], str]:
     """Time MPI ``Allreduce`` in this ``mpirun`` job: ``(rank, rows, MPI library version)``."""
     from mpi4py import MPI
 
@@ -216,10 +190,8 @@ class _LoopbackTransfer:
 
     def run(self, workers: list[tuple[_Worker, socket.socket]]) -> None:
         """Run each ``(worker, end)`` on its own thread; raise the first failure."""
-        threads = [
-            threading.Thread(target=self._guarded, args=(fn, end, self.times[i]), daemon=True)
-            for i, (fn, end) in enumerate(workers)
-        ]
+        threads = [threading.Thread(target=self._guarded, args=(fn, end, self.times[i]),
+                                    daemon=True) for i, (fn, end) in enumerate(workers)]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -299,9 +271,8 @@ def _emit(rows: list[PeerRow], extra: dict[str, Any] | None = None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m burncoll.bench.peers", description="Run one peer-baseline worker."
-    )
+    parser = argparse.ArgumentParser(prog="python -m burncoll.bench.peers",
+                                     description="Run one peer-baseline worker.")
     parser.add_argument("peer", choices=("gloo", "mpi", "tcp", "numpy", "naive"))
     parser.add_argument("--sizes", required=True, help="comma-separated sizes in bytes")
     parser.add_argument("--dtype", default="float32")
@@ -314,9 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     if args.peer == "gloo":
-        rows = gloo_worker(
-            args.rank, args.world, args.port, sizes, args.dtype, args.iters, args.warmup, args.redop
-        )
+        rows = gloo_worker(args.rank, args.world, args.port, sizes, args.dtype, args.iters,
+                           args.warmup, args.redop)
         if args.rank == 0:
             _emit(rows)
     elif args.peer == "mpi":

@@ -28,16 +28,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "TIMING_METHOD",
-    "PeerResult",
-    "PeerRow",
-    "Row",
-    "busbw_factor",
-    "environment_info",
-    "median",
-    "write_json",
-]
+__all__ = ["TIMING_METHOD", "PeerResult", "PeerRow", "Row", "busbw_factor", "environment_info",
+           "median", "write_json"]
 
 #: How a row's time is measured, recorded in the JSON output and shown by ``--help``.
 TIMING_METHOD = (
@@ -143,13 +135,8 @@ class PeerResult:
         return None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "description": self.description,
-            "op": self.op,
-            "skipped": self.skipped,
-            "rows": [row.to_dict() for row in self.rows],
-        }
+        return {"name": self.name, "description": self.description, "op": self.op,
+                "skipped": self.skipped, "rows": [row.to_dict() for row in self.rows]}
 
 
 def environment_info() -> dict[str, Any]:
@@ -158,27 +145,18 @@ def environment_info() -> dict[str, Any]:
 
     from burncoll import __version__
 
-    info: dict[str, Any] = {
-        "burncoll": __version__,
-        "python": sys.version.split()[0],
-        "numpy": numpy.__version__,
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-    }
+    info: dict[str, Any] = {"burncoll": __version__, "python": sys.version.split()[0],
+                            "numpy": numpy.__version__, "platform": platform.platform(),
+                            "machine": platform.machine(), "processor": platform.processor(),
+                            "cpu_count": os.cpu_count(),
+                            "date": datetime.now(UTC).isoformat(timespec="seconds")}
     with contextlib.suppress(OSError):  # not on every platform
         info["load_average"] = list(os.getloadavg())
     return info
 
 
-def write_json(
-    path: str | os.PathLike[str],
-    rows: list[Row],
-    peers: list[PeerResult],
-    settings: dict[str, Any],
-) -> None:
+def write_json(path: str | os.PathLike[str], rows: list[Row], peers: list[PeerResult],
+               settings: dict[str, Any]) -> None:
     """Write ``{"environment", "settings", "timing", "rows", "peers"}`` to ``path``."""
     document = {
         "environment": environment_info(),

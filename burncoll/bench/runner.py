@@ -65,12 +65,8 @@ class _Context:
     emit: Callable[[Row], None]
 
 
-def run_node(
-    spec: BenchSpec,
-    config: CollectiveConfig,
-    node_rank: int = 0,
-    on_row: Callable[[Row], None] | None = None,
-) -> list[Row]:
+def run_node(spec: BenchSpec, config: CollectiveConfig, node_rank: int = 0,
+             on_row: Callable[[Row], None] | None = None) -> list[Row]:
     """Run this node's ``config.num_devices`` peers through the sweep; block until done.
 
     Peer ids are ``node_rank * num_devices + d`` for local device ``d``. Returns the rows on
@@ -94,12 +90,8 @@ def run_node(
     context = _Context(spec, config, get_backend(config.backend), cache, emit)
     errors: list[BaseException] = []
     threads = [
-        threading.Thread(
-            target=_peer_thread,
-            args=(context, node_rank * devices + d, d, errors),
-            name=f"burncoll-bench-peer-{node_rank * devices + d}",
-            daemon=True,
-        )
+        threading.Thread(target=_peer_thread, args=(context, node_rank * devices + d, d, errors),
+                         name=f"burncoll-bench-peer-{node_rank * devices + d}", daemon=True)
         for d in range(devices)
     ]
     for thread in threads:
@@ -234,18 +226,11 @@ def _measure(
     size = total * dtype_from_name(spec.dtype).itemsize
     algbw = size / seconds / 1e9 if seconds > 0 else 0.0
     context.emit(
-        Row(
-            op=op,
-            requested=requested,
-            size=size,
-            count=total,
+        Row(op=op, requested=requested, size=size, count=total,
             dtype=spec.dtype if op != "barrier" else "none",
             redop=spec.redop if op in REDUCING_OPS else "none",
-            root=spec.root if op in ROOTED_OPS else -1,
-            time_us=seconds * 1e6,
-            algbw=algbw,
+            root=spec.root if op in ROOTED_OPS else -1, time_us=seconds * 1e6, algbw=algbw,
             busbw=algbw * busbw_factor(op, comm.world_size),
             wrong=int(stats[:, spec.iters].sum()) * 2**20 + int(stats[:, spec.iters + 1].sum()),
-            iter_times_us=[float(t) for t in slowest],
-        )
+            iter_times_us=[float(t) for t in slowest])
     )

@@ -44,14 +44,9 @@ __all__ = ["CollectiveConfig"]
 
 #: What :func:`repr` and :meth:`CollectiveConfig.to_dict` show instead of a token.
 REDACTED = "***"
-_STRATEGY_FIELDS = (
-    "local_all_reduce_strategy",
-    "local_reduce_strategy",
-    "local_broadcast_strategy",
-    "global_all_reduce_strategy",
-    "global_reduce_strategy",
-    "global_broadcast_strategy",
-)
+_STRATEGY_FIELDS = ("local_all_reduce_strategy", "local_reduce_strategy",
+                    "local_broadcast_strategy", "global_all_reduce_strategy",
+                    "global_reduce_strategy", "global_broadcast_strategy")
 
 
 @dataclass(frozen=True)
@@ -200,15 +195,11 @@ class CollectiveConfig:
 
     def global_fingerprint(self) -> dict[str, Any]:
         """The fields every node must agree on; the orchestrator compares them."""
-        return {
-            "num_nodes": self.num_nodes,
-            "global_all_reduce_strategy": self.strategy("global_all_reduce_strategy").spec,
-            "global_reduce_strategy": self.strategy("global_reduce_strategy").spec,
-            "global_broadcast_strategy": self.strategy("global_broadcast_strategy").spec,
-            "transport": self.transport,
-            "integrity": self.integrity,
-            "tls": self.uses_tls,
-        }
+        return {"num_nodes": self.num_nodes,
+                "global_all_reduce_strategy": self.strategy("global_all_reduce_strategy").spec,
+                "global_reduce_strategy": self.strategy("global_reduce_strategy").spec,
+                "global_broadcast_strategy": self.strategy("global_broadcast_strategy").spec,
+                "transport": self.transport, "integrity": self.integrity, "tls": self.uses_tls}
 
     def to_dict(self, *, reveal_token: bool = False) -> dict[str, Any]:
         """Plain values (strategies as their spelling), as a YAML file would hold them.

@@ -14,17 +14,8 @@ import warnings
 
 from burncoll.errors import ConfigError
 
-__all__ = [
-    "HOW_TO_SET_A_TOKEN",
-    "MIN_TOKEN_BYTES",
-    "TOKEN_FILE_LIMIT",
-    "check_bind_address",
-    "check_tls_mode",
-    "check_token",
-    "is_loopback",
-    "read_token_file",
-    "resolve_token",
-]
+__all__ = ["HOW_TO_SET_A_TOKEN", "MIN_TOKEN_BYTES", "TOKEN_FILE_LIMIT", "check_bind_address",
+           "check_tls_mode", "check_token", "is_loopback", "read_token_file", "resolve_token"]
 
 #: Tokens shorter than this (in UTF-8 bytes) draw a warning: an HMAC over a sniffed handshake
 #: lets anyone test guesses offline, and a 4-letter token fell in 0.2 s.

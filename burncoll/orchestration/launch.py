@@ -35,17 +35,8 @@ from burncoll.orchestration.launch_rounds import (
 )
 from burncoll.orchestration.orchestrator import start_orchestrator
 
-__all__ = [
-    "FAILURE_GRACE",
-    "RESTART_COUNT_ENV",
-    "STOP_SECONDS",
-    "exit_code",
-    "launch_host",
-    "launch_nodes",
-    "new_token",
-    "node_environment",
-    "torchrun_environment",
-]
+__all__ = ["FAILURE_GRACE", "RESTART_COUNT_ENV", "STOP_SECONDS", "exit_code", "launch_host",
+           "launch_nodes", "new_token", "node_environment", "torchrun_environment"]
 
 #: The environment variable telling a node how many times its launcher restarted it.
 RESTART_COUNT_ENV = "BURNCOLL_RESTART_COUNT"
@@ -66,17 +57,11 @@ def node_environment(
     ``restart``: its ``BURNCOLL_RESTART_COUNT``.
     """
     env = dict(os.environ)
-    env.update({
-        "BURNCOLL_NODE_RANK": str(rank),
-        "BURNCOLL_NUM_NODES": str(nodes),
-        "BURNCOLL_NUM_DEVICES": str(devices),
-        "BURNCOLL_GLOBAL_ADDRESS": orchestrator,
-        "BURNCOLL_NODE_ADDRESS": node_address,
-        "BURNCOLL_DATA_SERVICE_PORT": "0",
-        "BURNCOLL_TRANSPORT": transport,
-        RESTART_COUNT_ENV: str(restart),
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update({"BURNCOLL_NODE_RANK": str(rank), "BURNCOLL_NUM_NODES": str(nodes),
+                "BURNCOLL_NUM_DEVICES": str(devices), "BURNCOLL_GLOBAL_ADDRESS": orchestrator,
+                "BURNCOLL_NODE_ADDRESS": node_address, "BURNCOLL_DATA_SERVICE_PORT": "0",
+                "BURNCOLL_TRANSPORT": transport, RESTART_COUNT_ENV: str(restart),
+                "PYTHONUNBUFFERED": "1"})
     env.update(extra or {})
     return env
 
@@ -97,10 +82,8 @@ def torchrun_environment(rank: int, world: int, local: tuple[int, int], group: i
 def _security_environment(token: str | None, integrity: bool, tls: bool | None
                           ) -> dict[str, str]:
     """The settings every node must share with the orchestrator, as environment variables."""
-    env = {
-        "BURNCOLL_INTEGRITY": "1" if integrity else "0",
-        "BURNCOLL_TLS": "auto" if tls is None else ("1" if tls else "0"),
-    }
+    env = {"BURNCOLL_INTEGRITY": "1" if integrity else "0",
+           "BURNCOLL_TLS": "auto" if tls is None else ("1" if tls else "0")}
     if token is not None:
         env["BURNCOLL_AUTH_TOKEN"] = token
     return env
@@ -116,19 +99,10 @@ def _node_env(base: dict[str, str], token: str | None) -> dict[str, str]:
     return env
 
 
-def launch_nodes(
-    command: Sequence[str],
-    nodes: int,
-    devices: int,
-    transport: str = "websocket",
-    auth_token: str | None = None,
-    grace: float = FAILURE_GRACE,
-    extra_env: dict[str, str] | None = None,
-    *,
-    integrity: bool = False,
-    tls: bool | None = None,
-    max_restarts: int = 0,
-) -> int:
+def launch_nodes(command: Sequence[str], nodes: int, devices: int, transport: str = "websocket",
+                 auth_token: str | None = None, grace: float = FAILURE_GRACE,
+                 extra_env: dict[str, str] | None = None, *, integrity: bool = False,
+                 tls: bool | None = None, max_restarts: int = 0) -> int:
     """Run ``command`` as ``nodes`` node processes around a fresh orchestrator.
 
     ``auth_token``: the run's token (``None``: a fresh one, :func:`new_token`), given to the nodes

@@ -331,23 +331,12 @@ class Orchestrator:
                 await tell(m.conn, NodeLost(member.index), _TELL_SECONDS)
 
 
-def start_orchestrator(
-    host: str = "127.0.0.1",
-    port: int = 0,
-    transport: str = "websocket",
-    auth_token: str | None = None,
-    *,
-    timeout: float = 60.0,
-    tls_cert: str | None = None,
-    tls_key: str | None = None,
-    tls_ca: str | None = None,
-    tls: bool | None = None,
-    integrity: bool = False,
-    insecure: bool = False,
-    expected_nodes: int | None = None,
-    min_nodes: int | None = None,
-    min_nodes_wait: float = 30.0,
-) -> Orchestrator:
+def start_orchestrator(host: str = "127.0.0.1", port: int = 0, transport: str = "websocket",
+                       auth_token: str | None = None, *, timeout: float = 60.0,
+                       tls_cert: str | None = None, tls_key: str | None = None,
+                       tls_ca: str | None = None, tls: bool | None = None, integrity: bool = False,
+                       insecure: bool = False, expected_nodes: int | None = None,
+                       min_nodes: int | None = None, min_nodes_wait: float = 30.0) -> Orchestrator:
     """Start the rendezvous server on ``host:port`` (0 = a free port) in the background.
 
     Returns a running :class:`Orchestrator` (a context manager; ``.address`` is

@@ -25,17 +25,8 @@ from burncoll.protocol.control import Join, Notice, Table, TableEntry
 from burncoll.protocol.fields import JsonObject, canonical
 from burncoll.transport.base import Connection
 
-__all__ = [
-    "MAX_NOTICES",
-    "MAX_WAITING",
-    "MAX_WAITING_PEERS",
-    "Conflict",
-    "Group",
-    "Member",
-    "Session",
-    "WaitingRoom",
-    "differences",
-]
+__all__ = ["MAX_NOTICES", "MAX_WAITING", "MAX_WAITING_PEERS", "Conflict", "Group", "Member",
+           "Session", "WaitingRoom", "differences"]
 
 #: Most registrations waiting at once, all groups together (a session needs at most this many
 #: nodes). Each costs a connection plus at most a few tens of KiB of state.

@@ -23,18 +23,8 @@ from burncoll.ops import ROW_KINDS, OpKind, ReduceOp
 from burncoll.protocol.wire import DataHeader
 from burncoll.strategies.layout import even_layout
 
-__all__ = [
-    "Check",
-    "array_bytes",
-    "describe_fingerprint",
-    "expected_bytes",
-    "header_check",
-    "memory_bytes",
-    "order_mismatch",
-    "part_of",
-    "protocol_error",
-    "timed_out",
-]
+__all__ = ["Check", "array_bytes", "describe_fingerprint", "expected_bytes", "header_check",
+           "memory_bytes", "order_mismatch", "part_of", "protocol_error", "timed_out"]
 
 #: ``check(header)``: the error of a frame that is not of this node's call, or ``None``.
 Check = Callable[[DataHeader], CollectiveError | None]

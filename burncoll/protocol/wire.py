@@ -181,25 +181,10 @@ def encode_data_header(h: DataHeader, payload_len: int) -> bytes:
     """The bytes of a DATA frame's header; the payload is sent right after it."""
     if len(h.shape) > MAX_NDIM:
         raise ProtocolError(f"arrays of more than {MAX_NDIM} dimensions cannot be sent")
-    fixed = _FIXED.pack(
-        MAGIC,
-        WIRE_VERSION,
-        FrameType.DATA,
-        h.session,
-        h.seq,
-        h.op_kind,
-        0 if h.reduce_op is None else h.reduce_op,
-        0 if h.dtype is None else WIRE_CODES[h.dtype],
-        len(h.shape),
-        h.root,
-        h.src,
-        h.round,
-        h.channel,
-        h.chunk,
-        h.offset,
-        h.chunk_bytes,
-        payload_len,
-    )
+    fixed = _FIXED.pack(MAGIC, WIRE_VERSION, FrameType.DATA, h.session, h.seq, h.op_kind,
+                        0 if h.reduce_op is None else h.reduce_op,
+                        0 if h.dtype is None else WIRE_CODES[h.dtype], len(h.shape), h.root, h.src,
+                        h.round, h.channel, h.chunk, h.offset, h.chunk_bytes, payload_len)
     return fixed + struct.pack(f"<{len(h.shape)}Q", *h.shape)
 
 
@@ -307,21 +292,11 @@ def _data_header(view: memoryview, fields: tuple[Any, ...]) -> DataHeader:
             f"part at offset {offset} of {payload_len} bytes overruns its chunk of {chunk_bytes}"
         )
     shape = struct.unpack_from(f"<{ndim}Q", view, FIXED_HEADER_BYTES)
-    return DataHeader(
-        session=session,
-        seq=seq,
-        op_kind=OpKind(op_kind),
-        reduce_op=None if reduce_op == 0 else ReduceOp(reduce_op),
-        dtype=WIRE_NAMES.get(dtype),
-        shape=tuple(shape),
-        root=root,
-        src=src,
-        round=round_,
-        channel=channel,
-        chunk=chunk,
-        offset=offset,
-        chunk_bytes=chunk_bytes,
-    )
+    return DataHeader(session=session, seq=seq, op_kind=OpKind(op_kind),
+                      reduce_op=None if reduce_op == 0 else ReduceOp(reduce_op),
+                      dtype=WIRE_NAMES.get(dtype), shape=tuple(shape), root=root, src=src,
+                      round=round_, channel=channel, chunk=chunk, offset=offset,
+                      chunk_bytes=chunk_bytes)
 
 
 def decode_control(payload: memoryview) -> dict[str, Any]:

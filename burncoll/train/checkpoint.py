@@ -39,11 +39,9 @@ from burncoll.train.checkpoint_file import (
     write_checkpoint,
 )
 
-__all__ = [
-    "CHECKPOINT_FILE", "FORMAT_NAME", "FORMAT_VERSION", "STALE_TEMP_SECONDS", "Checkpointer",
-    "Restored", "RunInfo", "Spec", "Stored", "checkpointer", "from_numpy", "mismatch",
-    "read_checkpoint", "write_checkpoint",
-]
+__all__ = ["CHECKPOINT_FILE", "FORMAT_NAME", "FORMAT_VERSION", "STALE_TEMP_SECONDS", "Checkpointer",
+           "Restored", "RunInfo", "Spec", "Stored", "checkpointer", "from_numpy", "mismatch",
+           "read_checkpoint", "write_checkpoint"]
 
 #: Checkpoints per run when only ``checkpoint_dir`` is given (see :func:`checkpointer`).
 DEFAULT_CHECKPOINTS_PER_RUN = 10
@@ -70,12 +68,8 @@ class Restored(NamedTuple):
     losses: list[float]
 
 
-def checkpointer(
-    checkpoint_dir: str | os.PathLike[str] | None,
-    checkpoint_every: int | None,
-    steps: int,
-    run: RunInfo | None = None,
-) -> Checkpointer | None:
+def checkpointer(checkpoint_dir: str | os.PathLike[str] | None, checkpoint_every: int | None,
+                 steps: int, run: RunInfo | None = None) -> Checkpointer | None:
     """The checkpoint policy of one :func:`~burncoll.train.fit.fit` call, checked.
 
     ``checkpoint_every`` defaults to ``max(1, steps // 10)``: about ten checkpoints per run,

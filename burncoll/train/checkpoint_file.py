@@ -119,14 +119,9 @@ class Stored:
     run: RunInfo | None = None
 
 
-def write_checkpoint(
-    directory: Path,
-    step: int,
-    params: Sequence[NDArray],
-    state: Sequence[NDArray] | None,
-    losses: Sequence[float],
-    run: RunInfo | None = None,
-) -> Path:
+def write_checkpoint(directory: Path, step: int, params: Sequence[NDArray],
+                     state: Sequence[NDArray] | None, losses: Sequence[float],
+                     run: RunInfo | None = None) -> Path:
     """Atomically replace ``directory/CHECKPOINT_FILE`` by this checkpoint; its path.
 
     Creates ``directory`` when missing, and removes temporary files left by a writer that

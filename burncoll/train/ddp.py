@@ -121,12 +121,8 @@ class DataParallel:
         state = _RunState()
         results: list[Any] = [None] * len(self.devices)
         threads = [
-            threading.Thread(
-                target=self._worker,
-                args=(i, fn, results, state),
-                name=f"burncoll-ddp-peer-{pid}",
-                daemon=True,
-            )
+            threading.Thread(target=self._worker, args=(i, fn, results, state),
+                             name=f"burncoll-ddp-peer-{pid}", daemon=True)
             for i, pid in enumerate(self.peer_ids)
         ]
         for thread in threads:
@@ -169,45 +165,22 @@ class DataParallel:
                 state.record(exc, comm)
             state.thread_done()
 
-    def fit(
-        self,
-        params: Any,
-        data: Any,
-        grad_fn: GradFn,
-        update: Update,
-        *,
-        steps: int,
-        batch_size: int | None = None,
-        seed: int = 0,
-        bucket_bytes: int | None = None,
-        progress: bool = True,
-        desc: str = "ddp",
-        callback: Callable[[Communicator, int, Any], None] | None = None,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        checkpoint_every: int | None = None,
-    ) -> FitResult:
+    def fit(self, params: Any, data: Any, grad_fn: GradFn, update: Update, *, steps: int,
+            batch_size: int | None = None, seed: int = 0, bucket_bytes: int | None = None,
+            progress: bool = True, desc: str = "ddp",
+            callback: Callable[[Communicator, int, Any], None] | None = None,
+            checkpoint_dir: str | os.PathLike[str] | None = None,
+            checkpoint_every: int | None = None) -> FitResult:
         """Train with data parallelism; see :func:`burncoll.train.fit.fit` for the contract
         (``checkpoint_dir`` / ``checkpoint_every``: checkpoint and resume after a restart).
 
         Overlap, as DDP's: a ``grad_fn`` returning ``(loss, iterator of (key, grad))``, its
         backward yielding layer by layer, gets each ``bucket_bytes`` bucket all-reduced while
         the next gradients are computed (:data:`~burncoll.train.fit.GradFn`)."""
-        return fit(
-            self,
-            params,
-            data,
-            grad_fn,
-            update,
-            steps=steps,
-            batch_size=batch_size,
-            seed=seed,
-            bucket_bytes=bucket_bytes,
-            progress=progress,
-            desc=desc,
-            callback=callback,
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every,
-        )
+        return fit(self, params, data, grad_fn, update, steps=steps, batch_size=batch_size,
+                   seed=seed, bucket_bytes=bucket_bytes, progress=progress, desc=desc,
+                   callback=callback, checkpoint_dir=checkpoint_dir,
+                   checkpoint_every=checkpoint_every)
 
 
 class _RunState:

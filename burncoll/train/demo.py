@@ -46,12 +46,8 @@ def make_data(seed: int = 0, n: int = EXAMPLES) -> tuple[NDArray, NDArray]:
 def init_mlp(seed: int = 1) -> Params:
     """The MLP's initial parameters: ``w1 (8, 32)``, ``b1 (32,)``, ``w2 (32, 1)``, ``b2 (1,)``."""
     rng = np.random.default_rng(seed)
-    return {
-        "w1": rng.normal(size=(FEATURES, HIDDEN)) / np.sqrt(FEATURES),
-        "b1": np.zeros(HIDDEN),
-        "w2": rng.normal(size=(HIDDEN, 1)) / np.sqrt(HIDDEN),
-        "b2": np.zeros(1),
-    }
+    return {"w1": rng.normal(size=(FEATURES, HIDDEN)) / np.sqrt(FEATURES), "b1": np.zeros(HIDDEN),
+            "w2": rng.normal(size=(HIDDEN, 1)) / np.sqrt(HIDDEN), "b2": np.zeros(1)}
 
 
 def mlp_loss_and_grad(params: Params, batch: tuple[NDArray, NDArray]) -> tuple[float, Params]:
@@ -62,12 +58,7 @@ def mlp_loss_and_grad(params: Params, batch: tuple[NDArray, NDArray]) -> tuple[f
     n = x.shape[0]
     d_out = 2.0 * err / n
     d_h = (d_out @ params["w2"].T) * (1.0 - h * h)
-    grads = {
-        "w1": x.T @ d_h,
-        "b1": d_h.sum(axis=0),
-        "w2": h.T @ d_out,
-        "b2": d_out.sum(axis=0),
-    }
+    grads = {"w1": x.T @ d_h, "b1": d_h.sum(axis=0), "w2": h.T @ d_out, "b2": d_out.sum(axis=0)}
     return float(np.mean(err * err)), grads
 
 
@@ -100,15 +91,9 @@ def demo_node(num_devices: int = 4, steps: int = 1000, progress: bool = True) ->
         )
     started = time.perf_counter()
     try:
-        result = ddp(range(config.num_devices), config).fit(
-            init_mlp(),
-            make_data(),
-            mlp_loss_and_grad,
-            sgd(),
-            steps=steps,
-            progress=progress and report,
-            desc="demo",
-        )
+        trainer = ddp(range(config.num_devices), config)
+        result = trainer.fit(init_mlp(), make_data(), mlp_loss_and_grad, sgd(), steps=steps,
+                             progress=progress and report, desc="demo")
     except CollectiveError as exc:
         print(f"burncoll demo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -142,11 +142,9 @@ def fit(
     world = dp.config.num_devices * (dp.config.num_nodes or 1)
     batch = _global_batch(steps, batch_size, arrays[0].shape[0], world)
     run = None if checkpoint_dir is None else _run_info(seed, batch, batch_size, arrays, dp.config)
-    job = _Job(
-        params, arrays, as_tuple, grad_fn, update, steps, batch, batch_size is None, seed,
-        DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes, progress, desc,
-        callback, checkpointer(checkpoint_dir, checkpoint_every, steps, run),
-    )
+    job = _Job(params, arrays, as_tuple, grad_fn, update, steps, batch, batch_size is None, seed,
+               DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes, progress, desc,
+               callback, checkpointer(checkpoint_dir, checkpoint_every, steps, run))
     results = dp.run(job.train)
     final, losses, _ = results[0]
     return FitResult(final, losses, all(r[2] for r in results))
@@ -289,16 +287,8 @@ def _run_info(seed: Any, batch: int, batch_size: int | None, arrays: list[Any],
 class _Sampler:
     """This peer's shard of each step's global batch; the same schedule on every peer."""
 
-    def __init__(
-        self,
-        arrays: Sequence[Any],
-        as_tuple: bool,
-        batch: int,
-        full: bool,
-        seed: int,
-        comm: Communicator,
-        backend: Backend,
-    ) -> None:
+    def __init__(self, arrays: Sequence[Any], as_tuple: bool, batch: int, full: bool, seed: int,
+                 comm: Communicator, backend: Backend) -> None:
         self._arrays = arrays
         self._as_tuple = as_tuple
         self._rows = int(arrays[0].shape[0])

@@ -77,24 +77,15 @@ class QuicTransport(Transport):
 
     name = "quic"
 
-    def __init__(
-        self,
-        *,
-        tls: TlsSettings | None = None,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        max_datagram_size: int = 16384,
-        congestion_control: str = "reno",
-        connect_timeout: float = 10.0,
-        close_timeout: float = 2.0,
-        idle_timeout: float = 30.0,
-        preauth_seconds: float = PREAUTH_SECONDS,
-        max_handshakes: int = MAX_HANDSHAKES,
-        retry_handshakes: int = RETRY_HANDSHAKES,
-        max_handshakes_per_source: int = MAX_HANDSHAKES_PER_SOURCE,
-        max_connections: int = 1024,
-        max_pending: int = 64,
-        max_pending_per_source: int = 16,
-    ) -> None:
+    def __init__(self, *, tls: TlsSettings | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_datagram_size: int = 16384,
+                 congestion_control: str = "reno", connect_timeout: float = 10.0,
+                 close_timeout: float = 2.0, idle_timeout: float = 30.0,
+                 preauth_seconds: float = PREAUTH_SECONDS, max_handshakes: int = MAX_HANDSHAKES,
+                 retry_handshakes: int = RETRY_HANDSHAKES,
+                 max_handshakes_per_source: int = MAX_HANDSHAKES_PER_SOURCE,
+                 max_connections: int = 1024, max_pending: int = 64,
+                 max_pending_per_source: int = 16) -> None:
         if not 1200 <= max_datagram_size <= MAX_DATAGRAM_SIZE:
             raise ConfigError(
                 f"max_datagram_size must be in [1200, {MAX_DATAGRAM_SIZE}], not {max_datagram_size}"
@@ -127,15 +118,11 @@ class QuicTransport(Transport):
 
     def _configuration(self, is_client: bool) -> QuicConfiguration:
         # The initial credit is the pre-authentication one; authenticated() opens the window.
-        return QuicConfiguration(
-            is_client=is_client,
-            alpn_protocols=[ALPN],
-            congestion_control_algorithm=self.congestion_control,
-            idle_timeout=self.idle_timeout,
-            max_datagram_size=self.max_datagram_size,
-            max_data=PREAUTH_WINDOW,
-            max_stream_data=PREAUTH_WINDOW,
-        )
+        return QuicConfiguration(is_client=is_client, alpn_protocols=[ALPN],
+                                 congestion_control_algorithm=self.congestion_control,
+                                 idle_timeout=self.idle_timeout,
+                                 max_datagram_size=self.max_datagram_size, max_data=PREAUTH_WINDOW,
+                                 max_stream_data=PREAUTH_WINDOW)
 
     def _protocol_factory(self, **kwargs: Any) -> Callable[..., QuicProtocol]:
         def create(quic: QuicConnection, stream_handler: Any = None) -> QuicProtocol:
@@ -184,10 +171,7 @@ class QuicTransport(Transport):
             quic = GatedConnection(configuration=configuration)
             create_protocol = self._protocol_factory(owns_transport=True)
             udp, protocol = await loop.create_datagram_endpoint(
-                lambda: create_protocol(quic),
-                remote_addr=address,
-                family=family,
-            )
+                lambda: create_protocol(quic), remote_addr=address, family=family)
             _grow_socket_buffers(udp)
             protocol.connect(address)
             async with asyncio.timeout(self.connect_timeout):

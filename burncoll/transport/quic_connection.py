@@ -192,14 +192,8 @@ class QuicProtocol(QuicConnectionProtocol):
     callback that makes the server drop every reference to it (see :meth:`drop`).
     """
 
-    def __init__(
-        self,
-        quic: QuicConnection,
-        *,
-        owns_transport: bool,
-        keepalive: float,
-        on_stream: Callable[[QuicProtocol], QuicStreamConnection] | None = None,
-    ) -> None:
+    def __init__(self, quic: QuicConnection, *, owns_transport: bool, keepalive: float,
+                 on_stream: Callable[[QuicProtocol], QuicStreamConnection] | None = None) -> None:
         super().__init__(quic)
         self.connection: QuicStreamConnection | None = None
         self.handshake: asyncio.Future[None] = self._loop.create_future()

@@ -128,10 +128,8 @@ class GatedConnection(QuicConnection):
         stream = self._crypto_streams.get(context.epoch)
         if stream is not None and (
                 offset + length - stream.receiver.starting_offset() > MAX_PENDING_CRYPTO):
-            raise QuicConnectionError(
-                error_code=QuicErrorCode.CRYPTO_BUFFER_EXCEEDED,
-                frame_type=frame_type,
-                reason_phrase="too much crypto buffering",
-            )
+            raise QuicConnectionError(error_code=QuicErrorCode.CRYPTO_BUFFER_EXCEEDED,
+                                      frame_type=frame_type,
+                                      reason_phrase="too much crypto buffering")
         super()._handle_crypto_frame(context, frame_type, buf)
 

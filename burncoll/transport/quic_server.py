@@ -29,12 +29,7 @@ from aioquic._buffer import Buffer as QuicBuffer
 from aioquic.asyncio.server import QuicServer
 from aioquic.quic.configuration import SMALLEST_MAX_DATAGRAM_SIZE, QuicConfiguration
 from aioquic.quic.connection import NetworkAddress
-from aioquic.quic.packet import (
-    QuicHeader,
-    QuicPacketType,
-    encode_quic_retry,
-    pull_quic_header,
-)
+from aioquic.quic.packet import QuicHeader, QuicPacketType, encode_quic_retry, pull_quic_header
 from aioquic.quic.retry import QuicRetryTokenHandler
 
 from burncoll.errors import TransportError
@@ -82,17 +77,10 @@ class GuardedServer(QuicServer):
     caps on handshakes in progress (per source and in all, with eviction of the source holding
     the most), Retry under load and for repeat sources, a handshake deadline, admission."""
 
-    def __init__(
-        self,
-        *,
-        configuration: QuicConfiguration,
-        create_protocol: Callable[..., QuicProtocol],
-        admission: Admission,
-        max_handshakes: int,
-        retry_handshakes: int,
-        handshake_timeout: float,
-        max_handshakes_per_source: int = MAX_HANDSHAKES_PER_SOURCE,
-    ) -> None:
+    def __init__(self, *, configuration: QuicConfiguration,
+                 create_protocol: Callable[..., QuicProtocol], admission: Admission,
+                 max_handshakes: int, retry_handshakes: int, handshake_timeout: float,
+                 max_handshakes_per_source: int = MAX_HANDSHAKES_PER_SOURCE) -> None:
         super().__init__(configuration=configuration, create_protocol=create_protocol)
         self.admission = admission
         self.max_handshakes = max_handshakes
@@ -176,11 +164,9 @@ class GuardedServer(QuicServer):
             original_cid = header.destination_cid
         if victim is not None:
             self._evict(victim, source)
-        quic = GatedConnection(
-            configuration=self._configuration,
-            original_destination_connection_id=original_cid,
-            retry_source_connection_id=retry_cid,
-        )
+        quic = GatedConnection(configuration=self._configuration,
+                               original_destination_connection_id=original_cid,
+                               retry_source_connection_id=retry_cid)
         protocol = cast(QuicProtocol, self._create_protocol(quic))
         self._register(protocol, header.destination_cid, source)
         protocol.datagram_received(data, addr)
@@ -310,15 +296,8 @@ class QuicListener(ServingListener):
 
     def accept(self, protocol: QuicProtocol) -> QuicStreamConnection:
         """Called on a new connection's first stream data: start its handler."""
-        conn = QuicStreamConnection(
-            protocol,
-            0,
-            protocol._remote(),
-            self._max_message_bytes,
-            self._close_timeout,
-            preamble=PREAMBLE,
-            binding=self._binding,
-        )
+        conn = QuicStreamConnection(protocol, 0, protocol._remote(), self._max_message_bytes,
+                                    self._close_timeout, preamble=PREAMBLE, binding=self._binding)
         if self.closing:
             conn._fail(TransportError("the listener is closing"))
             protocol.abort(None, ERR_NO_ERROR, "listener closing")

@@ -32,16 +32,9 @@ from typing import Any
 from burncoll.errors import ConfigError
 from burncoll.transport.base import TlsSettings
 
-__all__ = [
-    "binding_of_certificate",
-    "client_ssl_context",
-    "configure_quic_client",
-    "configure_quic_server",
-    "listener_binding",
-    "make_self_signed",
-    "server_certificate",
-    "server_ssl_context",
-]
+__all__ = ["binding_of_certificate", "client_ssl_context", "configure_quic_client",
+           "configure_quic_server", "listener_binding", "make_self_signed", "server_certificate",
+           "server_ssl_context"]
 
 #: Names every ephemeral certificate is valid for, besides the host it was made for.
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -116,11 +109,8 @@ def _write_self_signed(host: str) -> tuple[str, str]:
     fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(
-            key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption())
         )
     return cert_path, key_path
 

@@ -26,17 +26,8 @@ import numpy as np
 from burncoll.errors import ProtocolError
 from burncoll.transport.base import Buffer
 
-__all__ = [
-    "FrameError",
-    "FrameHeader",
-    "FrameReader",
-    "close_payload",
-    "encode_frame",
-    "frame_header",
-    "mask_in_place",
-    "parse_close",
-    "unmasked",
-]
+__all__ = ["FrameError", "FrameHeader", "FrameReader", "close_payload", "encode_frame",
+           "frame_header", "mask_in_place", "parse_close", "unmasked"]
 
 OP_CONTINUATION, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
 OPCODES = frozenset((OP_CONTINUATION, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG))
