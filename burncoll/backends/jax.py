@@ -1,15 +1,10 @@
 """The JAX backend: ``jax.Array`` on JAX's own devices (CPU, GPU or TPU).
 
-JAX arrays are immutable, so the backend is not ``mutable``: every operation returns a new
-array and ``out`` arguments are ignored. jax is imported when :class:`JaxBackend` is
-constructed, never when this module is imported.
-
-On the CPU, JAX has one device unless ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
-is set before jax is imported; then it has N real CPU devices.
-
-64-bit dtypes (``float64``, ``int64``, ``uint64``, ``complex128``) exist only when JAX's x64
-mode is on (``JAX_ENABLE_X64=1``); without it, creating them raises
-:class:`~burncoll.UsageError` rather than silently narrowing the values.
+Immutable: every operation returns a new array, ``out`` is ignored. On the CPU JAX has one
+device unless ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` is set before it is
+imported. 64-bit dtypes need x64 mode (``JAX_ENABLE_X64=1``); without it they raise
+:class:`~burncoll.UsageError` rather than narrow the values. jax is imported when
+:class:`JaxBackend` is made.
 """
 
 from __future__ import annotations

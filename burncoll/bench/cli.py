@@ -1,11 +1,9 @@
 """``burncoll bench``: the options, and the glue from them to the runner, peers and output.
 
-With ``--nodes N`` (N > 1) the command re-executes itself as the node script of
-:func:`burncoll.orchestration.launch.launch_nodes`
-(``python -m burncoll.cli bench ... --bench-node FILE``);
-node 0 writes its rows to FILE and this process prints them, so the table carries no
-``[node 0]`` prefixes. Peer baselines run in this process before burncoll, so their ratio
-columns can be printed as each row is measured.
+With ``--nodes N > 1`` the command runs itself as the node script of
+:func:`burncoll.orchestration.launch.launch_nodes` (``--bench-node FILE``): node 0 writes its
+rows to FILE and this process prints them. Peer baselines run here first, so each row can be
+printed with its ratios as it is measured.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """Peer baselines measured beside burncoll, one per worker; also ``python -m`` entry point.
 
 ``python -m burncoll.bench.peers {gloo,mpi,tcp,numpy,naive} --sizes 8,1024 [--rank R --world N
---port P]`` runs one worker; the process of rank 0 prints one ``BURNCOLL_PEER_RESULT <json>``
-line with its rows. :mod:`burncoll.bench.peer_driver` starts these workers (N processes for
-Gloo, ``mpirun`` for MPI). Every worker times like burncoll's runner: a barrier before each
-iteration, ``time.perf_counter`` around the operation, the slowest participant's time per
-iteration, the median over iterations.
-
-* ``gloo``: ``torch.distributed.all_reduce`` (backend gloo) into a buffer refreshed from the
-  input before each iteration's barrier (all-reduce works in place).
-* ``mpi``: ``mpi4py`` ``Comm.Allreduce(send, recv)``, out of place.
-* ``tcp``: one loopback TCP connection, both ends sending and receiving ``size`` bytes at
-  once (a ring of 2 with both directions busy); GB/s each way.
-* ``numpy``: ``np.add(a, b, out=c)`` on one thread: the reduction kernel alone.
-* ``naive``: the chunked naive all-reduce of ``world`` threads in one process, in plain NumPy:
-  each thread sums its share of the elements over every input into one shared sum, a barrier,
-  then each thread copies the whole sum into its own output (allocated once). What a local
-  all-reduce costs without a library.
+--port P]`` runs one worker (:mod:`burncoll.bench.peer_driver` starts them); rank 0 prints one
+``BURNCOLL_PEER_RESULT <json>`` line. Every worker times like burncoll's runner (a barrier
+before each iteration, the slowest participant's time, the median over iterations). ``gloo``:
+``torch.distributed.all_reduce`` in place; ``mpi``: mpi4py's ``Allreduce(send, recv)``;
+``tcp``: both ends of one loopback connection sending ``size`` bytes at once (GB/s each way);
+``numpy``: ``np.add(a, b, out=c)``, the kernel alone; ``naive``: ``world`` threads each summing
+a share of every input into one shared sum, a barrier, each copying the sum out.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """The measuring code: one node's local peers run every (operation, size) of the sweep.
 
-How a row is measured (also in :data:`~burncoll.bench.results.TIMING_METHOD`):
-
-1. every peer builds its input (:func:`~burncoll.bench.check.peer_input`) on its device;
-2. one untimed call, whose result each peer checks against the NumPy reference
-   (:mod:`burncoll.bench.check`);
-3. ``warmup`` untimed iterations;
-4. ``iters`` timed iterations: ``barrier()``, then ``time.perf_counter()`` around the
-   operation alone, on every peer (on JAX and CuPy, until the result is computed);
-5. the per-iteration times (float32 µs) and the wrong-element count of every peer are
-   gathered with one ``all_gather`` (outside the timed region); the iteration's time is the
-   slowest peer's, the row's time is the median over iterations, ``#wrong`` the sum over
-   peers.
-
-The barrier releases peers a few microseconds apart, so the slowest peer's time includes that
-skew; nccl-tests has the same effect with its per-rank CUDA events.
+A row (:data:`~burncoll.bench.results.TIMING_METHOD`): every peer builds its input on its
+device; one untimed call is checked against the NumPy reference (:mod:`burncoll.bench.check`);
+``warmup`` untimed iterations; ``iters`` timed ones (``barrier()``, then ``perf_counter`` around
+the operation alone, until the result is computed on JAX and CuPy); one ``all_gather`` of every
+peer's times and wrong count; the row's time is the median over iterations of the slowest
+peer's. The slowest peer's time includes the barrier's release skew, as nccl-tests' does.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """``CollectiveConfig``: one frozen dataclass describing a collective, validated on creation.
 
-Where each field's value comes from (the code, then ``BURNCOLL_<FIELD>`` variables, then a
-YAML file, then a launcher's variables, then the default) is one rule, in
-:mod:`burncoll.config.sources`. A multi-node config without ``node_address`` uses this
-machine's address toward the rendezvous host.
-
-Secure by default: a multi-node config whose ``node_address`` is not a loopback address
-(``127.0.0.0/8``, ``::1``, ``localhost``) must carry an ``auth_token`` (or ``auth_token_file``)
-unless ``insecure`` is set; an empty token is refused and one shorter than
-:data:`MIN_TOKEN_BYTES` bytes draws a :class:`UserWarning`. ``repr`` and
-:meth:`~CollectiveConfig.to_dict` never show the token.
+Where each field's value comes from is :mod:`burncoll.config.sources`. Secure by default: a
+multi-node config whose ``node_address`` is not loopback needs an ``auth_token`` (or
+``auth_token_file``) unless ``insecure``; an empty token is refused, one shorter than
+:data:`MIN_TOKEN_BYTES` bytes warns. ``repr`` and :meth:`~CollectiveConfig.to_dict` never show
+the token.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
-"""Where each value of a :class:`~burncoll.CollectiveConfig` comes from, first match wins:
+"""Where each value of a :class:`~burncoll.CollectiveConfig` comes from, first match wins.
 
-1. the code's arguments: the constructor, :meth:`~burncoll.CollectiveConfig.from_mapping`,
-   :meth:`~burncoll.CollectiveConfig.replace` and the ``with_*`` builders;
-2. a ``BURNCOLL_<FIELD>`` environment variable (``BURNCOLL_NUM_NODES=2``; ``burncoll launch``
-   hands each node its settings that way);
-3. a YAML file (:meth:`~burncoll.CollectiveConfig.from_yaml`);
-4. the variables of the launcher that started the process (torchrun, SLURM, Open MPI, MPICH;
-   :mod:`burncoll.config.launchers`): ``num_nodes``, ``node_rank``, ``global_address``;
-5. the field's default.
+1. the code's arguments (constructor, ``from_mapping``, ``replace``, the ``with_*`` builders);
+2. a ``BURNCOLL_<FIELD>`` environment variable (how ``burncoll launch`` configures nodes);
+3. a YAML file (``from_yaml``); 4. the launcher's variables (:mod:`burncoll.config.launchers`:
+   ``num_nodes``, ``node_rank``, ``global_address``); 5. the field's default.
 
-In short: the nearer to the code, the stronger, and a file is overridden by the environment,
-as pydantic-settings orders its sources and as torch's ``init_process_group(rank=...,
-world_size=...)`` ignores ``RANK`` / ``WORLD_SIZE`` when given them. ``CollectiveConfig(
-timeout=5)`` stays 5 whatever ``BURNCOLL_TIMEOUT`` says; a YAML ``timeout: 5`` does not.
-
-:func:`file_values` keeps a file's values that no variable overrides (they then count as
-the code's); every config calls :func:`resolve` for 2 and 4. :func:`check_node_fields` checks
-the rank and rendezvous address, and finds a multi-node config's missing ``node_address``.
+The nearer to the code, the stronger, as pydantic-settings orders its sources and as torch's
+``init_process_group(rank=...)`` ignores ``RANK``. :func:`file_values` keeps a file's values
+that no variable overrides; :func:`resolve` does 2 and 4; :func:`check_node_fields` checks the
+rank and rendezvous address and finds a multi-node config's missing ``node_address``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """The orchestrator's waiting room: who waits with whom, and the sessions they form.
 
-Sans-I/O: the orchestrator (:mod:`burncoll.orchestration.orchestrator`) reads and sends; this
-module decides.
-Waiting registrations are grouped by their config fingerprint; a group becomes a
-:class:`Session` when it holds its ``num_nodes`` members. Peer ids must be unique within a
-group. With a token, a registration whose fingerprint differs from a group already waiting is
-refused (a genuine misconfiguration); without one it waits apart, and both sides get a
-:class:`~burncoll.protocol.control.Notice` naming the differences (see the orchestrator's
-docstring for why).
-
-State is bounded: at most :data:`MAX_WAITING` registrations and :data:`MAX_WAITING_PEERS` peer
-ids wait at once; each join is itself bounded (:data:`~burncoll.protocol.control.MAX_NODE_PEERS`
-peer ids, :data:`~burncoll.protocol.control.MAX_FIELD_BYTES` of fingerprint and of meta); each
-waiting node is sent at most :data:`MAX_NOTICES` notices.
+Sans-I/O: the orchestrator (:mod:`burncoll.orchestration.orchestrator`, whose docstring says
+who waits with whom and why) reads and sends; this module decides. State is bounded: at most
+:data:`MAX_WAITING` registrations and :data:`MAX_WAITING_PEERS` peer ids wait at once, each
+join is bounded (:data:`~burncoll.protocol.control.MAX_NODE_PEERS` peer ids,
+:data:`~burncoll.protocol.control.MAX_FIELD_BYTES` of fingerprint and of meta), and each
+waiting node gets at most :data:`MAX_NOTICES` notices.
 """
 
 from __future__ import annotations

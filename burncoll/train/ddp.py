@@ -1,17 +1,11 @@
 """Data parallelism: one thread per device, each with its own registered communicator.
 
-``ddp(devices, config).run(fn)`` is the building block: it starts one thread per device,
-registers it as a peer, calls ``fn(comm)``, and finishes the peer. ``DataParallel.fit`` is
-the training loop built on it (see :mod:`burncoll.train.fit`).
-
-Failure: when ``fn`` raises on one thread, the collective is aborted at once, so the threads
-blocked in a collective waiting for it raise :class:`~burncoll.CollectiveAborted` instead of
-waiting for ``config.timeout``; every thread is joined, and ``run`` re-raises the first error.
-
-Multi-node: with ``config.is_multi_node``, every node process calls the same code; the node's
-rank is ``config.node_rank`` (from ``BURNCOLL_NODE_RANK`` or the launcher's variables, see
-:func:`node_rank`) and peer ids are ``node_rank * len(devices) + i``
-(:func:`burncoll.peer_ids`), so every node must use as many devices.
+``ddp(devices, config).run(fn)`` starts one thread per device, registers it as a peer, calls
+``fn(comm)`` and finishes the peer; ``DataParallel.fit`` is the training loop on it
+(:mod:`burncoll.train.fit`). When ``fn`` raises on one thread the collective is aborted, so the
+others raise :class:`~burncoll.CollectiveAborted` at once; ``run`` re-raises the first error.
+Multi-node: every node runs the same code; peer ids are ``node_rank * len(devices) + i``
+(:func:`node_rank`, :func:`burncoll.peer_ids`), so every node must use as many devices.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """``burncoll demo``: data-parallel training of a small NumPy MLP, nothing to start by hand.
 
-A two-layer perceptron (tanh hidden layer, hand-written gradients) learns a smooth function
-of 8 inputs from generated, seeded data, by full-batch gradient descent on ``num_devices``
-logical CPU devices: each device takes an equal shard of the batch, the gradients are averaged
-with one bucketed all-reduce per step, and every replica applies the same update. The demo
-prints a progress bar with the loss, the final loss, and whether every replica ended bitwise
-identical. ``python -m burncoll.train.demo --help`` runs it without the CLI.
+A tanh MLP with hand-written gradients learns a smooth function of 8 seeded inputs by
+full-batch gradient descent on ``num_devices`` logical CPU devices, then reports the loss and
+whether every replica ended bitwise identical. ``python -m burncoll.train.demo --help``.
 """
 
 from __future__ import annotations

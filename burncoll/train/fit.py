@@ -1,21 +1,12 @@
 """The data-parallel training loop behind :meth:`DataParallel.fit`.
 
-Every peer holds a replica of the parameters. Step by step, each peer takes its shard of the
-global batch, computes the loss and gradients on it with the user's ``grad_fn``, averages them
-over all peers with one bucketed all-reduce (:func:`~burncoll.comm.buckets.all_reduce_tree`)
-and applies the user's update. Since the averaged gradients are bitwise identical everywhere
-and the update is deterministic, the replicas stay bitwise identical.
-
-With equal shards, the mean of the per-shard mean gradients is the full-batch mean gradient,
-so ``fit`` computes what single-device training on the whole batch computes, up to float
-rounding (``grad_fn`` must return the *mean* loss over its batch, and its gradient).
-
-Checkpoint and resume. With ``checkpoint_dir``, the peer of global rank 0 saves the step
-count, params, optimizer state and losses every ``checkpoint_every`` steps and after the last
-step (:mod:`burncoll.train.checkpoint`: one ``.npz``, no pickle, written atomically). A run
-started again with the same directory (say by an elastic launcher after a crash) resumes after
-the saved step: the batches are a function of the step and the replicas stay identical, so it
-ends with the same parameters, bitwise, as a run that never stopped.
+Each step, every peer computes the loss and gradients of its shard of the global batch with the
+user's ``grad_fn``, averages them over all peers with one bucketed all-reduce
+(:func:`~burncoll.comm.buckets.all_reduce_tree`) and applies the update; the averaged
+gradients are bitwise identical everywhere, so the replicas stay so. With equal shards the mean
+of per-shard mean gradients is the full-batch one (``grad_fn`` returns the *mean* loss): ``fit``
+computes what single-device training does, up to rounding. With ``checkpoint_dir`` a restarted
+run resumes bitwise (:mod:`burncoll.train.checkpoint`).
 """
 
 from __future__ import annotations

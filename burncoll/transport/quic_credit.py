@@ -1,15 +1,11 @@
 """QUIC flow-control credit: what a peer may send, decided by this side (RFC 9000 section 4).
 
-Before authentication the other side is a stranger: it gets :data:`PREAUTH_WINDOW` of credit
-(:data:`~burncoll.transport.base.PREAUTH_BYTES`), for the connection and for its stream, and
-no more (aioquic would double the credit as it is used: that is held back), one bidirectional
-stream and no unidirectional one. A STREAM frame at a large offset therefore cannot make
-aioquic zero-fill more than that; out-of-order CRYPTO data is capped at
-:data:`MAX_PENDING_CRYPTO` per epoch (aioquic's own cap is 512 KiB).
-
-Once it authenticates, the window is raised to :func:`working_window` and announced at once
-(MAX_DATA, MAX_STREAM_DATA), so throughput after authentication is what it was without the
-gate; from then on the credit follows what the application has read (:class:`GatedConnection`).
+Before authentication a stranger gets :data:`PREAUTH_WINDOW` of credit for the connection and
+its one bidirectional stream, and no more (aioquic's doubling is held back), so a STREAM frame
+at a large offset cannot make aioquic zero-fill more; out-of-order CRYPTO data is capped at
+:data:`MAX_PENDING_CRYPTO` per epoch. Once authenticated the window is raised to
+:func:`working_window` at once, then follows what the application has read
+(:class:`GatedConnection`).
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """TLS material for the transports: ephemeral certificates, ``ssl`` contexts, QUIC settings.
 
-How :class:`~burncoll.transport.base.TlsSettings` is read. WebSocket uses TLS (``wss``) when
-any field is set and plain ``ws`` when none is (``TlsSettings()`` or ``None``); QUIC always
-uses TLS. Then, for both:
-
-* ``cert`` and ``key`` set: the listener presents that certificate.
-  Otherwise it presents an ephemeral self-signed one (:func:`make_self_signed`).
-* ``ca`` set: connecting sides verify the listener's certificate against it, host name included.
-  Otherwise they do not verify it: the channel is encrypted, but only the shared-token
-  challenge (:mod:`burncoll.transport.auth`) tells a peer it reached the right process, and
-  that does not stop an active man-in-the-middle who relays the challenge. Set ``ca`` on
-  networks you do not trust.
-
-This module imports neither ``websockets`` nor ``aioquic``: the QUIC helpers fill in a
-``QuicConfiguration`` they are given.
+WebSocket uses TLS (``wss``) when any field of :class:`~burncoll.transport.base.TlsSettings` is
+set; QUIC always does. ``cert`` and ``key``: the listener presents that certificate, else an
+ephemeral self-signed one (:func:`make_self_signed`). ``ca``: connecting sides verify the
+listener's certificate and host name against it; without it the channel is encrypted but only
+the token challenge (:mod:`burncoll.transport.auth`) identifies the peer, which an active
+man-in-the-middle can relay: set ``ca`` on networks you do not trust. Imports neither
+``websockets`` nor ``aioquic``.
 """
 
 from __future__ import annotations
