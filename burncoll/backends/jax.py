@@ -21,10 +21,8 @@ from burncoll.errors import BackendUnavailable, UsageError
 
 __all__ = ["JaxBackend"]
 
-_MORE_CPU_DEVICES = (
-    "on the CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={n} "
-    "in the environment before jax is imported"
-)
+_MORE_CPU_DEVICES = ("on the CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={n} "
+                     "in the environment before jax is imported")
 
 
 class JaxBackend:

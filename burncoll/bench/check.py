@@ -33,6 +33,9 @@ __all__ = ["Expected", "ReferenceCache", "count_wrong", "element_counts", "peer_
 NDArray = np.ndarray[Any, Any]
 
 _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64": 2.0**-52}
+#: How the reference folds each rank's input into the running result (``mean``: sum, then /n).
+_FOLD = {"sum": np.add, "mean": np.add, "prod": np.multiply, "max": np.maximum,
+         "min": np.minimum}
 
 
 def element_counts(op: str, size: int, itemsize: int, world: int) -> tuple[int, int]:
@@ -145,15 +148,9 @@ class ReferenceCache:
         ref = next(inputs)
         abs_sum = np.abs(ref)
         for x in inputs:
+            _FOLD[redop](ref, x, out=ref)
             if redop in ("sum", "mean"):
-                ref += x
                 abs_sum += np.abs(x)
-            elif redop == "prod":
-                ref *= x
-            elif redop == "max":
-                np.maximum(ref, x, out=ref)
-            else:
-                np.minimum(ref, x, out=ref)
         if redop == "sum":
             tolerance = abs_sum * (eps * n)
         elif redop == "mean":
@@ -175,14 +172,7 @@ class ReferenceCache:
             inputs = (peer_input(r, count, dtype).astype(np.int64) for r in range(self.world))
             ref = next(inputs)
             for x in inputs:
-                if redop in ("sum", "mean"):
-                    ref += x
-                elif redop == "prod":
-                    ref *= x
-                elif redop == "max":
-                    np.maximum(ref, x, out=ref)
-                else:
-                    np.minimum(ref, x, out=ref)
+                _FOLD[redop](ref, x, out=ref)
             wrapped = ref.astype(np_dtype)
         if redop != "mean":
             return Expected(wrapped, None, np_dtype)

@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+from burncoll.bench.options import parse_names
 from burncoll.bench.peers import RESULT_MARKER, naive_threads, numpy_add, tcp_loopback
 from burncoll.bench.results import PeerResult, PeerRow
 
@@ -31,16 +32,9 @@ _INSTALL = "pip install 'burncoll[bench]'"
 
 
 def parse_peers(text: str) -> tuple[str, ...]:
-    """A comma-separated subset of :data:`PEER_NAMES` (or ``"all"``); ValueError otherwise."""
-    names = [part.strip().lower() for part in text.split(",") if part.strip()]
-    if names == ["all"]:
-        return PEER_NAMES
-    unknown = [name for name in names if name not in PEER_NAMES]
-    if unknown or not names:
-        raise ValueError(
-            f"invalid --vs {text!r}: use 'all' or a comma-separated list of {', '.join(PEER_NAMES)}"
-        )
-    return tuple(name for name in PEER_NAMES if name in names)
+    """A comma-separated subset of :data:`PEER_NAMES` (or ``"all"``), in their order."""
+    chosen = parse_names(text, PEER_NAMES, "--vs")
+    return tuple(name for name in PEER_NAMES if name in chosen)
 
 
 def _free_port() -> int:
@@ -184,12 +178,8 @@ def _describe(name: str, world: int) -> PeerResult:
     if name == "mpi":
         return PeerResult("mpi", f"mpi4py Allreduce, mpirun -n {world}", "all_reduce")
     if name == "tcp":
-        return PeerResult(
-            "tcp",
-            "TCP loopback, one connection, both ends sending and "
-            "receiving size bytes at once; algbw = GB/s each way",
-            None,
-        )
+        return PeerResult("tcp", "TCP loopback, one connection, both ends sending and "
+                          "receiving size bytes at once; algbw = GB/s each way", None)
     if name == "naive":
         return PeerResult(
             "naive",

@@ -253,7 +253,7 @@ def _naive_seconds(count: int, dtype: str, iters: int, warmup: int, world: int) 
             t.start()
         for t in threads:
             t.join()
-    return median([max(column) for column in zip(*times, strict=True)][warmup:])
+    return float(median([max(column) for column in zip(*times, strict=True)][warmup:]))
 
 
 def _emit(rows: list[PeerRow], extra: dict[str, Any] | None = None) -> None:

@@ -26,6 +26,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 __all__ = ["TIMING_METHOD", "PeerResult", "PeerRow", "Row", "busbw_factor", "environment_info",
@@ -50,15 +51,6 @@ def busbw_factor(op: str, world: int) -> float:
     if op in ("broadcast", "reduce"):
         return 1.0
     return 0.0
-
-
-def median(values: list[float]) -> float:
-    """The median (the mean of the two middle values for an even count)."""
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    if len(ordered) % 2:
-        return ordered[mid]
-    return (ordered[mid - 1] + ordered[mid]) / 2
 
 
 @dataclass(frozen=True)

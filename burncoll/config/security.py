@@ -113,12 +113,9 @@ def read_token_file(path: str) -> str:
     if not token:
         raise ConfigError(f"auth_token_file={path!r}: the file is empty; write the token in it")
     if os.name == "posix" and stat.S_ISREG(mode) and mode & 0o077:
-        warnings.warn(
-            f"auth_token_file={path!r} may be read by other users (mode "
-            f"{stat.S_IMODE(mode):o}); restrict it: chmod 600 {path}",
-            UserWarning,
-            stacklevel=3,
-        )
+        warnings.warn(f"auth_token_file={path!r} may be read by other users (mode "
+                      f"{stat.S_IMODE(mode):o}); restrict it: chmod 600 {path}", UserWarning,
+                      stacklevel=3)
     return token
 
 

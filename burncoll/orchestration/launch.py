@@ -208,14 +208,12 @@ def _host_envs(host: str, port: int, ranks: tuple[int, int, int], devices: int, 
 
 def missing_token_message(master_addr: str) -> str:
     """Why a multi-host launch with a non-loopback master needs a token, and how to give it."""
-    return (
-        f"--master-addr {master_addr!r} is reachable from other machines, and no auth token is "
-        "set: every host must hold the same token (a fresh random one would differ from host "
-        "to host). Export the same BURNCOLL_AUTH_TOKEN=<secret> on every host, or copy a "
-        "token file to every host and give it with --auth-token-file PATH (or "
-        "BURNCOLL_AUTH_TOKEN_FILE=PATH); make a token with: python -c 'import secrets; "
-        "print(secrets.token_urlsafe(32))'"
-    )
+    return (f"--master-addr {master_addr!r} is reachable from other machines, and no auth token is "
+            "set: every host must hold the same token (a fresh random one would differ from host "
+            "to host). Export the same BURNCOLL_AUTH_TOKEN=<secret> on every host, or copy a "
+            "token file to every host and give it with --auth-token-file PATH (or "
+            "BURNCOLL_AUTH_TOKEN_FILE=PATH); make a token with: python -c 'import secrets; "
+            "print(secrets.token_urlsafe(32))'")
 
 
 def _is_count(value: object, low: int) -> bool:

@@ -262,8 +262,5 @@ class WaitingRoom:
 def differences(here: JsonObject, there: JsonObject,
                 where: str = "on the node(s) already waiting") -> str:
     """``"key: X here, Y on the node(s) already waiting; ..."`` for each differing field."""
-    return "; ".join(
-        f"{key}: {here.get(key)!r} here, {there.get(key)!r} {where}"
-        for key in sorted(set(here) | set(there))
-        if here.get(key) != there.get(key)
-    )
+    return "; ".join(f"{key}: {here.get(key)!r} here, {there.get(key)!r} {where}"
+                     for key in sorted(set(here) | set(there)) if here.get(key) != there.get(key))

@@ -143,10 +143,8 @@ def _calls(op: GlobalOp, h: DataHeader) -> tuple[str, str]:
 def _mismatch(op: GlobalOp, me: int, describe: Callable[[int], str],
               h: DataHeader) -> MismatchError:
     mine, theirs = _calls(op, h)
-    return MismatchError(
-        f"{op.label}: peers called it with different arguments: "
-        f"{describe(me)} called {mine}; {describe(h.src)} called {theirs}"
-    )
+    return MismatchError(f"{op.label}: peers called it with different arguments: "
+                         f"{describe(me)} called {mine}; {describe(h.src)} called {theirs}")
 
 
 def order_mismatch(op: GlobalOp, me: int, describe: Callable[[int], str],

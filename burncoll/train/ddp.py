@@ -92,10 +92,8 @@ class DataParallel:
         self.node_rank = rank
 
     def __repr__(self) -> str:
-        return (
-            f"DataParallel(devices={list(self.devices)!r}, node_rank={self.node_rank}, "
-            f"backend={self.config.backend!r}, num_nodes={self.config.num_nodes or 1})"
-        )
+        return (f"DataParallel(devices={list(self.devices)!r}, node_rank={self.node_rank}, "
+                f"backend={self.config.backend!r}, num_nodes={self.config.num_nodes or 1})")
 
     @property
     def peer_ids(self) -> tuple[int, ...]:

@@ -80,12 +80,9 @@ def demo_node(num_devices: int = 4, steps: int = 1000, progress: bool = True) ->
     world = config.num_devices * nodes
     report = node_rank() == 0
     if report:
-        print(
-            f"burncoll demo: a {FEATURES}-{HIDDEN}-1 MLP (NumPy, hand-written gradients), "
-            f"{EXAMPLES} examples, full-batch gradient descent, {steps} steps, "
-            f"{world} replicas ({config.num_devices} devices x {nodes} node(s))",
-            flush=True,
-        )
+        print(f"burncoll demo: a {FEATURES}-{HIDDEN}-1 MLP (NumPy, hand-written gradients), "
+              f"{EXAMPLES} examples, full-batch gradient descent, {steps} steps, "
+              f"{world} replicas ({config.num_devices} devices x {nodes} node(s))", flush=True)
     started = time.perf_counter()
     try:
         trainer = ddp(range(config.num_devices), config)

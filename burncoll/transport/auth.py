@@ -53,10 +53,8 @@ _HINTS = {
     _UNEXPECTED_TOKEN: "it has no auth token and this process has one: give it the same token "
                        f"({_HOW_TO_SET}), or run every node and the orchestrator without one",
 }
-_MISMATCH_HINT = (
-    "the node and the orchestrator were given different auth tokens; set the same "
-    "BURNCOLL_AUTH_TOKEN on every node and on the orchestrator"
-)
+_MISMATCH_HINT = ("the node and the orchestrator were given different auth tokens; set the same "
+                  "BURNCOLL_AUTH_TOKEN on every node and on the orchestrator")
 _RELAY_HINT = (
     "; or a relay between the two ends terminated TLS (the certificate this side received "
     "is not the one the listener presents)"

@@ -96,11 +96,9 @@ class QuicTransport(Transport):
                 f"not retry_handshakes={retry_handshakes}, max_handshakes={max_handshakes}"
             )
         if not 1 <= max_handshakes_per_source <= max_handshakes:
-            raise ConfigError(
-                "QUIC needs 1 <= max_handshakes_per_source <= max_handshakes, not "
-                f"max_handshakes_per_source={max_handshakes_per_source}, "
-                f"max_handshakes={max_handshakes}"
-            )
+            raise ConfigError("QUIC needs 1 <= max_handshakes_per_source <= max_handshakes, not "
+                              f"max_handshakes_per_source={max_handshakes_per_source}, "
+                              f"max_handshakes={max_handshakes}")
         self.tls = tls
         self.max_message_bytes = max_message_bytes
         self.max_datagram_size = max_datagram_size
