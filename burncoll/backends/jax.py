@@ -84,7 +84,6 @@ class JaxBackend:
         return dtype_name(np.dtype(self._array(x).dtype))
 
     def shape(self, x: Array) -> tuple[int, ...]:
-        """The shape of ``x``."""
         return tuple(self._array(x).shape)
 
     # -- creation and layout -------------------------------------------------------------
@@ -132,31 +131,24 @@ class JaxBackend:
 
     # -- reductions ----------------------------------------------------------------------
     def add(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a + b`` (``out`` is ignored)."""
         return self._jnp.add(a, b)
 
     def maximum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """Element-wise maximum, NaN propagating (``out`` is ignored)."""
         return self._jnp.maximum(a, b)
 
     def minimum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """Element-wise minimum, NaN propagating (``out`` is ignored)."""
         return self._jnp.minimum(a, b)
 
     def multiply(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a * b`` (``out`` is ignored)."""
         return self._jnp.multiply(a, b)
 
     def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a & b``, integer and bool arrays (``out`` is ignored)."""
         return self._jnp.bitwise_and(a, b)
 
     def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a | b``, integer and bool arrays (``out`` is ignored)."""
         return self._jnp.bitwise_or(a, b)
 
     def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a ^ b``, integer and bool arrays (``out`` is ignored)."""
         return self._jnp.bitwise_xor(a, b)
 
     def scale(self, x: Array, divisor: int) -> Array:

@@ -186,7 +186,6 @@ class TorchBackend:
         return _name(self._tensor(x).dtype)
 
     def shape(self, x: Array) -> tuple[int, ...]:
-        """The shape of ``x``."""
         return tuple(self._tensor(x).shape)
 
     # -- creation and layout -------------------------------------------------------------
@@ -223,31 +222,24 @@ class TorchBackend:
 
     # -- reductions ----------------------------------------------------------------------
     def add(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a + b``, into ``out`` when given."""
         return self._apply("add", a, b, out=out)
 
     def maximum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """Element-wise maximum (NaN propagates), into ``out`` when given."""
         return self._apply("maximum", a, b, out=out)
 
     def minimum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """Element-wise minimum (NaN propagates), into ``out`` when given."""
         return self._apply("minimum", a, b, out=out)
 
     def multiply(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a * b``, into ``out`` when given."""
         return self._apply("multiply", a, b, out=out)
 
     def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a & b`` (integer and bool tensors), into ``out`` when given."""
         return self._apply("bitwise_and", a, b, out=out)
 
     def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a | b`` (integer and bool tensors), into ``out`` when given."""
         return self._apply("bitwise_or", a, b, out=out)
 
     def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a ^ b`` (integer and bool tensors), into ``out`` when given."""
         return self._apply("bitwise_xor", a, b, out=out)
 
     def scale(self, x: Array, divisor: int) -> Array:

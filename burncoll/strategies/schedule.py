@@ -58,10 +58,6 @@ class Schedule:
         """The steps of round ``round_index`` whose destination is ``participant``."""
         return tuple(s for s in self.rounds[round_index] if s.dst == participant)
 
-    def steps_from(self, participant: int, round_index: int) -> tuple[Step, ...]:
-        """The steps of round ``round_index`` whose source is ``participant``."""
-        return tuple(s for s in self.rounds[round_index] if s.src == participant)
-
     def then(self, other: Schedule) -> Schedule:
         """This schedule followed by ``other`` (same world and chunks)."""
         if (other.world, other.num_chunks) != (self.world, self.num_chunks):
