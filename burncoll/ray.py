@@ -96,18 +96,10 @@ class _Node:
         return fn(*args, **kwargs)
 
 
-def run(
-    fn: Callable[..., R],
-    *args: Any,
-    num_nodes: int,
-    devices_per_node: int = 1,
-    transport: str = "websocket",
-    timeout: float = 120.0,
-    num_cpus_per_node: float = 1,
-    env: Mapping[str, str] | None = None,
-    num_gpus_per_node: float = 0,
-    **kwargs: Any,
-) -> list[R]:
+def run(fn: Callable[..., R], *args: Any, num_nodes: int, devices_per_node: int = 1,
+        transport: str = "websocket", timeout: float = 120.0, num_cpus_per_node: float = 1,
+        env: Mapping[str, str] | None = None, num_gpus_per_node: float = 0,
+        **kwargs: Any) -> list[R]:
     """Call ``fn(*args, **kwargs)`` on ``num_nodes`` Ray actors, one per burncoll node.
 
     Each actor is a node of ``devices_per_node`` devices: ``BURNCOLL_NODE_RANK``, ``_NUM_NODES``,

@@ -150,11 +150,7 @@ def environment_info() -> dict[str, Any]:
 def write_json(path: str | os.PathLike[str], rows: list[Row], peers: list[PeerResult],
                settings: dict[str, Any]) -> None:
     """Write ``{"environment", "settings", "timing", "rows", "peers"}`` to ``path``."""
-    document = {
-        "environment": environment_info(),
-        "settings": settings,
-        "timing": TIMING_METHOD,
-        "rows": [row.to_dict() for row in rows],
-        "peers": [peer.to_dict() for peer in peers],
-    }
+    document = {"environment": environment_info(), "settings": settings, "timing": TIMING_METHOD,
+                "rows": [row.to_dict() for row in rows],
+                "peers": [peer.to_dict() for peer in peers]}
     Path(path).write_text(json.dumps(document, indent=2) + "\n")

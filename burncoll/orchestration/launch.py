@@ -131,26 +131,13 @@ def launch_nodes(command: Sequence[str], nodes: int, devices: int, transport: st
                           lambda line: orchestrator.node_failed(_failed_reason(line)))
 
 
-def launch_host(
-    command: Sequence[str],
-    nnodes: int,
-    node_rank: int,
-    master_addr: str,
-    master_port: int,
-    devices: int,
-    transport: str = "websocket",
-    auth_token: str | None = None,
-    grace: float = FAILURE_GRACE,
-    extra_env: dict[str, str] | None = None,
-    *,
-    integrity: bool = False,
-    tls: bool | None = None,
-    max_restarts: int = 0,
-    node_address: str | None = None,
-    min_nodes: int | None = None,
-    min_nodes_wait: float = 30.0,
-    nproc_per_node: int = 1,
-) -> int:
+def launch_host(command: Sequence[str], nnodes: int, node_rank: int, master_addr: str,
+                master_port: int, devices: int, transport: str = "websocket",
+                auth_token: str | None = None, grace: float = FAILURE_GRACE,
+                extra_env: dict[str, str] | None = None, *, integrity: bool = False,
+                tls: bool | None = None, max_restarts: int = 0, node_address: str | None = None,
+                min_nodes: int | None = None, min_nodes_wait: float = 30.0,
+                nproc_per_node: int = 1) -> int:
     """Run host ``node_rank`` of ``nnodes`` hosts of ``command`` on this host: its
     ``nproc_per_node`` node processes, node ranks ``node_rank * nproc_per_node + i``.
 

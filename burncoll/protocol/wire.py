@@ -44,22 +44,10 @@ from burncoll.dtypes import WIRE_CODES, WIRE_NAMES
 from burncoll.errors import ProtocolError
 from burncoll.ops import OpKind, ReduceOp
 
-__all__ = [
-    "CONTROL_LIMIT",
-    "DEFAULT_MAX_MESSAGE_BYTES",
-    "DataHeader",
-    "FrameType",
-    "LENGTH_PREFIX_BYTES",
-    "MAX_NDIM",
-    "WIRE_VERSION",
-    "announced_lengths",
-    "decode",
-    "decode_control",
-    "decode_data_head",
-    "encode_control",
-    "encode_data_header",
-    "restamped",
-]
+__all__ = ["CONTROL_LIMIT", "DEFAULT_MAX_MESSAGE_BYTES", "DataHeader", "FrameType",
+           "LENGTH_PREFIX_BYTES", "MAX_NDIM", "WIRE_VERSION", "announced_lengths", "decode",
+           "decode_control", "decode_data_head", "encode_control", "encode_data_header",
+           "restamped"]
 
 MAGIC = b"BC"
 WIRE_VERSION = 1

@@ -81,23 +81,12 @@ class FitResult:
     identical: bool
 
 
-def fit(
-    dp: Replicas,
-    params: Any,
-    data: Any,
-    grad_fn: GradFn,
-    update: Update,
-    *,
-    steps: int,
-    batch_size: int | None = None,
-    seed: int = 0,
-    bucket_bytes: int | None = None,
-    progress: bool = True,
-    desc: str = "ddp",
-    callback: Callable[[Communicator, int, Any], None] | None = None,
-    checkpoint_dir: str | os.PathLike[str] | None = None,
-    checkpoint_every: int | None = None,
-) -> FitResult:
+def fit(dp: Replicas, params: Any, data: Any, grad_fn: GradFn, update: Update, *, steps: int,
+        batch_size: int | None = None, seed: int = 0, bucket_bytes: int | None = None,
+        progress: bool = True, desc: str = "ddp",
+        callback: Callable[[Communicator, int, Any], None] | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int | None = None) -> FitResult:
     """Train ``params`` for ``steps`` steps on every device of ``dp``; the final state.
 
     - ``params``: the initial tree of arrays. Rank 0's is broadcast, so every replica starts
