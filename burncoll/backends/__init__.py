@@ -90,9 +90,8 @@ def backend_for_array(x: object) -> Backend:
 
 
 #: How each backend's arrays are called in messages.
-_ARRAY_NAMES = {
-    "numpy": "numpy.ndarray", "jax": "jax.Array", "cupy": "cupy.ndarray", "torch": "torch.Tensor",
-}
+_ARRAY_NAMES = {"numpy": "numpy.ndarray", "jax": "jax.Array", "cupy": "cupy.ndarray",
+                "torch": "torch.Tensor"}
 
 
 def foreign_array(x: object, backend: str) -> str:

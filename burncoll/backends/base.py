@@ -153,9 +153,8 @@ class Backend(Protocol):
         """
         ...
 
-    def from_host(
-        self, buffer: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...], device: Device
-    ) -> Array:
+    def from_host(self, buffer: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...],
+                  device: Device) -> Array:
         """An array of ``dtype`` and ``shape`` on ``device`` holding ``buffer``'s elements.
 
         ``buffer`` holds elements of ``dtype``, or their raw bytes as ``uint8`` (as received

@@ -192,9 +192,8 @@ class CupyBackend:
             host: np.ndarray[Any, Any] = self._cp.asnumpy(arr)
         return host
 
-    def from_host(
-        self, buffer: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...], device: Device
-    ) -> Array:
+    def from_host(self, buffer: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...],
+                  device: Device) -> Array:
         """A new array of ``dtype`` and ``shape`` on ``device``, copied from ``buffer``."""
         host = host_view(buffer, dtype, shape)
         with device:

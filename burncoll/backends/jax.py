@@ -169,9 +169,8 @@ class JaxBackend:
         """``x`` as a read-only NumPy array; no copy for arrays on the CPU."""
         return np.asarray(self._array(x))
 
-    def from_host(
-        self, buffer: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...], device: Device
-    ) -> Array:
+    def from_host(self, buffer: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...],
+                  device: Device) -> Array:
         """A new array of ``dtype`` and ``shape`` on ``device``, copied from ``buffer``.
 
         The result never shares memory with ``buffer``, which the caller may reuse at once.

@@ -159,9 +159,8 @@ class NumpyBackend:
         """``x`` itself: NumPy arrays already live in host memory."""
         return _array(x)
 
-    def from_host(
-        self, buffer: NDArray, dtype: str, shape: tuple[int, ...], device: Any
-    ) -> NDArray:
+    def from_host(self, buffer: NDArray, dtype: str, shape: tuple[int, ...],
+                  device: Any) -> NDArray:
         """A writable array of ``dtype`` and ``shape`` over ``buffer``'s memory.
 
         Shares memory with ``buffer`` when it is writable and C-contiguous; copies otherwise.

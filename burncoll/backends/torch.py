@@ -252,9 +252,8 @@ class TorchBackend:
         host: np.ndarray[Any, Any] = self._inner(x).to_host(as_array(x))
         return host
 
-    def from_host(
-        self, buffer: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...], device: Device
-    ) -> Array:
+    def from_host(self, buffer: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...],
+                  device: Device) -> Array:
         """A writable tensor of ``dtype`` and ``shape`` on ``device`` holding ``buffer``'s
         elements; on the CPU it shares ``buffer``'s memory when that is writable and
         C-contiguous (as the NumPy backend's), else it is a copy."""

@@ -110,9 +110,8 @@ class ReferenceCache:
         self._lock = threading.Lock()
         self._entries: dict[tuple[Any, ...], Expected] = {}
 
-    def expected(
-        self, op: str, count: int, dtype: str, redop: str, root: int, rank: int
-    ) -> Expected | None:
+    def expected(self, op: str, count: int, dtype: str, redop: str, root: int,
+                 rank: int) -> Expected | None:
         """What rank ``rank`` must get from ``op`` on ``count``-element inputs."""
         if op == "reduce" and rank != root:
             return None

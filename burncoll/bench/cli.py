@@ -142,20 +142,17 @@ def _node_argv(args: argparse.Namespace, result_path: str) -> list[str]:
             "--bench-node", result_path]
     if args.fresh_results:
         argv.append("--fresh-results")
-    for flag, value in (
-        ("--compression", args.compression), ("--devices", args.devices),
-        ("--strategy", args.strategy), ("--local-strategy", args.local_strategy),
-        ("--global-strategy", args.global_strategy), ("--transport", args.transport),
-        ("--config", args.config),
-    ):
+    for flag, value in (("--compression", args.compression), ("--devices", args.devices),
+                        ("--strategy", args.strategy), ("--local-strategy", args.local_strategy),
+                        ("--global-strategy", args.global_strategy),
+                        ("--transport", args.transport), ("--config", args.config)):
         if value is not None:
             argv += [flag, str(value)]
     return argv
 
 
-def _settings(
-    args: argparse.Namespace, config: CollectiveConfig, sizes: list[int]
-) -> dict[str, Any]:
+def _settings(args: argparse.Namespace, config: CollectiveConfig,
+              sizes: list[int]) -> dict[str, Any]:
     world = config.num_devices * args.nodes
     settings: dict[str, Any] = {
         "ops": ",".join(args.op),
@@ -213,9 +210,8 @@ def _run_node_mode(args: argparse.Namespace, spec: BenchSpec) -> int:
     return 0
 
 
-def _run_multi_node(
-    args: argparse.Namespace, spec: BenchSpec, config: CollectiveConfig
-) -> list[Row] | int:
+def _run_multi_node(args: argparse.Namespace, spec: BenchSpec,
+                    config: CollectiveConfig) -> list[Row] | int:
     from burncoll.orchestration.launch import launch_nodes
 
     with tempfile.TemporaryDirectory(prefix="burncoll-bench-") as tmp:

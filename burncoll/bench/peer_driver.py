@@ -13,7 +13,6 @@ import importlib.util
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from collections.abc import Sequence
 from burncoll.bench.options import parse_names
 from burncoll.bench.peers import RESULT_MARKER, naive_threads, numpy_add, tcp_loopback
 from burncoll.bench.results import PeerResult, PeerRow
+from burncoll.orchestration.launch import free_port
 
 __all__ = ["PEER_NAMES", "parse_peers", "run_peers"]
 
@@ -37,16 +37,8 @@ def parse_peers(text: str) -> tuple[str, ...]:
     return tuple(name for name in PEER_NAMES if name in chosen)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def _worker_args(
-    sizes: Sequence[int], dtype: str, redop: str, iters: int, warmup: int
-) -> list[str]:
+def _worker_args(sizes: Sequence[int], dtype: str, redop: str, iters: int,
+                 warmup: int) -> list[str]:
     return ["--sizes", ",".join(str(s) for s in sizes), "--dtype", dtype, "--redop", redop,
             "--iters", str(iters), "--warmup", str(warmup)]
 
@@ -81,20 +73,15 @@ def _gloo(result: PeerResult, world: int, worker_args: list[str], timeout: float
     if importlib.util.find_spec("torch") is None:
         result.skipped = f"torch is not installed ({_INSTALL})"
         return
-    port = _free_port()
+    port = free_port()
     deadline = time.monotonic() + timeout
     with contextlib.ExitStack() as stack:
         # files, not pipes: a rank blocked on a full pipe would stall the others
         logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(2 * world)]
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "burncoll.bench.peers", "gloo", "--rank", str(rank),
-                 "--world", str(world), "--port", str(port), *worker_args],
-                stdout=logs[2 * rank],
-                stderr=logs[2 * rank + 1],
-            )
-            for rank in range(world)
-        ]
+        procs = [subprocess.Popen([sys.executable, "-m", "burncoll.bench.peers", "gloo", "--rank",
+                                   str(rank), "--world", str(world), "--port", str(port),
+                                   *worker_args], stdout=logs[2 * rank], stderr=logs[2 * rank + 1])
+                 for rank in range(world)]
         try:
             for proc in procs:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
@@ -170,25 +157,16 @@ def run_peers(names: Sequence[str], sizes: Sequence[int], dtype: str, iters: int
 
 def _describe(name: str, world: int) -> PeerResult:
     if name == "gloo":
-        return PeerResult(
-            "gloo",
-            f"torch.distributed all_reduce, backend gloo, {world} processes on 127.0.0.1",
-            "all_reduce",
-        )
+        return PeerResult("gloo", f"torch.distributed all_reduce, backend gloo, {world} "
+                          "processes on 127.0.0.1", "all_reduce")
     if name == "mpi":
         return PeerResult("mpi", f"mpi4py Allreduce, mpirun -n {world}", "all_reduce")
     if name == "tcp":
         return PeerResult("tcp", "TCP loopback, one connection, both ends sending and "
                           "receiving size bytes at once; algbw = GB/s each way", None)
     if name == "naive":
-        return PeerResult(
-            "naive",
-            f"chunked naive all-reduce, {max(world, 2)} threads of one process in plain NumPy: "
-            "each sums its share, barrier, each copies the sum",
-            "all_reduce",
-        )
-    return PeerResult(
-        "numpy",
-        "np.add(a, b, out=c) on one thread; algbw = size/time (memory traffic is 3x size)",
-        None,
-    )
+        return PeerResult("naive", f"chunked naive all-reduce, {max(world, 2)} threads of one "
+                          "process in plain NumPy: each sums its share, barrier, each copies "
+                          "the sum", "all_reduce")
+    return PeerResult("numpy", "np.add(a, b, out=c) on one thread; algbw = size/time (memory "
+                      "traffic is 3x size)", None)

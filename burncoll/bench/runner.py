@@ -138,9 +138,8 @@ def _sweep(context: _Context, comm: Communicator) -> None:
             _measure(context, comm, op, requested, total, per_peer)
 
 
-def _operation(
-    comm: Communicator, op: str, x: Array, spec: BenchSpec
-) -> Callable[[], Array | None]:
+def _operation(comm: Communicator, op: str, x: Array,
+               spec: BenchSpec) -> Callable[[], Array | None]:
     """The call to time, with its arguments bound."""
     if op == "all_reduce":
         backend = comm._backend
@@ -178,9 +177,8 @@ def _wait(result: Array | None) -> None:
         synchronize()
 
 
-def _measure(
-    context: _Context, comm: Communicator, op: str, requested: int, total: int, per_peer: int
-) -> None:
+def _measure(context: _Context, comm: Communicator, op: str, requested: int, total: int,
+             per_peer: int) -> None:
     spec, backend = context.spec, context.backend
     host_input = peer_input(comm.rank, per_peer, spec.dtype)
     x = backend.from_host(host_input, spec.dtype, host_input.shape, comm.device)

@@ -307,9 +307,8 @@ class CollectiveConfig:
         """Set ``tls`` (``None`` automatic, ``True`` wss, ``False`` plain ws)."""
         return self.replace(tls=value)
 
-    def with_tls(
-        self, cert: str | None, key: str | None, ca: str | None = None
-    ) -> CollectiveConfig:
+    def with_tls(self, cert: str | None, key: str | None,
+                 ca: str | None = None) -> CollectiveConfig:
         return self.replace(tls_cert=cert, tls_key=key, tls_ca=ca)
 
 

@@ -50,9 +50,8 @@ HOW_TO_SET_A_TOKEN = (
 )
 
 
-def check_bind_address(
-    host: str, token: str | None, insecure: bool, subject: str, override: str
-) -> None:
+def check_bind_address(host: str, token: str | None, insecure: bool, subject: str,
+                       override: str) -> None:
     """Refuse to listen on a non-loopback ``host`` without a token unless ``insecure``.
 
     :class:`ConfigError` naming the ``subject`` (``"node_address='0.0.0.0'"``), how to set a

@@ -22,9 +22,8 @@ MAX_TIMEOUT = 30 * 24 * 3600.0
 ENV_PREFIX = "BURNCOLL_"
 
 
-def parse_host_port(
-    value: str, field_name: str, default_port: int | None = None
-) -> tuple[str, int]:
+def parse_host_port(value: str, field_name: str,
+                    default_port: int | None = None) -> tuple[str, int]:
     """``"host:port"``, ``"ws://host:port/path"``, ``"quic://[::1]:5000"`` -> ``(host, port)``;
     a bare IPv6 address (``"fd00::2"``) is a host without a port."""
     text = value.strip()

@@ -35,8 +35,8 @@ from burncoll.orchestration.launch_rounds import (
 )
 from burncoll.orchestration.orchestrator import start_orchestrator
 
-__all__ = ["FAILURE_GRACE", "RESTART_COUNT_ENV", "STOP_SECONDS", "exit_code", "launch_host",
-           "launch_nodes", "new_token", "node_environment", "torchrun_environment"]
+__all__ = ["FAILURE_GRACE", "RESTART_COUNT_ENV", "STOP_SECONDS", "exit_code", "free_port",
+           "launch_host", "launch_nodes", "new_token", "node_environment", "torchrun_environment"]
 
 #: The environment variable telling a node how many times its launcher restarted it.
 RESTART_COUNT_ENV = "BURNCOLL_RESTART_COUNT"
@@ -47,10 +47,9 @@ def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
-def node_environment(
-    rank: int, nodes: int, devices: int, orchestrator: str, transport: str,
-    extra: dict[str, str] | None = None, *, node_address: str = "127.0.0.1", restart: int = 0,
-) -> dict[str, str]:
+def node_environment(rank: int, nodes: int, devices: int, orchestrator: str, transport: str,
+                     extra: dict[str, str] | None = None, *, node_address: str = "127.0.0.1",
+                     restart: int = 0) -> dict[str, str]:
     """The environment of node ``rank``: the parent's plus the BURNCOLL_* settings.
 
     ``node_address``: where its data service listens (other nodes connect there);
@@ -114,7 +113,7 @@ def launch_nodes(command: Sequence[str], nodes: int, devices: int, transport: st
     token = new_token() if auth_token is None else auth_token
     extra = dict(extra_env or {})
     extra.update(_security_environment(token, integrity, tls))
-    master = ("127.0.0.1", _free_port())
+    master = ("127.0.0.1", free_port())
     with start_orchestrator(transport=transport, auth_token=token, integrity=integrity,
                             tls=tls, expected_nodes=nodes) as orchestrator:
 
@@ -238,8 +237,8 @@ def _failed_reason(line: str) -> str:
     return f"burncoll launch: {line}; the collective this node waits for cannot form"
 
 
-def _free_port() -> int:
-    """A port free on loopback now (for the script's ``MASTER_PORT``)."""
+def free_port() -> int:
+    """A port free on loopback now (a script's ``MASTER_PORT``, a baseline's rendezvous)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])

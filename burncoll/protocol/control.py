@@ -18,12 +18,11 @@ from typing import ClassVar, Protocol, Self, TypeAlias, TypeVar
 from burncoll.protocol.fields import Fields, JsonObject, is_int
 from burncoll.protocol.wire import Frame, encode_control
 
-__all__ = [
-    "MAX_FIELD_BYTES", "MAX_NODE_PEERS", "MAX_PEER_ID", "MAX_REASON", "MAX_SESSION", "Abandon",
-    "Abandoned", "AboutNode", "ControlMessage", "Finish", "Finished", "FromNode",
-    "FromOrchestrator", "Join", "Leave", "NodeLost", "Notice", "Refused", "Table", "TableEntry",
-    "decode_by_type", "decode_from_node", "decode_from_orchestrator", "encode", "kind_of",
-]
+__all__ = ["MAX_FIELD_BYTES", "MAX_NODE_PEERS", "MAX_PEER_ID", "MAX_REASON", "MAX_SESSION",
+           "Abandon", "Abandoned", "AboutNode", "ControlMessage", "Finish", "Finished", "FromNode",
+           "FromOrchestrator", "Join", "Leave", "NodeLost", "Notice", "Refused", "Table",
+           "TableEntry", "decode_by_type", "decode_from_node", "decode_from_orchestrator", "encode",
+           "kind_of"]
 
 #: Most peer ids one node may register (devices on one node).
 MAX_NODE_PEERS = 4096

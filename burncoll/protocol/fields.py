@@ -13,10 +13,8 @@ from typing import TypeAlias, TypeVar
 
 from burncoll.errors import ProtocolError
 
-__all__ = [
-    "Fields", "JsonObject", "JsonValue", "MalformedMessage", "canonical", "count", "int_tuple",
-    "is_int",
-]
+__all__ = ["Fields", "JsonObject", "JsonValue", "MalformedMessage", "canonical", "count",
+           "int_tuple", "is_int"]
 
 JsonValue: TypeAlias = "str | int | float | bool | list[JsonValue] | dict[str, JsonValue] | None"
 JsonObject: TypeAlias = "dict[str, JsonValue]"

@@ -193,10 +193,8 @@ def encode_control(message: dict[str, Any], session: int = 0) -> bytes:
     body = json.dumps(message, separators=(",", ":")).encode()
     if len(body) > CONTROL_LIMIT:
         raise ProtocolError(f"control message of {len(body)} bytes exceeds {CONTROL_LIMIT}")
-    fixed = _FIXED.pack(
-        MAGIC, WIRE_VERSION, FrameType.CONTROL, session, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0,
-        len(body), len(body),
-    )
+    fixed = _FIXED.pack(MAGIC, WIRE_VERSION, FrameType.CONTROL, session, 0, 0, 0, 0, 0, -1, -1, 0,
+                        0, 0, 0, len(body), len(body))
     return fixed + body
 
 

@@ -48,9 +48,8 @@ def _reduce_scatter_rounds(world: int, groups: tuple[tuple[int, ...], ...]) -> l
     ]
 
 
-def _all_gather_rounds(
-    world: int, groups: tuple[tuple[int, ...], ...], skip_dst: int | None = None
-) -> list[Round]:
+def _all_gather_rounds(world: int, groups: tuple[tuple[int, ...], ...],
+                       skip_dst: int | None = None) -> list[Round]:
     """N - 1 rounds after which everyone holds every group, if ``p`` starts with ``groups[p]``.
 
     Steps into ``skip_dst`` (a participant that already holds everything) are left out.

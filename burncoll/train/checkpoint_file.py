@@ -36,10 +36,8 @@ import numpy as np
 from burncoll.dtypes import dtype_from_name, dtype_name
 from burncoll.errors import UsageError
 
-__all__ = [
-    "CHECKPOINT_FILE", "FORMAT_NAME", "FORMAT_VERSION", "STALE_TEMP_SECONDS", "RunInfo", "Spec",
-    "Stored", "mismatch", "read_checkpoint", "write_checkpoint",
-]
+__all__ = ["CHECKPOINT_FILE", "FORMAT_NAME", "FORMAT_VERSION", "STALE_TEMP_SECONDS", "RunInfo",
+           "Spec", "Stored", "mismatch", "read_checkpoint", "write_checkpoint"]
 
 #: The checkpoint's file name inside ``checkpoint_dir``.
 CHECKPOINT_FILE = "fit-checkpoint.npz"

@@ -139,9 +139,8 @@ class DataParallel:
             raise error
         return results
 
-    def _worker(
-        self, index: int, fn: Callable[[Communicator], R], results: list[Any], state: _RunState
-    ) -> None:
+    def _worker(self, index: int, fn: Callable[[Communicator], R], results: list[Any],
+                state: _RunState) -> None:
         comm: Communicator | None = None
         try:
             comm = register(self.peer_ids[index], self.devices[index], self.config)

@@ -181,10 +181,8 @@ class QuicTransport(Transport):
             detail = "no answer" if isinstance(exc, TimeoutError) else str(exc)
             raise TransportError(f"cannot connect to {where} over QUIC: {detail}") from exc
         stream_id = quic.get_next_available_stream_id()
-        conn = QuicStreamConnection(
-            protocol, stream_id, where, self.max_message_bytes, self.close_timeout,
-            binding=binding,
-        )
+        conn = QuicStreamConnection(protocol, stream_id, where, self.max_message_bytes,
+                                    self.close_timeout, binding=binding)
         protocol.connection = conn
         quic.send_stream_data(stream_id, PREAMBLE)
         protocol.transmit()

@@ -112,9 +112,8 @@ class GuardedServer(QuicServer):
         if len(data) < SMALLEST_MAX_DATAGRAM_SIZE:
             return None
         try:
-            header = pull_quic_header(
-                QuicBuffer(data=data), host_cid_length=self._configuration.connection_id_length
-            )
+            header = pull_quic_header(QuicBuffer(data=data),
+                                      host_cid_length=self._configuration.connection_id_length)
         except ValueError:
             return None
         if (header.packet_type != QuicPacketType.INITIAL

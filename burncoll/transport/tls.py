@@ -88,9 +88,8 @@ def _write_self_signed(host: str) -> tuple[str, str]:
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(public_key), critical=False
-        )
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(public_key),
+                       critical=False)
         .sign(key, hashes.SHA256())
     )
     directory = tempfile.TemporaryDirectory(prefix="burncoll-tls-")
