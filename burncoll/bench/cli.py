@@ -292,4 +292,3 @@ def _measure(args: argparse.Namespace, spec: BenchSpec, config: CollectiveConfig
         rows = run_node(spec, config, 0, on_row=stream)
         _print(closing(rows, peers, skipped=False))
     return rows, peers
-

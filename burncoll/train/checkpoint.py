@@ -221,4 +221,3 @@ def _like(backend: Backend, template: Any, leaf: Array) -> Any:
     if isinstance(template, bool | int | float | complex):
         return type(template)(host.item())
     return host
-

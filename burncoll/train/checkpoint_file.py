@@ -275,4 +275,3 @@ def mismatch(stored: Stored, params: list[Spec], state: list[Spec] | None) -> st
                 problems.append(f"{kind} leaf {i}: {dtype_name(array.dtype)} {array.shape} in "
                                 f"the checkpoint, {dtype} {shape} here")
     return "; ".join(problems[:4]) or None
-

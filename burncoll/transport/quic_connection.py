@@ -391,4 +391,3 @@ def _ignore(cid: bytes) -> None:
 
 def _nothing() -> None:
     return None
-

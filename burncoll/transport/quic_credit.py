@@ -128,4 +128,3 @@ class GatedConnection(QuicConnection):
                                       frame_type=frame_type,
                                       reason_phrase="too much crypto buffering")
         super()._handle_crypto_frame(context, frame_type, buf)
-
