@@ -52,11 +52,9 @@ def get_backend(name: str) -> Backend:
 
 
 def installed_backends() -> list[str]:
-    """The names of the backends usable here, in :data:`BACKEND_NAMES` order.
-
-    A backend is usable when its library imports; CuPy also needs at least one GPU.
-    This imports the libraries that are installed.
-    """
+    """The names of the backends usable here, in :data:`BACKEND_NAMES` order. A backend is usable
+    when its library imports; CuPy also needs at least one GPU. This imports the libraries that are
+    installed."""
     usable = []
     for name in BACKEND_NAMES:
         try:
@@ -70,12 +68,9 @@ def installed_backends() -> list[str]:
 
 
 def backend_for_array(x: object) -> Backend:
-    """The backend whose array type ``x`` is.
-
-    Only libraries already imported are considered (an array of a library cannot exist before
-    the library is imported), so this never imports jax, cupy or torch. Raises
-    :class:`~burncoll.UsageError` when ``x`` is not an array of any backend.
-    """
+    """The backend whose array type ``x`` is. Only libraries already imported are considered (an
+    array of a library cannot exist before the library is imported), so this never imports jax, cupy
+    or torch. Raises :class:`~burncoll.UsageError` when ``x`` is not an array of any backend."""
     for name in BACKEND_NAMES:
         if _IMPLEMENTATIONS[name][2] not in sys.modules:
             continue

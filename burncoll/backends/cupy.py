@@ -26,9 +26,7 @@ __all__ = ["CupyBackend"]
 
 class CupyBackend:
     """:class:`~burncoll.backends.base.Backend` for ``cupy.ndarray`` (mutable: ``out=`` works).
-
-    Raises :class:`~burncoll.BackendUnavailable` when cupy is not installed.
-    """
+    Raises :class:`~burncoll.BackendUnavailable` when cupy is not installed."""
 
     name = "cupy"
     mutable = True

@@ -27,9 +27,7 @@ _MORE_CPU_DEVICES = ("on the CPU, set XLA_FLAGS=--xla_force_host_platform_device
 
 class JaxBackend:
     """:class:`~burncoll.backends.base.Backend` for ``jax.Array`` (immutable: ``out`` ignored).
-
-    Raises :class:`~burncoll.BackendUnavailable` when jax is not installed.
-    """
+    Raises :class:`~burncoll.BackendUnavailable` when jax is not installed."""
 
     name = "jax"
     mutable = False
@@ -152,10 +150,8 @@ class JaxBackend:
         return self._jnp.bitwise_xor(a, b)
 
     def scale(self, x: Array, divisor: int) -> Array:
-        """``x / divisor``: float dtypes kept; integers and bool become JAX's default float.
-
-        The default float is float32, or float64 when x64 mode is on.
-        """
+        """``x / divisor``: float dtypes kept; integers and bool become JAX's default float. The
+        default float is float32, or float64 when x64 mode is on."""
         _checks.check_divisor(divisor)
         arr = self._array(x)
         if is_inexact(np.dtype(arr.dtype)):
@@ -171,10 +167,8 @@ class JaxBackend:
 
     def from_host(self, buffer: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...],
                   device: Device) -> Array:
-        """A new array of ``dtype`` and ``shape`` on ``device``, copied from ``buffer``.
-
-        The result never shares memory with ``buffer``, which the caller may reuse at once.
-        """
+        """A new array of ``dtype`` and ``shape`` on ``device``, copied from ``buffer``. The result
+        never shares memory with ``buffer``, which the caller may reuse at once."""
         self._dtype(dtype)
         # On the CPU, jax.device_put adopts a 64-byte aligned NumPy buffer without copying it
         # (whatever ``may_alias`` says), and copies others asynchronously; either way a later

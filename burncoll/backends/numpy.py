@@ -161,10 +161,8 @@ class NumpyBackend:
 
     def from_host(self, buffer: NDArray, dtype: str, shape: tuple[int, ...],
                   device: Any) -> NDArray:
-        """A writable array of ``dtype`` and ``shape`` over ``buffer``'s memory.
-
-        Shares memory with ``buffer`` when it is writable and C-contiguous; copies otherwise.
-        """
+        """A writable array of ``dtype`` and ``shape`` over ``buffer``'s memory. Shares memory with
+        ``buffer`` when it is writable and C-contiguous; copies otherwise."""
         _check_device(device)
         arr = host_view(buffer, dtype, shape)
         return arr if arr.flags.writeable else arr.copy()

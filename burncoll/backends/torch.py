@@ -42,13 +42,11 @@ def _torch() -> Any:
 
 
 def as_array(tensor: Any) -> Any:
-    """``tensor``'s memory as a NumPy array (CPU) or a CuPy array (CUDA), without a copy.
-
-    The view has the tensor's dtype (``bfloat16`` as ``ml_dtypes.bfloat16``), shape and
-    strides; writing to it writes the tensor. A NumPy array passes through unchanged.
-    Raises :class:`~burncoll.UsageError` for a tensor that has no such view (a sparse one,
-    a conjugate view, one on another device, a dtype NumPy cannot hold).
-    """
+    """``tensor``'s memory as a NumPy array (CPU) or a CuPy array (CUDA), without a copy. The view
+    has the tensor's dtype (``bfloat16`` as ``ml_dtypes.bfloat16``), shape and strides; writing to
+    it writes the tensor. A NumPy array passes through unchanged. Raises
+    :class:`~burncoll.UsageError` for a tensor that has no such view (a sparse one, a conjugate
+    view, one on another device, a dtype NumPy cannot hold)."""
     if isinstance(tensor, np.ndarray):
         return tensor
     torch = _torch()
@@ -137,9 +135,7 @@ _CPU = CpuDevice(0)
 
 class TorchBackend:
     """:class:`~burncoll.backends.base.Backend` for ``torch.Tensor`` (mutable: ``out=`` works).
-
-    Raises :class:`~burncoll.BackendUnavailable` when torch is not installed.
-    """
+    Raises :class:`~burncoll.BackendUnavailable` when torch is not installed."""
 
     name = "torch"
     mutable = True

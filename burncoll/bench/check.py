@@ -39,12 +39,10 @@ _FOLD = {"sum": np.add, "mean": np.add, "prod": np.multiply, "max": np.maximum,
 
 
 def element_counts(op: str, size: int, itemsize: int, world: int) -> tuple[int, int]:
-    """``(total, per_peer_input)`` elements for a sweep size of ``size`` bytes.
-
-    ``total`` counts the op's largest buffer (as nccl-tests' ``count`` column): the input of
-    all-reduce, reduce, broadcast and reduce-scatter, the output of all-gather. It is rounded
-    down to whole elements, and for reduce-scatter and all-gather to a multiple of ``world``.
-    """
+    """``(total, per_peer_input)`` elements for a sweep size of ``size`` bytes. ``total`` counts the
+    op's largest buffer (as nccl-tests' ``count`` column): the input of all-reduce, reduce,
+    broadcast and reduce-scatter, the output of all-gather. It is rounded down to whole elements,
+    and for reduce-scatter and all-gather to a multiple of ``world``."""
     total = size // itemsize
     if op in ("reduce_scatter", "all_gather"):
         total -= total % world
@@ -95,11 +93,9 @@ def count_wrong(got: NDArray | None, expected: Expected | None) -> int:
 
 
 class ReferenceCache:
-    """The full reference of the current (op, size), computed once per node.
-
-    Local peers are threads of one process; the first one to ask computes the reference and
-    the others reuse it. Only the latest few entries are kept.
-    """
+    """The full reference of the current (op, size), computed once per node. Local peers are threads
+    of one process; the first one to ask computes the reference and the others reuse it. Only the
+    latest few entries are kept."""
 
     def __init__(self, world: int, compression: str | None = None, nodes: int = 1) -> None:
         self.world = world

@@ -114,11 +114,9 @@ def mpi_worker(sizes: Sequence[int], dtype: str, iters: int, warmup: int, redop:
 
 
 def tcp_loopback(sizes: Sequence[int], iters: int, warmup: int) -> list[PeerRow]:
-    """Both ends of one loopback TCP connection send and receive ``size`` bytes at once.
-
-    Four threads (each end's sender and receiver) meet at a barrier before each iteration;
-    the iteration's time is the slowest thread's. ``algbw`` is GB/s in each direction.
-    """
+    """Both ends of one loopback TCP connection send and receive ``size`` bytes at once. Four
+    threads (each end's sender and receiver) meet at a barrier before each iteration; the
+    iteration's time is the slowest thread's. ``algbw`` is GB/s in each direction."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
         left = socket.create_connection(listener.getsockname()[:2])
         right, _ = listener.accept()

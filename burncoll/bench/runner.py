@@ -58,12 +58,10 @@ class _Context:
 
 def run_node(spec: BenchSpec, config: CollectiveConfig, node_rank: int = 0,
              on_row: Callable[[Row], None] | None = None) -> list[Row]:
-    """Run this node's ``config.num_devices`` peers through the sweep; block until done.
-
-    Peer ids are ``node_rank * num_devices + d`` for local device ``d``. Returns the rows on
-    the node that holds rank 0 (``on_row`` is called with each as soon as it is known) and
-    ``[]`` on the other nodes. The first peer's error is raised after every thread ended.
-    """
+    """Run this node's ``config.num_devices`` peers through the sweep; block until done. Peer ids
+    are ``node_rank * num_devices + d`` for local device ``d``. Returns the rows on the node that
+    holds rank 0 (``on_row`` is called with each as soon as it is known) and ``[]`` on the other
+    nodes. The first peer's error is raised after every thread ended."""
     devices = config.num_devices
     world = devices * (config.num_nodes or 1)
     rows: list[Row] = []
@@ -95,10 +93,8 @@ def run_node(spec: BenchSpec, config: CollectiveConfig, node_rank: int = 0,
 
 
 def _give_jax_cpu_devices(devices: int) -> None:
-    """Ask XLA for ``devices`` CPU devices, unless jax is already imported or told otherwise.
-
-    Only the CPU platform reads this flag; accelerators keep their real devices.
-    """
+    """Ask XLA for ``devices`` CPU devices, unless jax is already imported or told otherwise. Only
+    the CPU platform reads this flag; accelerators keep their real devices."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"

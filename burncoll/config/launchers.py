@@ -163,11 +163,9 @@ class _Vars:
 
 
 def derived_port(key: str) -> int:
-    """A port in 61440..65535 from a job id, the same on every process of the job.
-
-    An integer id gives ``id % 4096 + 61440`` (as jax does for SLURM); other text gives
-    ``crc32(text) % 4096 + 61440``.
-    """
+    """A port in 61440..65535 from a job id, the same on every process of the job. An integer id
+    gives ``id % 4096 + 61440`` (as jax does for SLURM); other text gives ``crc32(text) % 4096 +
+    61440``."""
     text = key.strip()
     if text.isascii() and text.isdigit() and len(text) < 4000:  # int() takes up to 4300
         return int(text) % _PORT_SPAN + _PORT_BASE
@@ -332,11 +330,9 @@ def _mpi_inside_slurm(env: Mapping[str, str], slurm: LaunchEnvironment) -> str |
 
 def detect_launcher(environ: Mapping[str, str] | None = None) -> LaunchEnvironment | None:
     """The launcher that started this process and what it says, or None when there is none.
-
     ``environ`` defaults to ``os.environ``. Raises :class:`~burncoll.ConfigError` naming the
-    variables when they don't add up, or when only half of torchrun's ``RANK`` /
-    ``WORLD_SIZE`` pair is set and no other launcher is found.
-    """
+    variables when they don't add up, or when only half of torchrun's ``RANK`` / ``WORLD_SIZE`` pair
+    is set and no other launcher is found."""
     env = os.environ if environ is None else environ
     for launcher in LAUNCHERS:
         read, markers = _READERS[launcher]

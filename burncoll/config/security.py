@@ -53,10 +53,8 @@ HOW_TO_SET_A_TOKEN = (
 def check_bind_address(host: str, token: str | None, insecure: bool, subject: str,
                        override: str) -> None:
     """Refuse to listen on a non-loopback ``host`` without a token unless ``insecure``.
-
-    :class:`ConfigError` naming the ``subject`` (``"node_address='0.0.0.0'"``), how to set a
-    token, and the ``override`` that accepts the risk.
-    """
+    :class:`ConfigError` naming the ``subject`` (``"node_address='0.0.0.0'"``), how to set a token,
+    and the ``override`` that accepts the risk."""
     if token is not None or insecure or is_loopback(host):
         return
     raise ConfigError(
@@ -89,11 +87,9 @@ def check_token(token: str | None, what: str = "auth_token") -> None:
 
 
 def read_token_file(path: str) -> str:
-    """The token in file ``path``, its trailing newline stripped.
-
-    :class:`ConfigError` naming the path when it is missing, unreadable, too large, not UTF-8
-    or empty; a :class:`UserWarning` when group or others may read it.
-    """
+    """The token in file ``path``, its trailing newline stripped. :class:`ConfigError` naming the
+    path when it is missing, unreadable, too large, not UTF-8 or empty; a :class:`UserWarning` when
+    group or others may read it."""
     try:
         with open(path, "rb") as f:
             mode = os.fstat(f.fileno()).st_mode
@@ -119,11 +115,9 @@ def read_token_file(path: str) -> str:
 
 
 def resolve_token(token: str | None, token_file: str | None) -> str | None:
-    """The token to use: ``token``, or the one read from ``token_file``, checked.
-
-    Both given: they must agree (:class:`ConfigError` otherwise, neither shown). The result
-    passes :func:`check_token`.
-    """
+    """The token to use: ``token``, or the one read from ``token_file``, checked. Both given: they
+    must agree (:class:`ConfigError` otherwise, neither shown). The result passes
+    :func:`check_token`."""
     if token_file is not None:
         from_file = read_token_file(token_file)
         if token is not None and token != from_file:

@@ -51,14 +51,11 @@ def resolve(code: frozenset[str], so_far: Mapping[str, Any]) -> dict[str, Any]:
 def launcher_values(code: frozenset[str], env: frozenset[str], num_nodes: int | None,
                     node_rank: int | None) -> dict[str, Any]:
     """The field values the launcher's variables give, for the fields that neither the code
-    (``code``) nor a ``BURNCOLL_*`` variable (``env``) set.
-
-    ``num_nodes`` and ``node_rank``: the values so far. A ``num_nodes`` set elsewhere that
-    differs from the launcher's takes nothing from it (the three fields go together). Node 0
-    of a torchrun, SLURM or mpirun job hosts the orchestrator (``host_orchestrator``) unless
-    the code chose the rendezvous address or said who hosts. Raises
-    :class:`~burncoll.ConfigError` when the launcher's variables don't add up.
-    """
+    (``code``) nor a ``BURNCOLL_*`` variable (``env``) set. ``num_nodes`` and ``node_rank``: the
+    values so far. A ``num_nodes`` set elsewhere that differs from the launcher's takes nothing from
+    it (the three fields go together). Node 0 of a torchrun, SLURM or mpirun job hosts the
+    orchestrator (``host_orchestrator``) unless the code chose the rendezvous address or said who
+    hosts. Raises :class:`~burncoll.ConfigError` when the launcher's variables don't add up."""
     given = code | env
     if all(name in given for name in LAUNCHER_FIELDS):
         return {}

@@ -24,11 +24,9 @@ _HOSTED: dict[tuple[str, int, str], Orchestrator] = {}
 
 
 def hosted_orchestrator(config: CollectiveConfig) -> Orchestrator | None:
-    """The orchestrator this process hosts for ``config``, started on first use; ``None`` when
-    the config does not ask this process to host one.
-
-    Raises :class:`~burncoll.TransportError` naming the address when it cannot be bound.
-    """
+    """The orchestrator this process hosts for ``config``, started on first use; ``None`` when the
+    config does not ask this process to host one. Raises :class:`~burncoll.TransportError` naming
+    the address when it cannot be bound."""
     if not config.host_orchestrator or config.global_address is None or config.node_rank:
         return None  # only node 0 hosts, so the setting may be the same on every node
     host, port = parse_host_port(config.global_address, "global_address")

@@ -51,10 +51,8 @@ def node_environment(rank: int, nodes: int, devices: int, orchestrator: str, tra
                      extra: dict[str, str] | None = None, *, node_address: str = "127.0.0.1",
                      restart: int = 0) -> dict[str, str]:
     """The environment of node ``rank``: the parent's plus the BURNCOLL_* settings.
-
-    ``node_address``: where its data service listens (other nodes connect there);
-    ``restart``: its ``BURNCOLL_RESTART_COUNT``.
-    """
+    ``node_address``: where its data service listens (other nodes connect there); ``restart``: its
+    ``BURNCOLL_RESTART_COUNT``."""
     env = dict(os.environ)
     env.update({"BURNCOLL_NODE_RANK": str(rank), "BURNCOLL_NUM_NODES": str(nodes),
                 "BURNCOLL_NUM_DEVICES": str(devices), "BURNCOLL_GLOBAL_ADDRESS": orchestrator,
@@ -102,13 +100,11 @@ def launch_nodes(command: Sequence[str], nodes: int, devices: int, transport: st
                  auth_token: str | None = None, grace: float = FAILURE_GRACE,
                  extra_env: dict[str, str] | None = None, *, integrity: bool = False,
                  tls: bool | None = None, max_restarts: int = 0) -> int:
-    """Run ``command`` as ``nodes`` node processes around a fresh orchestrator.
-
-    ``auth_token``: the run's token (``None``: a fresh one, :func:`new_token`), given to the nodes
-    as ``BURNCOLL_AUTH_TOKEN``. ``integrity``, ``tls``: as the config fields. ``max_restarts``,
+    """Run ``command`` as ``nodes`` node processes around a fresh orchestrator. ``auth_token``: the
+    run's token (``None``: a fresh one, :func:`new_token`), given to the nodes as
+    ``BURNCOLL_AUTH_TOKEN``. ``integrity``, ``tls``: as the config fields. ``max_restarts``,
     ``grace``: see the module. Returns 0 when every node of the last round exits 0, else the exit
-    code of the first that failed. Each node also gets torchrun's variables.
-    """
+    code of the first that failed. Each node also gets torchrun's variables."""
     _check_restarts(max_restarts)
     token = new_token() if auth_token is None else auth_token
     extra = dict(extra_env or {})

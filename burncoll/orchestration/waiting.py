@@ -131,10 +131,8 @@ class Session:
 
 class WaitingRoom:
     """The registrations waiting for their session, in groups by fingerprint.
-
-    ``refuse_differences``: refuse a member whose fingerprint differs from a waiting group's
-    (the orchestrator has a token). ``expected_nodes``: refuse any other ``num_nodes``.
-    """
+    ``refuse_differences``: refuse a member whose fingerprint differs from a waiting group's (the
+    orchestrator has a token). ``expected_nodes``: refuse any other ``num_nodes``."""
 
     def __init__(self, refuse_differences: bool, expected_nodes: int | None) -> None:
         self.refuse_differences = refuse_differences

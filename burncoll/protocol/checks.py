@@ -80,14 +80,11 @@ def timed_out(op: GlobalOp, describe: Callable[[int], str], me: int, src: int, r
 
 def header_check(op: GlobalOp, me: int, describe: Callable[[int], str]) -> Check:
     """``check(header)``: the error of a frame that is not of this node's call ``op``
-    (:class:`~burncoll.MismatchError`), or ``None``.
-
-    A broadcast receiver (which calls it without an array) and an all-gather (whose peers'
-    arrays differ in length) learn the array from the frames: every later frame of the
-    operation (of the chunk, for an all-gather) must then carry the same dtype and shape as
-    the first, or it is a :class:`~burncoll.ProtocolError`. One check per walk: it remembers
-    the first array a frame carried.
-    """
+    (:class:`~burncoll.MismatchError`), or ``None``. A broadcast receiver (which calls it without an
+    array) and an all-gather (whose peers' arrays differ in length) learn the array from the frames:
+    every later frame of the operation (of the chunk, for an all-gather) must then carry the same
+    dtype and shape as the first, or it is a :class:`~burncoll.ProtocolError`. One check per walk:
+    it remembers the first array a frame carried."""
     first: dict[int, tuple[str | None, tuple[int, ...]]] = {}
     rows = op.kind in ROW_KINDS
 

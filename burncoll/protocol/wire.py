@@ -119,12 +119,11 @@ class Frame:
 
 @dataclass(frozen=True, slots=True)
 class Placed:
-    """A DATA message as a transport delivers it when the payload was received straight into
-    its destination (see ``StreamProtocol.placer``): the header bytes, and the destination.
-
-    ``lent``: the whole message (``head`` empty, ``payload`` all of it) was not moved at all:
-    it is the transport's own memory (the shared-memory ring), valid until the connection's
-    next ``recv``; its frame is :attr:`Frame.borrowed`."""
+    """A DATA message as a transport delivers it when the payload was received straight into its
+    destination (see ``StreamProtocol.placer``): the header bytes, and the destination. ``lent``:
+    the whole message (``head`` empty, ``payload`` all of it) was not moved at all: it is the
+    transport's own memory (the shared-memory ring), valid until the connection's next ``recv``; its
+    frame is :attr:`Frame.borrowed`."""
 
     head: bytes
     payload: memoryview

@@ -51,9 +51,7 @@ def _reduce_scatter_rounds(world: int, groups: tuple[tuple[int, ...], ...]) -> l
 def _all_gather_rounds(world: int, groups: tuple[tuple[int, ...], ...],
                        skip_dst: int | None = None) -> list[Round]:
     """N - 1 rounds after which everyone holds every group, if ``p`` starts with ``groups[p]``.
-
-    Steps into ``skip_dst`` (a participant that already holds everything) are left out.
-    """
+    Steps into ``skip_dst`` (a participant that already holds everything) are left out."""
     return [
         tuple(Step(i, (i + 1) % world, c, Action.COPY) for i in range(world)
               if (i + 1) % world != skip_dst for c in groups[(i - r) % world])

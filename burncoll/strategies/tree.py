@@ -45,10 +45,8 @@ def _parent(arity: int, v: int) -> int:
 
 
 def _up_rounds(arity: int, world: int, root: int, num_chunks: int) -> list[Round]:
-    """Deepest level first: every node of the level sends each chunk to its parent (REDUCE).
-
-    Steps are listed in virtual-rank order, so a parent reduces its children in heap order.
-    """
+    """Deepest level first: every node of the level sends each chunk to its parent (REDUCE). Steps
+    are listed in virtual-rank order, so a parent reduces its children in heap order."""
     rounds: list[Round] = []
     for level in reversed(_levels(arity, world)[1:]):
         rounds.append(

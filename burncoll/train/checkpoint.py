@@ -120,12 +120,10 @@ class Checkpointer:
     def restore(self, comm: Communicator, params: Any, state: Any, stateful: bool,
                 bucket_bytes: int, *, steps: int | None = None) -> Restored | None:
         """The checkpoint on every peer, put into this run's ``params`` and ``state`` trees;
-        ``None`` when there is none. A collective: every peer must call it.
-
-        Raises :class:`~burncoll.UsageError` on every peer when rank 0 finds the checkpoint
-        unreadable, written by another run (:attr:`run`), not matching the trees, or at a step
-        beyond ``steps`` (this run's total; ``None``: any step).
-        """
+        ``None`` when there is none. A collective: every peer must call it. Raises
+        :class:`~burncoll.UsageError` on every peer when rank 0 finds the checkpoint unreadable,
+        written by another run (:attr:`run`), not matching the trees, or at a step beyond ``steps``
+        (this run's total; ``None``: any step)."""
         backend = get_backend(comm.config.backend)
         p_leaves, p_unflatten = flatten_tree(params)
         s_leaves, s_unflatten = flatten_tree(state)

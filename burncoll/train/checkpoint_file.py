@@ -59,11 +59,9 @@ Spec = tuple[str, tuple[int, ...]]
 @dataclass(frozen=True)
 class RunInfo:
     """What identifies the run behind a checkpoint (``meta["run"]``), so that a reused
-    ``checkpoint_dir`` never silently resumes another experiment with the same shapes.
-
-    Neither the world size (an elastic restart may resume on fewer nodes, with the same global
-    batch) nor ``steps`` (a resumed run may train longer) belong to it.
-    """
+    ``checkpoint_dir`` never silently resumes another experiment with the same shapes. Neither the
+    world size (an elastic restart may resume on fewer nodes, with the same global batch) nor
+    ``steps`` (a resumed run may train longer) belong to it."""
 
     seed: int
     #: The global batch (all replicas together), and whether it is every example
@@ -120,12 +118,10 @@ class Stored:
 def write_checkpoint(directory: Path, step: int, params: Sequence[NDArray],
                      state: Sequence[NDArray] | None, losses: Sequence[float],
                      run: RunInfo | None = None) -> Path:
-    """Atomically replace ``directory/CHECKPOINT_FILE`` by this checkpoint; its path.
-
-    Creates ``directory`` when missing, and removes temporary files left by a writer that
-    was killed (those of the checkpoint's own temporary pattern older than
-    :data:`STALE_TEMP_SECONDS`; see the module's docstring).
-    """
+    """Atomically replace ``directory/CHECKPOINT_FILE`` by this checkpoint; its path. Creates
+    ``directory`` when missing, and removes temporary files left by a writer that was killed (those
+    of the checkpoint's own temporary pattern older than :data:`STALE_TEMP_SECONDS`; see the
+    module's docstring)."""
     directory.mkdir(parents=True, exist_ok=True)
     entries: dict[str, NDArray] = {"losses": np.asarray(losses, dtype=np.float64)}
     meta: dict[str, Any] = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "step": step,
@@ -179,11 +175,9 @@ def _fsync_directory(directory: Path) -> None:
 
 
 def read_checkpoint(directory: Path) -> Stored | None:
-    """The checkpoint in ``directory``; ``None`` when there is none.
-
-    Raises :class:`~burncoll.UsageError` when ``directory`` is not a directory, or when the
-    file cannot be read or is not a checkpoint of this format (truncated, corrupt, foreign).
-    """
+    """The checkpoint in ``directory``; ``None`` when there is none. Raises
+    :class:`~burncoll.UsageError` when ``directory`` is not a directory, or when the file cannot be
+    read or is not a checkpoint of this format (truncated, corrupt, foreign)."""
     if directory.exists() and not directory.is_dir():
         raise UsageError(f"checkpoint_dir {str(directory)!r} exists and is not a directory")
     path = directory / CHECKPOINT_FILE

@@ -214,10 +214,8 @@ class _RunState:
             self._cond.notify_all()
 
     def wait_done(self, count: int, deadline: float | None) -> None:
-        """Wait until ``count`` threads are done, or ``deadline`` (monotonic) passes.
-
-        Once an error is recorded, waits at most the timeout of the failing collective more.
-        """
+        """Wait until ``count`` threads are done, or ``deadline`` (monotonic) passes. Once an error
+        is recorded, waits at most the timeout of the failing collective more."""
         with self._cond:
             while self._done < count:
                 if deadline is None and self.first_error is not None and self._comms:

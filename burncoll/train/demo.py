@@ -69,12 +69,9 @@ def sgd(learning_rate: float = LEARNING_RATE) -> Any:
 
 
 def demo_node(num_devices: int = 4, steps: int = 1000, progress: bool = True) -> int:
-    """Train on this node's ``num_devices`` devices; 0 when the replicas end identical.
-
-    The config comes from ``CollectiveConfig(num_devices=...)`` plus the ``BURNCOLL_*``
-    environment overrides, so the same function is what every node runs under
-    ``burncoll launch`` (only node 0 reports).
-    """
+    """Train on this node's ``num_devices`` devices; 0 when the replicas end identical. The config
+    comes from ``CollectiveConfig(num_devices=...)`` plus the ``BURNCOLL_*`` environment overrides,
+    so the same function is what every node runs under ``burncoll launch`` (only node 0 reports)."""
     config = CollectiveConfig(backend="numpy", num_devices=num_devices)
     nodes = config.num_nodes or 1
     world = config.num_devices * nodes
@@ -112,12 +109,10 @@ def run_demo(num_devices: int = 4, steps: int = 1000, nodes: int = 1) -> int:
 
 
 def _run_multi_node(nodes: int, devices: int, steps: int) -> int:
-    """Run :func:`demo_node` in ``nodes`` local processes through an orchestrator.
-
-    The ``burncoll launch`` machinery starts an orchestrator on 127.0.0.1 and ``nodes``
-    processes of ``python -m burncoll.train.demo``, each with its ``BURNCOLL_*`` settings and a
-    fresh shared auth token; 0 when every process exits 0.
-    """
+    """Run :func:`demo_node` in ``nodes`` local processes through an orchestrator. The ``burncoll
+    launch`` machinery starts an orchestrator on 127.0.0.1 and ``nodes`` processes of ``python -m
+    burncoll.train.demo``, each with its ``BURNCOLL_*`` settings and a fresh shared auth token; 0
+    when every process exits 0."""
     import secrets
 
     from burncoll.orchestration.launch import launch_nodes

@@ -90,10 +90,8 @@ def loss_leaf(backend: Backend, loss: Any, grads: Any, device: Device) -> Array:
 
 
 def apply_updates(params: Any, updates: Any) -> Any:
-    """``params + updates`` leaf by leaf, in the params' dtypes, as ``optax.apply_updates``.
-
-    Written out rather than calling optax, which would turn NumPy leaves into JAX arrays.
-    """
+    """``params + updates`` leaf by leaf, in the params' dtypes, as ``optax.apply_updates``. Written
+    out rather than calling optax, which would turn NumPy leaves into JAX arrays."""
     p_leaves, unflatten = flatten_tree(params)
     u_leaves, _ = flatten_tree(updates)
     if len(p_leaves) != len(u_leaves):

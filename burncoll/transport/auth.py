@@ -117,12 +117,10 @@ def _secured(conn: Connection, token: str | None, server_nonce: bytes, client_no
 async def authenticate_server(conn: Connection, token: str | None, timeout: float, *,
                               integrity: bool = False) -> Connection:
     """Challenge the side that connected; return the connection to use once it proved it holds
-    ``token`` over this very channel (tagged when ``integrity``).
-
-    Waits at most ``min(timeout, PREAUTH_SECONDS)``. Raises :class:`~burncoll.AuthenticationError`
-    (after sending ``denied``) for a wrong token, a relay, a malformed reply or none in time;
-    :class:`~burncoll.TransportError` when the connection breaks. The caller closes ``conn``.
-    """
+    ``token`` over this very channel (tagged when ``integrity``). Waits at most ``min(timeout,
+    PREAUTH_SECONDS)``. Raises :class:`~burncoll.AuthenticationError` (after sending ``denied``) for
+    a wrong token, a relay, a malformed reply or none in time; :class:`~burncoll.TransportError`
+    when the connection breaks. The caller closes ``conn``."""
     server_nonce = secrets.token_bytes(_NONCE_BYTES)
     binding = conn.channel_binding()
     limit = min(timeout, PREAUTH_SECONDS)
@@ -179,12 +177,9 @@ async def _deny(conn: Connection, reason: str) -> None:
 async def authenticate_client(conn: Connection, token: str | None, timeout: float, *,
                               integrity: bool = False) -> Connection:
     """Answer the server's challenge with ``token`` and check the server's own proof; return the
-    connection to use from then on.
-
-    Raises :class:`~burncoll.AuthenticationError` when the server refuses, cannot prove the token,
-    wants another ``integrity`` or version, or does not finish within ``timeout`` seconds;
-    :class:`~burncoll.TransportError` when the connection breaks.
-    """
+    connection to use from then on. Raises :class:`~burncoll.AuthenticationError` when the server
+    refuses, cannot prove the token, wants another ``integrity`` or version, or does not finish
+    within ``timeout`` seconds; :class:`~burncoll.TransportError` when the connection breaks."""
     binding = conn.channel_binding()
     try:
         async with asyncio.timeout(timeout):

@@ -182,11 +182,9 @@ class QuicStreamConnection(Connection):
 
 
 class QuicProtocol(QuicConnectionProtocol):
-    """One QUIC connection: routes its events to its :class:`QuicStreamConnection`.
-
-    On a listener it also holds the connection's admission ``ticket`` and a ``forget``
-    callback that makes the server drop every reference to it (see :meth:`drop`).
-    """
+    """One QUIC connection: routes its events to its :class:`QuicStreamConnection`. On a listener it
+    also holds the connection's admission ``ticket`` and a ``forget`` callback that makes the server
+    drop every reference to it (see :meth:`drop`)."""
 
     def __init__(self, quic: QuicConnection, *, owns_transport: bool, keepalive: float,
                  on_stream: Callable[[QuicProtocol], QuicStreamConnection] | None = None) -> None:

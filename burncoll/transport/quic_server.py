@@ -123,11 +123,10 @@ class GuardedServer(QuicServer):
         return header
 
     def _open(self, header: QuicHeader, data: bytes, addr: NetworkAddress) -> None:
-        """Screen an Initial packet for a new connection, then open it (or not).
-
-        Checks cost nothing before the Retry token is read (an AES-GCM open); the only state
-        created for an unvalidated address is the connection opened while fewer than
-        ``retry_handshakes`` are in progress and none from its source."""
+        """Screen an Initial packet for a new connection, then open it (or not). Checks cost nothing
+        before the Retry token is read (an AES-GCM open); the only state created for an unvalidated
+        address is the connection opened while fewer than ``retry_handshakes`` are in progress and
+        none from its source."""
         self._prune()
         source = source_of(addr)
         counts = Counter(self.handshaking.values())

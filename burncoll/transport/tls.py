@@ -108,11 +108,9 @@ def _write_self_signed(host: str) -> tuple[str, str]:
 
 
 def server_certificate(settings: TlsSettings, host: str) -> tuple[str, str]:
-    """The ``(cert, key)`` paths a listener on ``host`` presents under ``settings``.
-
-    Raises :class:`~burncoll.ConfigError` when only one of ``cert`` and ``key`` is set, or when
-    ``ca`` is set without them.
-    """
+    """The ``(cert, key)`` paths a listener on ``host`` presents under ``settings``. Raises
+    :class:`~burncoll.ConfigError` when only one of ``cert`` and ``key`` is set, or when ``ca`` is
+    set without them."""
     if settings.cert is None and settings.key is None:
         if settings.ca is not None:
             raise ConfigError(
@@ -153,10 +151,8 @@ def listener_binding(settings: TlsSettings | None, host: str) -> bytes:
 
 
 def server_ssl_context(settings: TlsSettings, host: str = "127.0.0.1") -> ssl.SSLContext:
-    """An ``ssl`` server context (TLS 1.2 or later) presenting the certificate for ``host``.
-
-    Raises :class:`~burncoll.ConfigError` when the files cannot be loaded.
-    """
+    """An ``ssl`` server context (TLS 1.2 or later) presenting the certificate for ``host``. Raises
+    :class:`~burncoll.ConfigError` when the files cannot be loaded."""
     cert, key = server_certificate(settings, host)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
@@ -169,9 +165,7 @@ def server_ssl_context(settings: TlsSettings, host: str = "127.0.0.1") -> ssl.SS
 
 def client_ssl_context(settings: TlsSettings) -> ssl.SSLContext:
     """An ``ssl`` client context: verifying against ``settings.ca`` or, without it, not at all.
-
-    Raises :class:`~burncoll.ConfigError` when ``ca`` cannot be loaded.
-    """
+    Raises :class:`~burncoll.ConfigError` when ``ca`` cannot be loaded."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     if settings.ca is None:
@@ -186,11 +180,9 @@ def client_ssl_context(settings: TlsSettings) -> ssl.SSLContext:
 
 
 def configure_quic_server(configuration: Any, settings: TlsSettings | None, host: str) -> None:
-    """Load the listener's certificate into an aioquic ``QuicConfiguration``.
-
-    ``settings=None`` is read as ``TlsSettings()``: QUIC always runs TLS.
-    Raises :class:`~burncoll.ConfigError` when the files cannot be loaded.
-    """
+    """Load the listener's certificate into an aioquic ``QuicConfiguration``. ``settings=None`` is
+    read as ``TlsSettings()``: QUIC always runs TLS. Raises :class:`~burncoll.ConfigError` when the
+    files cannot be loaded."""
     cert, key = server_certificate(settings or TlsSettings(), host)
     try:
         configuration.load_cert_chain(cert, key)
@@ -199,11 +191,9 @@ def configure_quic_server(configuration: Any, settings: TlsSettings | None, host
 
 
 def configure_quic_client(configuration: Any, settings: TlsSettings | None) -> None:
-    """Set certificate verification on an aioquic client ``QuicConfiguration``.
-
-    With ``settings.ca`` the server is verified against it, host name included; otherwise
-    verification is off (``ssl.CERT_NONE``) and the shared token authenticates the peer.
-    """
+    """Set certificate verification on an aioquic client ``QuicConfiguration``. With ``settings.ca``
+    the server is verified against it, host name included; otherwise verification is off
+    (``ssl.CERT_NONE``) and the shared token authenticates the peer."""
     if settings is None or settings.ca is None:
         configuration.verify_mode = ssl.CERT_NONE
         return
