@@ -37,18 +37,13 @@ def working_window(max_message_bytes: int) -> int:
 class GatedConnection(QuicConnection):
     """A QuicConnection whose receive credit this side decides.
 
-    Before :meth:`open_window` it grants the other side only its initial credit (the
-    configuration's ``max_data`` / ``max_stream_data``, one bidirectional stream). aioquic
-    doubles a window whenever the peer has used half of it -- using it means sending at a high
-    offset, not delivering data -- so without the gate a stranger could raise it step by step
-    and make aioquic zero-fill a large buffer.
-
-    After it, the credit follows what the application has *read*: the other side may send at
-    most ``window`` bytes beyond the last byte of the messages ``recv`` has returned
-    (:attr:`unread` counts the bytes of whole messages not yet returned). A reader that stops
-    reading (the data service pausing a member that runs ahead) stops the sender, as TCP's
-    flow control does on the stream transports: what waits here is bounded by ``window`` and
-    the message in progress. aioquic's own doubling, which follows arrival, is kept out."""
+    Before :meth:`open_window` the other side gets only its initial credit (``max_data`` /
+    ``max_stream_data``, one bidirectional stream): aioquic doubles a window whenever the peer used
+    half of it (sending at a high offset, not delivering data), so a stranger could otherwise make
+    it zero-fill a large buffer. After it, the other side may send at most ``window`` bytes beyond
+    the last byte ``recv`` has returned (:attr:`unread`: bytes of whole messages not yet returned),
+    so a reader that stops reading stops the sender, as TCP's flow control does.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

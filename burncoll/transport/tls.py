@@ -40,16 +40,11 @@ _SELF_SIGNED_LOCK = threading.Lock()
 def make_self_signed(host: str = "127.0.0.1") -> tuple[str, str]:
     """Write a fresh self-signed certificate for ``host`` and return ``(cert_path, key_path)``.
 
-    The PEM files live in a private temporary directory that is removed when the process
-    exits. The result is made once per process and host, so every listener of a process shares
-    one certificate (generation takes milliseconds, but there is no reason to repeat it). The
-    certificate is valid for ``host`` and the loopback names, for 30 days, and may serve as its
-    own trust anchor (``TlsSettings(cert, key, ca=cert)``).
-
-    Thread-safe: listeners started at once in several threads get the same certificate. (An
-    unguarded cache once let two threads each make their own; a listener then presented one
-    certificate and bound the token to the other, and every node was refused as having the
-    wrong token.)
+    Made once per process and host (every listener of a process shares it), in a private temporary
+    directory removed at exit; valid for ``host`` and the loopback names for 30 days, and usable as
+    its own trust anchor (``TlsSettings(cert, key, ca=cert)``). Thread-safe: an unguarded cache
+    once let two threads each make one, a listener then presented one certificate and bound the
+    token to the other, and every node was refused as having the wrong token.
     """
     with _SELF_SIGNED_LOCK:
         made = _SELF_SIGNED.get(host)
