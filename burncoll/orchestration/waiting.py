@@ -175,12 +175,7 @@ class WaitingRoom:
         member.group = group
         self.waiting += 1
         self.waiting_peers += len(member.peer_ids)
-        if len(group.members) < group.num_nodes:
-            return None
-        members = list(group.members)
-        for m in members:
-            self.unwait(m)
-        return members
+        return self._take_out(group) if len(group.members) >= group.num_nodes else None
 
     def _check_limits(self, member: Member) -> None:
         expected = self.expected_nodes
@@ -214,6 +209,9 @@ class WaitingRoom:
         group = self.groups.get(key)
         if group is None or not min_nodes <= len(group.members) < group.num_nodes:
             return None
+        return self._take_out(group)
+
+    def _take_out(self, group: Group) -> list[Member]:
         members = list(group.members)
         for m in members:
             self.unwait(m)
