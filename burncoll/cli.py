@@ -8,9 +8,10 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import burncoll
+from burncoll.bench.options import int_at_least
 from burncoll.transport import TRANSPORT_NAMES
 
 __all__ = ["main"]
@@ -125,19 +126,6 @@ def _check_launch_arguments(parser: argparse.ArgumentParser, args: argparse.Name
         parser.error(f"--min-nodes-wait {args.min_nodes_wait}: expected seconds > 0")
 
 
-def _count(low: int) -> Callable[[str], int]:
-    """An argparse type: an int >= ``low``."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
-        return value
-    return parse
-
-
 def _demo(args: argparse.Namespace) -> int:
     from burncoll.train.demo import run_demo
 
@@ -167,12 +155,12 @@ def _add_mode_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_launch_arguments(launch: argparse.ArgumentParser) -> None:
     form = launch.add_mutually_exclusive_group()
-    form.add_argument("--nodes", type=_count(1), default=None,
+    form.add_argument("--nodes", type=int_at_least(1), default=None,
                       help="run N node processes on this machine (default 2)")
-    form.add_argument("--nnodes", type=_count(1), default=None,
+    form.add_argument("--nnodes", type=int_at_least(1), default=None,
                       help="the number of hosts, one node process each (or --nproc-per-node); "
                            "run the launcher on every host")
-    launch.add_argument("--node-rank", type=_count(0), default=None,
+    launch.add_argument("--node-rank", type=int_at_least(0), default=None,
                         help="with --nnodes: this host's rank, in [0, N) (its node processes' "
                              "node rank; with --nproc-per-node P, theirs are R*P to R*P+P-1)")
     launch.add_argument("--master-addr", default=None,
@@ -182,7 +170,7 @@ def _add_launch_arguments(launch: argparse.ArgumentParser) -> None:
     launch.add_argument("--node-address", default=None,
                         help="with --nnodes: the address of this host that the others reach "
                              "(default: the interface that routes to --master-addr)")
-    launch.add_argument("--nproc-per-node", "--nproc_per_node", type=_count(1), default=None,
+    launch.add_argument("--nproc-per-node", "--nproc_per_node", type=int_at_least(1), default=None,
                         metavar="N",
                         help="node processes on this host, as torchrun's: with --nnodes, each "
                              "host runs N (node ranks R*N to R*N+N-1); without, the same as "
@@ -193,10 +181,10 @@ def _add_launch_arguments(launch: argparse.ArgumentParser) -> None:
     launch.add_argument("--devices", type=int, default=1,
                         help="devices (peer threads) per node: its BURNCOLL_NUM_DEVICES "
                              "(default 1)")
-    launch.add_argument("--max-restarts", type=_count(0), default=0,
+    launch.add_argument("--max-restarts", type=int_at_least(0), default=0,
                         help="when a node fails, stop this launcher's nodes and start them "
                              "again, up to K times (default 0)")
-    launch.add_argument("--min-nodes", type=_count(1), default=None,
+    launch.add_argument("--min-nodes", type=int_at_least(1), default=None,
                         help="with --nnodes, elastic: go on with at least M hosts when the "
                              "others have not (re)joined within --min-nodes-wait seconds "
                              "(give it on every host; node 0's launcher applies it)")

@@ -1,11 +1,9 @@
 """``burncoll.ray.run``: a function on N Ray actors, one per burncoll node, rendezvous arranged.
 
-What ``burncoll launch`` does with processes on one machine, :func:`run` does with Ray actors
-anywhere in a Ray cluster: one actor per node (a placement group of ``num_nodes`` bundles,
-strategy ``SPREAD``, so a real cluster spreads the nodes over its machines and one machine
-packs them), node 0's actor hosts the orchestrator, and every actor gets the ``BURNCOLL_*``
-environment variables a ``burncoll launch`` node gets before it calls ``fn(*args,
-**kwargs)``. So an unchanged training script works::
+What ``burncoll launch`` does with processes, :func:`run` does with Ray actors: one per node (a
+placement group, strategy ``SPREAD``), node 0's hosting the orchestrator, each given the
+``BURNCOLL_*`` variables of a launched node before it calls ``fn``. So an unchanged training
+script works::
 
     def train() -> float:
         trainer = burncoll.train.ddp(range(2), CollectiveConfig(backend="numpy"))
@@ -14,24 +12,11 @@ environment variables a ``burncoll launch`` node gets before it calls ``fn(*args
     ray.init()
     losses = burncoll.ray.run(train, num_nodes=4, devices_per_node=2)
 
-Addresses. Each actor's node address is its Ray node IP (``ray.util.get_node_ip_address``)
-and the orchestrator binds node 0's. When every actor reports the same IP they share one
-machine (one network namespace), and then everything binds loopback instead, as with
-``burncoll launch``. The run is authenticated either way: a fresh random token
-(:func:`burncoll.orchestration.launch.new_token`) is made for each call.
-
-Two channels, and what crosses each. ``fn``, ``args``, ``kwargs``, the results, the
-exceptions and the nodes' settings (the token among them) travel between the driver and the
-actors over Ray's own channel (remote-call arguments and its object store, pickled by Ray),
-as they do for any Ray task; they must therefore be picklable by Ray, and whoever can read
-Ray's object store can read the token, which is never printed or logged. burncoll's own
-network (the orchestrator, the nodes' data services) carries only its frames and never
-unpickles anything it receives.
-
-Ray: install it with ``pip install 'burncoll[ray]'``. As Ray does on a first remote call (and
-as Ray Train does), :func:`run` calls ``ray.init()`` itself when Ray is not initialised yet,
-which joins the cluster named by ``RAY_ADDRESS`` or else starts a local one; call
-``ray.init(...)`` first to choose.
+Each actor's node address is its Ray node IP; when all are the same, everything binds loopback.
+Each call makes a fresh token. ``fn``, its arguments, results, errors and the nodes' settings
+(the token among them) travel over Ray's own channel, pickled by Ray; burncoll's network never
+unpickles anything. Install with ``pip install 'burncoll[ray]'``; :func:`run` calls
+``ray.init()`` itself when Ray is not initialised yet (``RAY_ADDRESS`` or a local cluster).
 """
 
 from __future__ import annotations
@@ -61,11 +46,9 @@ R = TypeVar("R")
 
 LOOPBACK = "127.0.0.1"
 #: The variables :func:`run` sets on every node itself; ``env`` may not set them.
-OWNED_VARIABLES = (
-    "BURNCOLL_NODE_RANK", "BURNCOLL_NUM_NODES", "BURNCOLL_NUM_DEVICES", "BURNCOLL_GLOBAL_ADDRESS",
-    "BURNCOLL_NODE_ADDRESS", "BURNCOLL_DATA_SERVICE_PORT", "BURNCOLL_TRANSPORT",
-    "BURNCOLL_AUTH_TOKEN", "BURNCOLL_AUTH_TOKEN_FILE",
-)
+OWNED_VARIABLES = ("BURNCOLL_NODE_RANK", "BURNCOLL_NUM_NODES", "BURNCOLL_NUM_DEVICES",
+                   "BURNCOLL_GLOBAL_ADDRESS", "BURNCOLL_NODE_ADDRESS", "BURNCOLL_DATA_SERVICE_PORT",
+                   "BURNCOLL_TRANSPORT", "BURNCOLL_AUTH_TOKEN", "BURNCOLL_AUTH_TOKEN_FILE")
 #: Seconds the orchestrator gets to stop before its actor is killed anyway.
 _STOP_SECONDS = 5.0
 
@@ -111,47 +94,28 @@ class _Node:
         return fn(*args, **kwargs)
 
 
-def run(
-    fn: Callable[..., R],
-    *args: Any,
-    num_nodes: int,
-    devices_per_node: int = 1,
-    transport: str = "websocket",
-    timeout: float = 120.0,
-    num_cpus_per_node: float = 1,
-    env: Mapping[str, str] | None = None,
-    num_gpus_per_node: float = 0,
-    **kwargs: Any,
-) -> list[R]:
+def run(fn: Callable[..., R], *args: Any, num_nodes: int, devices_per_node: int = 1,
+        transport: str = "websocket", timeout: float = 120.0, num_cpus_per_node: float = 1,
+        env: Mapping[str, str] | None = None, num_gpus_per_node: float = 0,
+        **kwargs: Any) -> list[R]:
     """Call ``fn(*args, **kwargs)`` on ``num_nodes`` Ray actors, one per burncoll node.
 
-    Each actor is a node of ``devices_per_node`` devices: in its process,
-    ``BURNCOLL_NODE_RANK``, ``BURNCOLL_NUM_NODES``, ``BURNCOLL_NUM_DEVICES``,
-    ``BURNCOLL_GLOBAL_ADDRESS`` (node 0's orchestrator), ``BURNCOLL_NODE_ADDRESS``,
-    ``BURNCOLL_DATA_SERVICE_PORT=0``, ``BURNCOLL_TRANSPORT`` and ``BURNCOLL_AUTH_TOKEN`` are
-    set, so ``CollectiveConfig()`` there finds its node; so are the driver's other
-    ``BURNCOLL_*`` variables (as ``burncoll launch`` passes its own on), then ``env``.
-    ``BURNCOLL_INTEGRITY`` and ``BURNCOLL_TLS`` in ``env`` apply to the orchestrator too;
-    ``env`` may not set the variables listed in :data:`OWNED_VARIABLES`.
+    Each actor is a node of ``devices_per_node`` devices: ``BURNCOLL_NODE_RANK``, ``_NUM_NODES``,
+    ``_NUM_DEVICES``, ``_GLOBAL_ADDRESS``, ``_NODE_ADDRESS``, ``_DATA_SERVICE_PORT=0``,
+    ``_TRANSPORT`` and ``_AUTH_TOKEN`` are set in its process, so ``CollectiveConfig()`` finds its
+    node; so are the driver's other ``BURNCOLL_*`` variables, then ``env`` (which may not set
+    :data:`OWNED_VARIABLES`; its ``BURNCOLL_INTEGRITY`` and ``BURNCOLL_TLS`` apply to the
+    orchestrator too).
 
-    Returns the nodes' results in node-rank order. When ``fn`` fails on a node, burncoll
-    aborts the other nodes' collectives, and ``run`` raises the error of the node that failed
-    first -- the exception ``fn`` raised (its remote traceback in ``__cause__``, a note naming
-    the node), preferring it over the errors the others raise in consequence
-    (:class:`~burncoll.PeerLost`, :class:`~burncoll.CollectiveAborted`, or a plain
-    :class:`~burncoll.CollectiveError` relaying it); a node whose actor died raises
-    :class:`~burncoll.PeerLost`. Whatever happens, the actors are killed, the
-    placement group removed and the orchestrator stopped before ``run`` returns.
-
-    ``timeout`` (seconds) bounds each wait of the set-up (placing the actors, starting them,
-    starting the orchestrator) -- :class:`~burncoll.CollectiveTimeout` naming the step -- and,
-    once a node has failed, the time the others get to stop. ``fn`` itself runs as long as it
-    needs (each collective is bounded by its config's ``timeout``).
-    ``num_cpus_per_node``, ``num_gpus_per_node``: the Ray CPUs and GPUs each node's bundle and
-    actor reserve (Ray shows an actor only the GPUs it reserved: give ``devices_per_node``
-    GPUs for the cupy or jax GPU backends). Raises
-    :class:`~burncoll.UsageError` for a bad argument and :class:`~burncoll.BackendUnavailable`
-    when Ray is not installed.
+    Returns the results in node-rank order. When ``fn`` fails on a node, the others are aborted
+    and ``run`` raises the first node's own exception (remote traceback in ``__cause__``, a note
+    naming the node) rather than the errors the others raise in consequence; a dead actor raises
+    :class:`~burncoll.PeerLost`. The actors, placement group and orchestrator are always cleaned
+    up before it returns. ``timeout`` bounds each set-up wait (:class:`~burncoll.CollectiveTimeout`
+    naming the step) and the others' stop after a failure, not ``fn``. ``num_cpus_per_node``,
+    ``num_gpus_per_node``: what each actor reserves (Ray shows it only the GPUs it reserved).
+    Raises :class:`~burncoll.UsageError` for a bad argument, :class:`~burncoll.BackendUnavailable`
+    without Ray.
     """
     extra = _check(fn, num_nodes, devices_per_node, transport, timeout, num_cpus_per_node, env)
     _check_gpus(num_gpus_per_node)

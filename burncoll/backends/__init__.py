@@ -14,17 +14,8 @@ import threading
 from burncoll.backends.base import Array, Backend, Device, combine
 from burncoll.errors import BackendUnavailable, ConfigError, UsageError
 
-__all__ = [
-    "BACKEND_NAMES",
-    "Array",
-    "Backend",
-    "Device",
-    "backend_for_array",
-    "combine",
-    "foreign_array",
-    "get_backend",
-    "installed_backends",
-]
+__all__ = ["BACKEND_NAMES", "Array", "Backend", "Device", "backend_for_array", "combine",
+           "foreign_array", "get_backend", "installed_backends"]
 
 #: Every backend name, in the order :func:`backend_for_array` tries them.
 BACKEND_NAMES: tuple[str, ...] = ("numpy", "jax", "cupy", "torch")
@@ -61,11 +52,9 @@ def get_backend(name: str) -> Backend:
 
 
 def installed_backends() -> list[str]:
-    """The names of the backends usable here, in :data:`BACKEND_NAMES` order.
-
-    A backend is usable when its library imports; CuPy also needs at least one GPU.
-    This imports the libraries that are installed.
-    """
+    """The names of the backends usable here, in :data:`BACKEND_NAMES` order. A backend is usable
+    when its library imports; CuPy also needs at least one GPU. This imports the libraries that are
+    installed."""
     usable = []
     for name in BACKEND_NAMES:
         try:
@@ -79,12 +68,9 @@ def installed_backends() -> list[str]:
 
 
 def backend_for_array(x: object) -> Backend:
-    """The backend whose array type ``x`` is.
-
-    Only libraries already imported are considered (an array of a library cannot exist before
-    the library is imported), so this never imports jax, cupy or torch. Raises
-    :class:`~burncoll.UsageError` when ``x`` is not an array of any backend.
-    """
+    """The backend whose array type ``x`` is. Only libraries already imported are considered (an
+    array of a library cannot exist before the library is imported), so this never imports jax, cupy
+    or torch. Raises :class:`~burncoll.UsageError` when ``x`` is not an array of any backend."""
     for name in BACKEND_NAMES:
         if _IMPLEMENTATIONS[name][2] not in sys.modules:
             continue
@@ -99,9 +85,8 @@ def backend_for_array(x: object) -> Backend:
 
 
 #: How each backend's arrays are called in messages.
-_ARRAY_NAMES = {
-    "numpy": "numpy.ndarray", "jax": "jax.Array", "cupy": "cupy.ndarray", "torch": "torch.Tensor",
-}
+_ARRAY_NAMES = {"numpy": "numpy.ndarray", "jax": "jax.Array", "cupy": "cupy.ndarray",
+                "torch": "torch.Tensor"}
 
 
 def foreign_array(x: object, backend: str) -> str:

@@ -40,12 +40,9 @@ class Backend(Protocol):
 
     # -- devices -------------------------------------------------------------------------
     def devices(self, n: int) -> list[Device]:
-        """The backend's own first ``n`` devices, in order.
-
-        Raises :class:`~burncoll.ConfigError` when ``n < 1`` or fewer than ``n`` exist (the
-        message says how many there are and, for JAX on the CPU, how to get more). NumPy's
-        devices are logical, so any number of them exists.
-        """
+        """The backend's own first ``n`` devices, in order. Raises :class:`~burncoll.ConfigError`
+        when ``n < 1`` or fewer than ``n`` exist (the message says how many there are and, for JAX
+        on the CPU, how to get more). NumPy's devices are logical, so any number of them exists."""
         ...
 
     def device_of(self, x: Array) -> Device:
@@ -53,17 +50,13 @@ class Backend(Protocol):
         ...
 
     def same_device(self, a: Device, b: Device) -> bool:
-        """True when ``a`` and ``b`` are the same device.
-
-        NumPy's logical CPU devices all share host memory, so any two of them are the same.
-        """
+        """True when ``a`` and ``b`` are the same device. NumPy's logical CPU devices all share host
+        memory, so any two of them are the same."""
         ...
 
     def to_device(self, x: Array, device: Device) -> Array:
-        """``x`` on ``device``. Returns ``x`` itself (no copy) when it is already there.
-
-        On NumPy it is always ``x`` itself: use :meth:`copy` for a private buffer.
-        """
+        """``x`` on ``device``. Returns ``x`` itself (no copy) when it is already there. On NumPy it
+        is always ``x`` itself: use :meth:`copy` for a private buffer."""
         ...
 
     # -- inspection ----------------------------------------------------------------------
@@ -138,46 +131,32 @@ class Backend(Protocol):
         ...
 
     def scale(self, x: Array, divisor: int) -> Array:
-        """``x / divisor`` for the mean, as a new array.
-
-        Floating dtypes keep their dtype. Integer arrays become the backend's default float
-        (float64 for NumPy, as ``numpy.mean`` does).
-        """
+        """``x / divisor`` for the mean, as a new array. Floating dtypes keep their dtype. Integer
+        arrays become the backend's default float (float64 for NumPy, as ``numpy.mean`` does)."""
         ...
 
     # -- the host bridge (for the network) ------------------------------------------------
     def to_host(self, x: Array) -> np.ndarray[Any, Any]:
-        """``x`` as a NumPy array in host memory; no copy when it already lives there.
-
-        The result may be read-only; callers copy before writing.
-        """
+        """``x`` as a NumPy array in host memory; no copy when it already lives there. The result
+        may be read-only; callers copy before writing."""
         ...
 
-    def from_host(
-        self, buffer: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...], device: Device
-    ) -> Array:
+    def from_host(self, buffer: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...],
+                  device: Device) -> Array:
         """An array of ``dtype`` and ``shape`` on ``device`` holding ``buffer``'s elements.
-
-        ``buffer`` holds elements of ``dtype``, or their raw bytes as ``uint8`` (as received
-        from the network); values are never converted. On mutable backends the result is
-        writable; NumPy's shares memory with ``buffer`` when that is writable and contiguous,
-        the others copy. Raises :class:`~burncoll.UsageError` when the sizes disagree.
-        """
+        ``buffer`` holds elements of ``dtype``, or their raw bytes as ``uint8`` (as received from
+        the network); values are never converted. On mutable backends the result is writable;
+        NumPy's shares memory with ``buffer`` when that is writable and contiguous, the others copy.
+        Raises :class:`~burncoll.UsageError` when the sizes disagree."""
         ...
 
 
 #: The backend method that combines two arrays for each op (MEAN sums; the division by the
 #: peer count comes at the end).
-_COMBINERS: dict[ReduceOp, str] = {
-    ReduceOp.SUM: "add",
-    ReduceOp.MEAN: "add",
-    ReduceOp.MAX: "maximum",
-    ReduceOp.MIN: "minimum",
-    ReduceOp.PROD: "multiply",
-    ReduceOp.BAND: "bitwise_and",
-    ReduceOp.BOR: "bitwise_or",
-    ReduceOp.BXOR: "bitwise_xor",
-}
+_COMBINERS: dict[ReduceOp, str] = {ReduceOp.SUM: "add", ReduceOp.MEAN: "add",
+                                   ReduceOp.MAX: "maximum", ReduceOp.MIN: "minimum",
+                                   ReduceOp.PROD: "multiply", ReduceOp.BAND: "bitwise_and",
+                                   ReduceOp.BOR: "bitwise_or", ReduceOp.BXOR: "bitwise_xor"}
 
 
 def combine(backend: Backend, op: ReduceOp, a: Array, b: Array, out: Array | None = None) -> Array:

@@ -26,9 +26,7 @@ __all__ = ["CupyBackend"]
 
 class CupyBackend:
     """:class:`~burncoll.backends.base.Backend` for ``cupy.ndarray`` (mutable: ``out=`` works).
-
-    Raises :class:`~burncoll.BackendUnavailable` when cupy is not installed.
-    """
+    Raises :class:`~burncoll.BackendUnavailable` when cupy is not installed."""
 
     name = "cupy"
     mutable = True
@@ -81,7 +79,6 @@ class CupyBackend:
         return dtype_name(self._array(x).dtype)
 
     def shape(self, x: Array) -> tuple[int, ...]:
-        """The shape of ``x``."""
         return tuple(self._array(x).shape)
 
     # -- creation and layout -------------------------------------------------------------
@@ -150,37 +147,30 @@ class CupyBackend:
 
     # -- reductions ----------------------------------------------------------------------
     def add(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a + b``, into ``out`` when given."""
         with self.device_of(a):
             return self._cp.add(a, b, out=out)
 
     def maximum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """Element-wise maximum (NaN propagates), into ``out`` when given."""
         with self.device_of(a):
             return self._cp.maximum(a, b, out=out)
 
     def minimum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """Element-wise minimum (NaN propagates), into ``out`` when given."""
         with self.device_of(a):
             return self._cp.minimum(a, b, out=out)
 
     def multiply(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a * b``, into ``out`` when given."""
         with self.device_of(a):
             return self._cp.multiply(a, b, out=out)
 
     def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a & b`` (integer and bool arrays), into ``out`` when given."""
         with self.device_of(a):
             return self._cp.bitwise_and(a, b, out=out)
 
     def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a | b`` (integer and bool arrays), into ``out`` when given."""
         with self.device_of(a):
             return self._cp.bitwise_or(a, b, out=out)
 
     def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a ^ b`` (integer and bool arrays), into ``out`` when given."""
         with self.device_of(a):
             return self._cp.bitwise_xor(a, b, out=out)
 
@@ -200,9 +190,8 @@ class CupyBackend:
             host: np.ndarray[Any, Any] = self._cp.asnumpy(arr)
         return host
 
-    def from_host(
-        self, buffer: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...], device: Device
-    ) -> Array:
+    def from_host(self, buffer: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...],
+                  device: Device) -> Array:
         """A new array of ``dtype`` and ``shape`` on ``device``, copied from ``buffer``."""
         host = host_view(buffer, dtype, shape)
         with device:

@@ -1,15 +1,10 @@
 """The JAX backend: ``jax.Array`` on JAX's own devices (CPU, GPU or TPU).
 
-JAX arrays are immutable, so the backend is not ``mutable``: every operation returns a new
-array and ``out`` arguments are ignored. jax is imported when :class:`JaxBackend` is
-constructed, never when this module is imported.
-
-On the CPU, JAX has one device unless ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
-is set before jax is imported; then it has N real CPU devices.
-
-64-bit dtypes (``float64``, ``int64``, ``uint64``, ``complex128``) exist only when JAX's x64
-mode is on (``JAX_ENABLE_X64=1``); without it, creating them raises
-:class:`~burncoll.UsageError` rather than silently narrowing the values.
+Immutable: every operation returns a new array, ``out`` is ignored. On the CPU JAX has one
+device unless ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` is set before it is
+imported. 64-bit dtypes need x64 mode (``JAX_ENABLE_X64=1``); without it they raise
+:class:`~burncoll.UsageError` rather than narrow the values. jax is imported when
+:class:`JaxBackend` is made.
 """
 
 from __future__ import annotations
@@ -26,17 +21,13 @@ from burncoll.errors import BackendUnavailable, UsageError
 
 __all__ = ["JaxBackend"]
 
-_MORE_CPU_DEVICES = (
-    "on the CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={n} "
-    "in the environment before jax is imported"
-)
+_MORE_CPU_DEVICES = ("on the CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={n} "
+                     "in the environment before jax is imported")
 
 
 class JaxBackend:
     """:class:`~burncoll.backends.base.Backend` for ``jax.Array`` (immutable: ``out`` ignored).
-
-    Raises :class:`~burncoll.BackendUnavailable` when jax is not installed.
-    """
+    Raises :class:`~burncoll.BackendUnavailable` when jax is not installed."""
 
     name = "jax"
     mutable = False
@@ -91,7 +82,6 @@ class JaxBackend:
         return dtype_name(np.dtype(self._array(x).dtype))
 
     def shape(self, x: Array) -> tuple[int, ...]:
-        """The shape of ``x``."""
         return tuple(self._array(x).shape)
 
     # -- creation and layout -------------------------------------------------------------
@@ -139,38 +129,29 @@ class JaxBackend:
 
     # -- reductions ----------------------------------------------------------------------
     def add(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a + b`` (``out`` is ignored)."""
         return self._jnp.add(a, b)
 
     def maximum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """Element-wise maximum, NaN propagating (``out`` is ignored)."""
         return self._jnp.maximum(a, b)
 
     def minimum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """Element-wise minimum, NaN propagating (``out`` is ignored)."""
         return self._jnp.minimum(a, b)
 
     def multiply(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a * b`` (``out`` is ignored)."""
         return self._jnp.multiply(a, b)
 
     def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a & b``, integer and bool arrays (``out`` is ignored)."""
         return self._jnp.bitwise_and(a, b)
 
     def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a | b``, integer and bool arrays (``out`` is ignored)."""
         return self._jnp.bitwise_or(a, b)
 
     def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a ^ b``, integer and bool arrays (``out`` is ignored)."""
         return self._jnp.bitwise_xor(a, b)
 
     def scale(self, x: Array, divisor: int) -> Array:
-        """``x / divisor``: float dtypes kept; integers and bool become JAX's default float.
-
-        The default float is float32, or float64 when x64 mode is on.
-        """
+        """``x / divisor``: float dtypes kept; integers and bool become JAX's default float. The
+        default float is float32, or float64 when x64 mode is on."""
         _checks.check_divisor(divisor)
         arr = self._array(x)
         if is_inexact(np.dtype(arr.dtype)):
@@ -184,13 +165,10 @@ class JaxBackend:
         """``x`` as a read-only NumPy array; no copy for arrays on the CPU."""
         return np.asarray(self._array(x))
 
-    def from_host(
-        self, buffer: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...], device: Device
-    ) -> Array:
-        """A new array of ``dtype`` and ``shape`` on ``device``, copied from ``buffer``.
-
-        The result never shares memory with ``buffer``, which the caller may reuse at once.
-        """
+    def from_host(self, buffer: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...],
+                  device: Device) -> Array:
+        """A new array of ``dtype`` and ``shape`` on ``device``, copied from ``buffer``. The result
+        never shares memory with ``buffer``, which the caller may reuse at once."""
         self._dtype(dtype)
         # On the CPU, jax.device_put adopts a 64-byte aligned NumPy buffer without copying it
         # (whatever ``may_alias`` says), and copies others asynchronously; either way a later

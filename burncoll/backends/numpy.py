@@ -75,7 +75,6 @@ class NumpyBackend:
         return dtype_name(_array(x).dtype)
 
     def shape(self, x: Array) -> tuple[int, ...]:
-        """The shape of ``x``."""
         return tuple(_array(x).shape)
 
     # -- creation and layout -------------------------------------------------------------
@@ -127,31 +126,24 @@ class NumpyBackend:
 
     # -- reductions ----------------------------------------------------------------------
     def add(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
-        """``a + b``, into ``out`` when given."""
         return np.asarray(np.add(a, b, out=out))
 
     def maximum(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
-        """Element-wise maximum (NaN propagates), into ``out`` when given."""
         return np.asarray(np.maximum(a, b, out=out))
 
     def minimum(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
-        """Element-wise minimum (NaN propagates), into ``out`` when given."""
         return np.asarray(np.minimum(a, b, out=out))
 
     def multiply(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
-        """``a * b``, into ``out`` when given."""
         return np.asarray(np.multiply(a, b, out=out))
 
     def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
-        """``a & b`` (integer and bool arrays), into ``out`` when given."""
         return np.asarray(np.bitwise_and(a, b, out=out))
 
     def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
-        """``a | b`` (integer and bool arrays), into ``out`` when given."""
         return np.asarray(np.bitwise_or(a, b, out=out))
 
     def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
-        """``a ^ b`` (integer and bool arrays), into ``out`` when given."""
         return np.asarray(np.bitwise_xor(a, b, out=out))
 
     def scale(self, x: Array, divisor: int) -> NDArray:
@@ -166,13 +158,10 @@ class NumpyBackend:
         """``x`` itself: NumPy arrays already live in host memory."""
         return _array(x)
 
-    def from_host(
-        self, buffer: NDArray, dtype: str, shape: tuple[int, ...], device: Any
-    ) -> NDArray:
-        """A writable array of ``dtype`` and ``shape`` over ``buffer``'s memory.
-
-        Shares memory with ``buffer`` when it is writable and C-contiguous; copies otherwise.
-        """
+    def from_host(self, buffer: NDArray, dtype: str, shape: tuple[int, ...],
+                  device: Any) -> NDArray:
+        """A writable array of ``dtype`` and ``shape`` over ``buffer``'s memory. Shares memory with
+        ``buffer`` when it is writable and C-contiguous; copies otherwise."""
         _check_device(device)
         arr = host_view(buffer, dtype, shape)
         return arr if arr.flags.writeable else arr.copy()

@@ -1,16 +1,11 @@
 """Fresh host result arrays that cost no page faults: memory released by its caller is reused.
 
-A collective that returns a new array (``all_reduce(x)`` without ``out=``) writes every byte
-of it. Taken from ``malloc``, a large array is new pages every call: the kernel zeroes each
-one at its first touch (a page fault per 4 KiB), which costs as much as the reduction itself
-at 64 MiB. Here a large array (at least :data:`MIN_BYTES`) lives in an anonymous ``mmap``
-that goes back to a free list when the last array or view over it is gone -- never before: a
-``weakref.finalize`` on the buffer object every view keeps alive returns it -- and the next
-array of the same size takes it, its pages already in place. Big mappings are advised to use
-transparent huge pages where the kernel offers them.
-
-At most :data:`MAX_FREE_BYTES` wait in the free lists; beyond that released memory goes back
-to the kernel. :func:`fresh` is safe from any thread (a finalizer may run in any thread).
+A new array from ``malloc`` is fresh pages every call, which the kernel zeroes at first touch:
+at 64 MiB that costs as much as the reduction. A large array (at least :data:`MIN_BYTES`) here
+lives in an anonymous ``mmap`` (transparent huge pages where offered) that a
+``weakref.finalize`` on its buffer returns to a free list once no array or view uses it, for
+the next array of that size. At most :data:`MAX_FREE_BYTES` wait there; beyond, memory goes
+back to the kernel. :func:`fresh` is safe from any thread.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """The torch backend: ``torch.Tensor`` on the CPU or on CUDA GPUs, without copies.
 
-A tensor is handed to the backend of its memory through a zero-copy view, and every result
-comes back as a tensor over the same memory:
-
-- a CPU tensor is a NumPy array (:func:`as_array`: ``tensor.numpy()``; ``bfloat16`` through
-  an ``int16`` view reinterpreted as ``ml_dtypes.bfloat16``), worked on by the NumPy backend,
-  and its results become tensors again with ``torch.from_numpy`` (:func:`as_tensor`);
-- a CUDA tensor is a CuPy array through DLPack (``cupy.from_dlpack``), worked on by the CuPy
-  backend, and back with ``torch.from_dlpack``. **This path is untested here**: the project's
-  machines have no GPU; its tests skip with "no CUDA device here".
-
-So the values and dtypes of every operation are exactly the NumPy (or CuPy) backend's, and a
-result keeps the caller's dtype (``bfloat16`` included) and device. Tensors are mutable:
-``out=`` takes a tensor (contiguous). Like ``torch.distributed``, the backend works on a
-tensor's data whether or not it requires grad (``tensor.detach()``: no autograd record).
-
-Devices: ``devices(n)`` are CUDA devices (``torch.device("cuda", i)``) when torch sees CUDA,
-else logical CPU devices (:class:`~burncoll.backends.numpy.CpuDevice`, one per local peer,
-all sharing host memory, as with NumPy); ``torch.device("cpu")`` is accepted as a CPU device.
-torch is imported when :class:`TorchBackend` is constructed, never when this module is.
+A CPU tensor is worked on by the NumPy backend through ``tensor.numpy()`` (``bfloat16`` via an
+``int16`` view as ``ml_dtypes.bfloat16``) and comes back with ``torch.from_numpy``; a CUDA
+tensor by the CuPy backend through DLPack (**untested here**: no GPU; its tests skip). Values,
+dtypes and devices are therefore exactly the NumPy (or CuPy) backend's; ``out=`` takes a
+contiguous tensor; like ``torch.distributed`` it works on a tensor's data whether or not it
+requires grad. ``devices(n)``: CUDA devices when torch sees CUDA, else logical CPU devices
+(``torch.device("cpu")`` accepted). torch is imported when :class:`TorchBackend` is made.
 """
 
 from __future__ import annotations
@@ -54,13 +42,11 @@ def _torch() -> Any:
 
 
 def as_array(tensor: Any) -> Any:
-    """``tensor``'s memory as a NumPy array (CPU) or a CuPy array (CUDA), without a copy.
-
-    The view has the tensor's dtype (``bfloat16`` as ``ml_dtypes.bfloat16``), shape and
-    strides; writing to it writes the tensor. A NumPy array passes through unchanged.
-    Raises :class:`~burncoll.UsageError` for a tensor that has no such view (a sparse one,
-    a conjugate view, one on another device, a dtype NumPy cannot hold).
-    """
+    """``tensor``'s memory as a NumPy array (CPU) or a CuPy array (CUDA), without a copy. The view
+    has the tensor's dtype (``bfloat16`` as ``ml_dtypes.bfloat16``), shape and strides; writing to
+    it writes the tensor. A NumPy array passes through unchanged. Raises
+    :class:`~burncoll.UsageError` for a tensor that has no such view (a sparse one, a conjugate
+    view, one on another device, a dtype NumPy cannot hold)."""
     if isinstance(tensor, np.ndarray):
         return tensor
     torch = _torch()
@@ -149,9 +135,7 @@ _CPU = CpuDevice(0)
 
 class TorchBackend:
     """:class:`~burncoll.backends.base.Backend` for ``torch.Tensor`` (mutable: ``out=`` works).
-
-    Raises :class:`~burncoll.BackendUnavailable` when torch is not installed.
-    """
+    Raises :class:`~burncoll.BackendUnavailable` when torch is not installed."""
 
     name = "torch"
     mutable = True
@@ -198,7 +182,6 @@ class TorchBackend:
         return _name(self._tensor(x).dtype)
 
     def shape(self, x: Array) -> tuple[int, ...]:
-        """The shape of ``x``."""
         return tuple(self._tensor(x).shape)
 
     # -- creation and layout -------------------------------------------------------------
@@ -235,31 +218,24 @@ class TorchBackend:
 
     # -- reductions ----------------------------------------------------------------------
     def add(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a + b``, into ``out`` when given."""
         return self._apply("add", a, b, out=out)
 
     def maximum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """Element-wise maximum (NaN propagates), into ``out`` when given."""
         return self._apply("maximum", a, b, out=out)
 
     def minimum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """Element-wise minimum (NaN propagates), into ``out`` when given."""
         return self._apply("minimum", a, b, out=out)
 
     def multiply(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a * b``, into ``out`` when given."""
         return self._apply("multiply", a, b, out=out)
 
     def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a & b`` (integer and bool tensors), into ``out`` when given."""
         return self._apply("bitwise_and", a, b, out=out)
 
     def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a | b`` (integer and bool tensors), into ``out`` when given."""
         return self._apply("bitwise_or", a, b, out=out)
 
     def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a ^ b`` (integer and bool tensors), into ``out`` when given."""
         return self._apply("bitwise_xor", a, b, out=out)
 
     def scale(self, x: Array, divisor: int) -> Array:
@@ -272,9 +248,8 @@ class TorchBackend:
         host: np.ndarray[Any, Any] = self._inner(x).to_host(as_array(x))
         return host
 
-    def from_host(
-        self, buffer: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...], device: Device
-    ) -> Array:
+    def from_host(self, buffer: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...],
+                  device: Device) -> Array:
         """A writable tensor of ``dtype`` and ``shape`` on ``device`` holding ``buffer``'s
         elements; on the CPU it shares ``buffer``'s memory when that is writable and
         C-contiguous (as the NumPy backend's), else it is a copy."""

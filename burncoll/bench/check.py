@@ -33,15 +33,16 @@ __all__ = ["Expected", "ReferenceCache", "count_wrong", "element_counts", "peer_
 NDArray = np.ndarray[Any, Any]
 
 _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64": 2.0**-52}
+#: How the reference folds each rank's input into the running result (``mean``: sum, then /n).
+_FOLD = {"sum": np.add, "mean": np.add, "prod": np.multiply, "max": np.maximum,
+         "min": np.minimum}
 
 
 def element_counts(op: str, size: int, itemsize: int, world: int) -> tuple[int, int]:
-    """``(total, per_peer_input)`` elements for a sweep size of ``size`` bytes.
-
-    ``total`` counts the op's largest buffer (as nccl-tests' ``count`` column): the input of
-    all-reduce, reduce, broadcast and reduce-scatter, the output of all-gather. It is rounded
-    down to whole elements, and for reduce-scatter and all-gather to a multiple of ``world``.
-    """
+    """``(total, per_peer_input)`` elements for a sweep size of ``size`` bytes. ``total`` counts the
+    op's largest buffer (as nccl-tests' ``count`` column): the input of all-reduce, reduce,
+    broadcast and reduce-scatter, the output of all-gather. It is rounded down to whole elements,
+    and for reduce-scatter and all-gather to a multiple of ``world``."""
     total = size // itemsize
     if op in ("reduce_scatter", "all_gather"):
         total -= total % world
@@ -92,11 +93,9 @@ def count_wrong(got: NDArray | None, expected: Expected | None) -> int:
 
 
 class ReferenceCache:
-    """The full reference of the current (op, size), computed once per node.
-
-    Local peers are threads of one process; the first one to ask computes the reference and
-    the others reuse it. Only the latest few entries are kept.
-    """
+    """The full reference of the current (op, size), computed once per node. Local peers are threads
+    of one process; the first one to ask computes the reference and the others reuse it. Only the
+    latest few entries are kept."""
 
     def __init__(self, world: int, compression: str | None = None, nodes: int = 1) -> None:
         self.world = world
@@ -107,19 +106,14 @@ class ReferenceCache:
         self._lock = threading.Lock()
         self._entries: dict[tuple[Any, ...], Expected] = {}
 
-    def expected(
-        self, op: str, count: int, dtype: str, redop: str, root: int, rank: int
-    ) -> Expected | None:
+    def expected(self, op: str, count: int, dtype: str, redop: str, root: int,
+                 rank: int) -> Expected | None:
         """What rank ``rank`` must get from ``op`` on ``count``-element inputs."""
         if op == "reduce" and rank != root:
             return None
-        key = (
-            op,
-            count,
-            dtype,
-            redop if op in ("all_reduce", "reduce", "reduce_scatter") else None,
-            root if op == "broadcast" else None,
-        )
+        key = (op, count, dtype,
+               redop if op in ("all_reduce", "reduce", "reduce_scatter") else None,
+               root if op == "broadcast" else None)
         with self._lock:
             full = self._entries.get(key)
             if full is None:
@@ -149,15 +143,9 @@ class ReferenceCache:
         ref = next(inputs)
         abs_sum = np.abs(ref)
         for x in inputs:
+            _FOLD[redop](ref, x, out=ref)
             if redop in ("sum", "mean"):
-                ref += x
                 abs_sum += np.abs(x)
-            elif redop == "prod":
-                ref *= x
-            elif redop == "max":
-                np.maximum(ref, x, out=ref)
-            else:
-                np.minimum(ref, x, out=ref)
         if redop == "sum":
             tolerance = abs_sum * (eps * n)
         elif redop == "mean":
@@ -179,14 +167,7 @@ class ReferenceCache:
             inputs = (peer_input(r, count, dtype).astype(np.int64) for r in range(self.world))
             ref = next(inputs)
             for x in inputs:
-                if redop in ("sum", "mean"):
-                    ref += x
-                elif redop == "prod":
-                    ref *= x
-                elif redop == "max":
-                    np.maximum(ref, x, out=ref)
-                else:
-                    np.minimum(ref, x, out=ref)
+                _FOLD[redop](ref, x, out=ref)
             wrapped = ref.astype(np_dtype)
         if redop != "mean":
             return Expected(wrapped, None, np_dtype)

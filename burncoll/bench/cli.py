@@ -1,11 +1,9 @@
 """``burncoll bench``: the options, and the glue from them to the runner, peers and output.
 
-With ``--nodes N`` (N > 1) the command re-executes itself as the node script of
-:func:`burncoll.orchestration.launch.launch_nodes`
-(``python -m burncoll.cli bench ... --bench-node FILE``);
-node 0 writes its rows to FILE and this process prints them, so the table carries no
-``[node 0]`` prefixes. Peer baselines run in this process before burncoll, so their ratio
-columns can be printed as each row is measured.
+With ``--nodes N > 1`` the command runs itself as the node script of
+:func:`burncoll.orchestration.launch.launch_nodes` (``--bench-node FILE``): node 0 writes its
+rows to FILE and this process prints them. Peer baselines run here first, so each row can be
+printed with its ratios as it is measured.
 """
 
 from __future__ import annotations
@@ -59,123 +57,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_workload(parser: argparse.ArgumentParser) -> None:
     """What is measured: operations, sizes, dtype, reduce op, root."""
-    parser.add_argument(
-        "--op",
-        type=argtype(parse_ops, "op"),
-        default=("all_reduce",),
-        help=f"comma-separated list of {','.join(ALL_OPS)}, or 'all' (default: all_reduce)",
-    )
-    parser.add_argument(
-        "-b",
-        "--min-bytes",
-        type=argtype(parse_size, "size"),
-        default=8,
-        help="smallest size, bytes with optional K/M/G suffix (default 8)",
-    )
-    parser.add_argument(
-        "-e",
-        "--max-bytes",
-        type=argtype(parse_size, "size"),
-        default=64 * 2**20,
-        help="largest size (default 64M)",
-    )
-    parser.add_argument(
-        "-f",
-        "--factor",
-        type=float,
-        default=2.0,
-        help="multiplication factor between sizes (default 2)",
-    )
-    parser.add_argument(
-        "--dtype",
-        type=argtype(parse_dtype, "dtype"),
-        default="float32",
-        help=f"element type: {', '.join(BENCH_DTYPES)} (default float32)",
-    )
-    parser.add_argument(
-        "--redop", choices=REDOPS, default="sum", help="reduce operation (default sum)"
-    )
-    parser.add_argument(
-        "--root",
-        type=int_at_least(0),
-        default=0,
-        help="root peer id of reduce and broadcast (default 0)",
-    )
+    add = parser.add_argument
+    add("--op", type=argtype(parse_ops, "op"), default=("all_reduce",),
+        help=f"comma-separated list of {','.join(ALL_OPS)}, or 'all' (default: all_reduce)")
+    add("-b", "--min-bytes", type=argtype(parse_size, "size"), default=8,
+        help="smallest size, bytes with optional K/M/G suffix (default 8)")
+    add("-e", "--max-bytes", type=argtype(parse_size, "size"), default=64 * 2**20,
+        help="largest size (default 64M)")
+    add("-f", "--factor", type=float, default=2.0,
+        help="multiplication factor between sizes (default 2)")
+    add("--dtype", type=argtype(parse_dtype, "dtype"), default="float32",
+        help=f"element type: {', '.join(BENCH_DTYPES)} (default float32)")
+    add("--redop", choices=REDOPS, default="sum", help="reduce operation (default sum)")
+    add("--root", type=int_at_least(0), default=0,
+        help="root peer id of reduce and broadcast (default 0)")
 
 
 def _add_topology(parser: argparse.ArgumentParser) -> None:
     """Where it runs: peers, nodes, strategies, transport, config file."""
-    parser.add_argument(
-        "-g",
-        "--devices",
-        type=int_at_least(1),
-        default=None,
-        help="local peers (threads) per node (default: the config's, else 2)",
-    )
-    parser.add_argument(
-        "--nodes",
-        type=int_at_least(1),
-        default=1,
-        help="node processes on this machine, through burncoll launch",
-    )
-    parser.add_argument(
-        "--strategy",
-        default=None,
-        help="every local and global strategy: centralized, tree, tree:K, ring",
-    )
-    parser.add_argument("--local-strategy", default=None, help="the three local strategies")
-    parser.add_argument("--global-strategy", default=None, help="the three global strategies")
-    parser.add_argument(
-        "--transport",
-        choices=TRANSPORT_NAMES,
-        default=None,
-        help="node-to-node transport with --nodes (default: config's)",
-    )
-    parser.add_argument(
-        "--config",
-        default=None,
-        help="YAML CollectiveConfig; the flags above override it, BURNCOLL_* variables both",
-    )
+    add = parser.add_argument
+    add("-g", "--devices", type=int_at_least(1), default=None,
+        help="local peers (threads) per node (default: the config's, else 2)")
+    add("--nodes", type=int_at_least(1), default=1,
+        help="node processes on this machine, through burncoll launch")
+    add("--strategy", default=None,
+        help="every local and global strategy: centralized, tree, tree:K, ring")
+    add("--local-strategy", default=None, help="the three local strategies")
+    add("--global-strategy", default=None, help="the three global strategies")
+    add("--transport", choices=TRANSPORT_NAMES, default=None,
+        help="node-to-node transport with --nodes (default: config's)")
+    add("--config", default=None,
+        help="YAML CollectiveConfig; the flags above override it, BURNCOLL_* variables both")
 
 
 def _add_measurement(parser: argparse.ArgumentParser) -> None:
     """How it is measured and reported: iterations, baselines, outputs."""
-    parser.add_argument(
-        "-n",
-        "--iters",
-        type=int_at_least(1),
-        default=20,
-        help="timed iterations per size (default 20)",
-    )
-    parser.add_argument(
-        "-w",
-        "--warmup",
-        type=int_at_least(0),
-        default=5,
-        help="untimed iterations per size before them (default 5)",
-    )
-    parser.add_argument(
-        "--vs",
-        type=argtype(parse_peers, "peers"),
-        default=(),
-        help=f"peer baselines to run too: {','.join(PEER_NAMES)} or all",
-    )
-    parser.add_argument(
-        "--fresh-results",
-        action="store_true",
+    add = parser.add_argument
+    add("-n", "--iters", type=int_at_least(1), default=20,
+        help="timed iterations per size (default 20)")
+    add("-w", "--warmup", type=int_at_least(0), default=5,
+        help="untimed iterations per size before them (default 5)")
+    add("--vs", type=argtype(parse_peers, "peers"), default=(),
+        help=f"peer baselines to run too: {','.join(PEER_NAMES)} or all")
+    add("--fresh-results", action="store_true",
         help="all_reduce returns a new array per call; by default it writes into an out= array "
-        "allocated once, as nccl-tests and mpi4py's Allreduce measure",
-    )
-    parser.add_argument(
-        "--load", type=int_at_least(0), default=0,
+        "allocated once, as nccl-tests and mpi4py's Allreduce measure")
+    add("--load", type=int_at_least(0), default=0,
         help="run N CPU-bound processes beside the benchmark and the peer baselines (a busy "
         "host); default 0")
-    parser.add_argument(
-        "--compression", choices=("bf16", "fp16"), default=None,
+    add("--compression", choices=("bf16", "fp16"), default=None,
         help="all_reduce sends 16-bit values between nodes (burncoll.compression)")
-    parser.add_argument("--json", default=None, help="write rows and environment to this file")
-    parser.add_argument("--plot", default=None, help="write busbw vs size to this PNG")
-    parser.add_argument("--bench-node", default=None, help=argparse.SUPPRESS)
+    add("--json", default=None, help="write rows and environment to this file")
+    add("--plot", default=None, help="write busbw vs size to this PNG")
+    add("--bench-node", default=None, help=argparse.SUPPRESS)
 
 
 def build_config(args: argparse.Namespace, multi_node: bool) -> CollectiveConfig:
@@ -190,11 +124,8 @@ def build_config(args: argparse.Namespace, multi_node: bool) -> CollectiveConfig
         changes["transport"] = args.transport
     if getattr(args, "compression", None) is not None:
         changes["compression"] = args.compression
-    for value, names in (
-        (args.strategy, _LOCAL + _GLOBAL),
-        (args.local_strategy, _LOCAL),
-        (args.global_strategy, _GLOBAL),
-    ):
+    for value, names in ((args.strategy, _LOCAL + _GLOBAL), (args.local_strategy, _LOCAL),
+                         (args.global_strategy, _GLOBAL)):
         if value is not None:
             changes.update(dict.fromkeys(names, value))
     if not multi_node:
@@ -204,51 +135,24 @@ def build_config(args: argparse.Namespace, multi_node: bool) -> CollectiveConfig
 
 def _node_argv(args: argparse.Namespace, result_path: str) -> list[str]:
     """The command each node process runs: this benchmark, as one node."""
-    argv = [
-        sys.executable,
-        "-m",
-        "burncoll.cli",
-        "bench",
-        "--op",
-        ",".join(args.op),
-        "--min-bytes",
-        str(args.min_bytes),
-        "--max-bytes",
-        str(args.max_bytes),
-        "--factor",
-        repr(args.factor),
-        "--dtype",
-        args.dtype,
-        "--redop",
-        args.redop,
-        "--root",
-        str(args.root),
-        "--iters",
-        str(args.iters),
-        "--warmup",
-        str(args.warmup),
-        "--bench-node",
-        result_path,
-    ]
+    argv = [sys.executable, "-m", "burncoll.cli", "bench", "--op", ",".join(args.op),
+            "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes),
+            "--factor", repr(args.factor), "--dtype", args.dtype, "--redop", args.redop,
+            "--root", str(args.root), "--iters", str(args.iters), "--warmup", str(args.warmup),
+            "--bench-node", result_path]
     if args.fresh_results:
         argv.append("--fresh-results")
-    for flag, value in (
-        ("--compression", args.compression),
-        ("--devices", args.devices),
-        ("--strategy", args.strategy),
-        ("--local-strategy", args.local_strategy),
-        ("--global-strategy", args.global_strategy),
-        ("--transport", args.transport),
-        ("--config", args.config),
-    ):
+    for flag, value in (("--compression", args.compression), ("--devices", args.devices),
+                        ("--strategy", args.strategy), ("--local-strategy", args.local_strategy),
+                        ("--global-strategy", args.global_strategy),
+                        ("--transport", args.transport), ("--config", args.config)):
         if value is not None:
             argv += [flag, str(value)]
     return argv
 
 
-def _settings(
-    args: argparse.Namespace, config: CollectiveConfig, sizes: list[int]
-) -> dict[str, Any]:
+def _settings(args: argparse.Namespace, config: CollectiveConfig,
+              sizes: list[int]) -> dict[str, Any]:
     world = config.num_devices * args.nodes
     settings: dict[str, Any] = {
         "ops": ",".join(args.op),
@@ -306,26 +210,18 @@ def _run_node_mode(args: argparse.Namespace, spec: BenchSpec) -> int:
     return 0
 
 
-def _run_multi_node(
-    args: argparse.Namespace, spec: BenchSpec, config: CollectiveConfig
-) -> list[Row] | int:
+def _run_multi_node(args: argparse.Namespace, spec: BenchSpec,
+                    config: CollectiveConfig) -> list[Row] | int:
     from burncoll.orchestration.launch import launch_nodes
 
     with tempfile.TemporaryDirectory(prefix="burncoll-bench-") as tmp:
         result_path = os.path.join(tmp, "rows.json")
-        code = launch_nodes(
-            _node_argv(args, result_path),
-            args.nodes,
-            config.num_devices,
-            config.transport,
-            config.auth_token,
-            integrity=config.integrity,
-            tls=config.tls,
-        )
+        code = launch_nodes(_node_argv(args, result_path), args.nodes, config.num_devices,
+                            config.transport, config.auth_token, integrity=config.integrity,
+                            tls=config.tls)
         if code != 0:
-            print(
-                f"burncoll bench: error: a node process failed (exit code {code})", file=sys.stderr
-            )
+            print(f"burncoll bench: error: a node process failed (exit code {code})",
+                  file=sys.stderr)
             return code
         try:
             raw = json.loads(Path(result_path).read_text())
@@ -342,10 +238,8 @@ def run_bench(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"burncoll bench: error: {exc}", file=sys.stderr)
         return 2
-    spec = BenchSpec(
-        tuple(args.op), tuple(sizes), args.dtype, args.redop, args.root, args.iters, args.warmup,
-        args.fresh_results,
-    )
+    spec = BenchSpec(tuple(args.op), tuple(sizes), args.dtype, args.redop, args.root,
+                     args.iters, args.warmup, args.fresh_results)
     if args.bench_node is not None:
         return _run_node_mode(args, spec)
     if args.plot and matplotlib_missing():
@@ -354,11 +248,8 @@ def run_bench(args: argparse.Namespace) -> int:
     config = build_config(args, multi_node=args.nodes > 1)
     world = config.num_devices * args.nodes
     if args.root >= world:
-        print(
-            f"burncoll bench: error: --root {args.root} is not a peer id; the {world} "
-            f"peers are 0..{world - 1}",
-            file=sys.stderr,
-        )
+        print(f"burncoll bench: error: --root {args.root} is not a peer id; the {world} "
+              f"peers are 0..{world - 1}", file=sys.stderr)
         return 2
     settings = _settings(args, config, sizes)
     _print(banner(settings))
@@ -373,7 +264,7 @@ def run_bench(args: argparse.Namespace) -> int:
             "nodes": args.nodes,
             "devices": config.num_devices,
             "world_size": world,
-            "config": _redacted(config),
+            "config": config.to_dict(),  # the token never appears
             "argv": sys.argv,
         }
         write_json(args.json, rows, peers, recorded)
@@ -401,8 +292,3 @@ def _measure(args: argparse.Namespace, spec: BenchSpec, config: CollectiveConfig
         rows = run_node(spec, config, 0, on_row=stream)
         _print(closing(rows, peers, skipped=False))
     return rows, peers
-
-
-def _redacted(config: CollectiveConfig) -> dict[str, Any]:
-    """The config as recorded in ``--json``: the token never appears (``to_dict`` hides it)."""
-    return config.to_dict()

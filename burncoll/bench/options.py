@@ -13,28 +13,12 @@ from typing import TypeVar
 
 from burncoll.dtypes import SUPPORTED_DTYPES
 
-__all__ = [
-    "ALL_OPS",
-    "BENCH_DTYPES",
-    "REDOPS",
-    "argtype",
-    "format_size",
-    "int_at_least",
-    "parse_dtype",
-    "parse_ops",
-    "parse_size",
-    "size_sweep",
-]
+__all__ = ["ALL_OPS", "BENCH_DTYPES", "REDOPS", "argtype", "format_size", "int_at_least",
+           "parse_dtype", "parse_names", "parse_ops", "parse_size", "size_sweep"]
 
 #: Every operation the benchmark measures, in the order ``--op all`` runs them.
-ALL_OPS: tuple[str, ...] = (
-    "all_reduce",
-    "reduce",
-    "broadcast",
-    "reduce_scatter",
-    "all_gather",
-    "barrier",
-)
+ALL_OPS: tuple[str, ...] = ("all_reduce", "reduce", "broadcast", "reduce_scatter", "all_gather",
+                            "barrier")
 #: Operations that take a reduce op (``redop`` column) and a root (``root`` column).
 REDUCING_OPS = frozenset({"all_reduce", "reduce", "reduce_scatter"})
 ROOTED_OPS = frozenset({"reduce", "broadcast"})
@@ -89,18 +73,22 @@ def size_sweep(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
     return sizes
 
 
+def parse_names(text: str, names: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    """``"all"`` (``names``) or a comma-separated list of ``names`` (``-`` may replace ``_``),
+    in the order given; ValueError naming ``flag`` otherwise."""
+    chosen = [part.strip().lower().replace("-", "_") for part in text.split(",")]
+    chosen = [name for name in chosen if name]
+    if chosen == ["all"]:
+        return names
+    if not chosen or any(name not in names for name in chosen):
+        raise ValueError(f"invalid {flag} {text!r}: use 'all' or a comma-separated list of "
+                         f"{', '.join(names)}")
+    return tuple(dict.fromkeys(chosen))
+
+
 def parse_ops(text: str) -> tuple[str, ...]:
-    """``"all"`` or a comma-separated list of :data:`ALL_OPS` (``-`` may replace ``_``)."""
-    names = [part.strip().lower().replace("-", "_") for part in text.split(",")]
-    names = [name for name in names if name]
-    if names == ["all"]:
-        return ALL_OPS
-    unknown = [name for name in names if name not in ALL_OPS]
-    if unknown or not names:
-        raise ValueError(
-            f"invalid --op {text!r}: use 'all' or a comma-separated list of {', '.join(ALL_OPS)}"
-        )
-    return tuple(dict.fromkeys(names))
+    """``"all"`` or a comma-separated list of :data:`ALL_OPS`."""
+    return parse_names(text, ALL_OPS, "--op")
 
 
 def parse_dtype(text: str) -> str:

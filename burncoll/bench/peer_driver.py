@@ -13,15 +13,16 @@ import importlib.util
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 
+from burncoll.bench.options import parse_names
 from burncoll.bench.peers import RESULT_MARKER, naive_threads, numpy_add, tcp_loopback
 from burncoll.bench.results import PeerResult, PeerRow
+from burncoll.orchestration.launch import free_port
 
 __all__ = ["PEER_NAMES", "parse_peers", "run_peers"]
 
@@ -31,40 +32,15 @@ _INSTALL = "pip install 'burncoll[bench]'"
 
 
 def parse_peers(text: str) -> tuple[str, ...]:
-    """A comma-separated subset of :data:`PEER_NAMES` (or ``"all"``); ValueError otherwise."""
-    names = [part.strip().lower() for part in text.split(",") if part.strip()]
-    if names == ["all"]:
-        return PEER_NAMES
-    unknown = [name for name in names if name not in PEER_NAMES]
-    if unknown or not names:
-        raise ValueError(
-            f"invalid --vs {text!r}: use 'all' or a comma-separated list of {', '.join(PEER_NAMES)}"
-        )
-    return tuple(name for name in PEER_NAMES if name in names)
+    """A comma-separated subset of :data:`PEER_NAMES` (or ``"all"``), in their order."""
+    chosen = parse_names(text, PEER_NAMES, "--vs")
+    return tuple(name for name in PEER_NAMES if name in chosen)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def _worker_args(
-    sizes: Sequence[int], dtype: str, redop: str, iters: int, warmup: int
-) -> list[str]:
-    return [
-        "--sizes",
-        ",".join(str(s) for s in sizes),
-        "--dtype",
-        dtype,
-        "--redop",
-        redop,
-        "--iters",
-        str(iters),
-        "--warmup",
-        str(warmup),
-    ]
+def _worker_args(sizes: Sequence[int], dtype: str, redop: str, iters: int,
+                 warmup: int) -> list[str]:
+    return ["--sizes", ",".join(str(s) for s in sizes), "--dtype", dtype, "--redop", redop,
+            "--iters", str(iters), "--warmup", str(warmup)]
 
 
 _EXCEPTION = re.compile(r"^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception)\b")
@@ -97,31 +73,15 @@ def _gloo(result: PeerResult, world: int, worker_args: list[str], timeout: float
     if importlib.util.find_spec("torch") is None:
         result.skipped = f"torch is not installed ({_INSTALL})"
         return
-    port = _free_port()
+    port = free_port()
     deadline = time.monotonic() + timeout
     with contextlib.ExitStack() as stack:
         # files, not pipes: a rank blocked on a full pipe would stall the others
         logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(2 * world)]
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "burncoll.bench.peers",
-                    "gloo",
-                    "--rank",
-                    str(rank),
-                    "--world",
-                    str(world),
-                    "--port",
-                    str(port),
-                    *worker_args,
-                ],
-                stdout=logs[2 * rank],
-                stderr=logs[2 * rank + 1],
-            )
-            for rank in range(world)
-        ]
+        procs = [subprocess.Popen([sys.executable, "-m", "burncoll.bench.peers", "gloo", "--rank",
+                                   str(rank), "--world", str(world), "--port", str(port),
+                                   *worker_args], stdout=logs[2 * rank], stderr=logs[2 * rank + 1])
+                 for rank in range(world)]
         try:
             for proc in procs:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
@@ -153,18 +113,8 @@ def _mpi(result: PeerResult, world: int, worker_args: list[str], timeout: float)
     if mpirun is None:
         result.skipped = "mpirun not found (install OpenMPI: apt-get install openmpi-bin)"
         return
-    command = [
-        mpirun,
-        "-n",
-        str(world),
-        "--oversubscribe",
-        "--allow-run-as-root",
-        sys.executable,
-        "-m",
-        "burncoll.bench.peers",
-        "mpi",
-        *worker_args,
-    ]
+    command = [mpirun, "-n", str(world), "--oversubscribe", "--allow-run-as-root", sys.executable,
+               "-m", "burncoll.bench.peers", "mpi", *worker_args]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -178,16 +128,8 @@ def _mpi(result: PeerResult, world: int, worker_args: list[str], timeout: float)
     result.description += f" [{parsed.get('library', 'MPI')}]"
 
 
-def run_peers(
-    names: Sequence[str],
-    sizes: Sequence[int],
-    dtype: str,
-    iters: int,
-    warmup: int,
-    world: int,
-    redop: str = "sum",
-    timeout: float = 900.0,
-) -> list[PeerResult]:
+def run_peers(names: Sequence[str], sizes: Sequence[int], dtype: str, iters: int, warmup: int,
+              world: int, redop: str = "sum", timeout: float = 900.0) -> list[PeerResult]:
     """Measure each baseline in ``names`` at ``sizes``; one :class:`PeerResult` each."""
     worker_args = _worker_args(sizes, dtype, redop, iters, warmup)
     results: list[PeerResult] = []
@@ -215,29 +157,16 @@ def run_peers(
 
 def _describe(name: str, world: int) -> PeerResult:
     if name == "gloo":
-        return PeerResult(
-            "gloo",
-            f"torch.distributed all_reduce, backend gloo, {world} processes on 127.0.0.1",
-            "all_reduce",
-        )
+        return PeerResult("gloo", f"torch.distributed all_reduce, backend gloo, {world} "
+                          "processes on 127.0.0.1", "all_reduce")
     if name == "mpi":
         return PeerResult("mpi", f"mpi4py Allreduce, mpirun -n {world}", "all_reduce")
     if name == "tcp":
-        return PeerResult(
-            "tcp",
-            "TCP loopback, one connection, both ends sending and "
-            "receiving size bytes at once; algbw = GB/s each way",
-            None,
-        )
+        return PeerResult("tcp", "TCP loopback, one connection, both ends sending and "
+                          "receiving size bytes at once; algbw = GB/s each way", None)
     if name == "naive":
-        return PeerResult(
-            "naive",
-            f"chunked naive all-reduce, {max(world, 2)} threads of one process in plain NumPy: "
-            "each sums its share, barrier, each copies the sum",
-            "all_reduce",
-        )
-    return PeerResult(
-        "numpy",
-        "np.add(a, b, out=c) on one thread; algbw = size/time (memory traffic is 3x size)",
-        None,
-    )
+        return PeerResult("naive", f"chunked naive all-reduce, {max(world, 2)} threads of one "
+                          "process in plain NumPy: each sums its share, barrier, each copies "
+                          "the sum", "all_reduce")
+    return PeerResult("numpy", "np.add(a, b, out=c) on one thread; algbw = size/time (memory "
+                      "traffic is 3x size)", None)

@@ -1,22 +1,13 @@
 """Peer baselines measured beside burncoll, one per worker; also ``python -m`` entry point.
 
 ``python -m burncoll.bench.peers {gloo,mpi,tcp,numpy,naive} --sizes 8,1024 [--rank R --world N
---port P]`` runs one worker; the process of rank 0 prints one ``BURNCOLL_PEER_RESULT <json>``
-line with its rows. :mod:`burncoll.bench.peer_driver` starts these workers (N processes for
-Gloo, ``mpirun`` for MPI). Every worker times like burncoll's runner: a barrier before each
-iteration, ``time.perf_counter`` around the operation, the slowest participant's time per
-iteration, the median over iterations.
-
-* ``gloo``: ``torch.distributed.all_reduce`` (backend gloo) into a buffer refreshed from the
-  input before each iteration's barrier (all-reduce works in place).
-* ``mpi``: ``mpi4py`` ``Comm.Allreduce(send, recv)``, out of place.
-* ``tcp``: one loopback TCP connection, both ends sending and receiving ``size`` bytes at
-  once (a ring of 2 with both directions busy); GB/s each way.
-* ``numpy``: ``np.add(a, b, out=c)`` on one thread: the reduction kernel alone.
-* ``naive``: the chunked naive all-reduce of ``world`` threads in one process, in plain NumPy:
-  each thread sums its share of the elements over every input into one shared sum, a barrier,
-  then each thread copies the whole sum into its own output (allocated once). What a local
-  all-reduce costs without a library.
+--port P]`` runs one worker (:mod:`burncoll.bench.peer_driver` starts them); rank 0 prints one
+``BURNCOLL_PEER_RESULT <json>`` line. Every worker times like burncoll's runner (a barrier
+before each iteration, the slowest participant's time, the median over iterations). ``gloo``:
+``torch.distributed.all_reduce`` in place; ``mpi``: mpi4py's ``Allreduce(send, recv)``;
+``tcp``: both ends of one loopback connection sending ``size`` bytes at once (GB/s each way);
+``numpy``: ``np.add(a, b, out=c)``, the kernel alone; ``naive``: ``world`` threads each summing
+a share of every input into one shared sum, a barrier, each copying the sum out.
 """
 
 from __future__ import annotations
@@ -37,15 +28,8 @@ from burncoll.bench.check import peer_input
 from burncoll.bench.results import PeerRow, busbw_factor, median
 from burncoll.dtypes import dtype_from_name
 
-__all__ = [
-    "RESULT_MARKER",
-    "gloo_worker",
-    "main",
-    "mpi_worker",
-    "naive_threads",
-    "numpy_add",
-    "tcp_loopback",
-]
+__all__ = ["RESULT_MARKER", "gloo_worker", "main", "mpi_worker", "naive_threads", "numpy_add",
+           "tcp_loopback"]
 
 #: Prefix of the line that carries a worker's JSON result on stdout.
 RESULT_MARKER = "BURNCOLL_PEER_RESULT "
@@ -66,34 +50,17 @@ def _counts(sizes: Sequence[int], itemsize: int) -> list[tuple[int, int]]:
     return [(size, size // itemsize) for size in sizes if size // itemsize > 0]
 
 
-def gloo_worker(
-    rank: int,
-    world: int,
-    port: int,
-    sizes: Sequence[int],
-    dtype: str,
-    iters: int,
-    warmup: int,
-    redop: str = "sum",
-) -> list[PeerRow]:
+def gloo_worker(rank: int, world: int, port: int, sizes: Sequence[int], dtype: str, iters: int,
+                warmup: int, redop: str = "sum") -> list[PeerRow]:
     """Time Gloo's all-reduce as rank ``rank`` of ``world``; rows are meaningful on rank 0."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # one process per device, as burncoll's one thread per device
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=300),
-    )
-    op = {
-        "sum": dist.ReduceOp.SUM,
-        "max": dist.ReduceOp.MAX,
-        "min": dist.ReduceOp.MIN,
-        "prod": dist.ReduceOp.PRODUCT,
-    }[redop]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=300))
+    op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+          "prod": dist.ReduceOp.PRODUCT}[redop]
     itemsize = dtype_from_name(dtype).itemsize
     rows: list[PeerRow] = []
     try:
@@ -111,17 +78,15 @@ def gloo_worker(
             slowest = torch.tensor(times, dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             seconds = median([float(t) for t in slowest.tolist()])
-            rows.append(
-                _row(requested, count, itemsize, seconds, busbw_factor("all_reduce", world))
-            )
+            rows.append(_row(requested, count, itemsize, seconds,
+                             busbw_factor("all_reduce", world)))
     finally:
         dist.destroy_process_group()
     return rows
 
 
-def mpi_worker(
-    sizes: Sequence[int], dtype: str, iters: int, warmup: int, redop: str = "sum"
-) -> tuple[int, list[PeerRow], str]:
+def mpi_worker(sizes: Sequence[int], dtype: str, iters: int, warmup: int, redop: str = "sum"
+               ) -> tuple[int, list[PeerRow], str]:
     """Time MPI ``Allreduce`` in this ``mpirun`` job: ``(rank, rows, MPI library version)``."""
     from mpi4py import MPI
 
@@ -149,11 +114,9 @@ def mpi_worker(
 
 
 def tcp_loopback(sizes: Sequence[int], iters: int, warmup: int) -> list[PeerRow]:
-    """Both ends of one loopback TCP connection send and receive ``size`` bytes at once.
-
-    Four threads (each end's sender and receiver) meet at a barrier before each iteration;
-    the iteration's time is the slowest thread's. ``algbw`` is GB/s in each direction.
-    """
+    """Both ends of one loopback TCP connection send and receive ``size`` bytes at once. Four
+    threads (each end's sender and receiver) meet at a barrier before each iteration; the
+    iteration's time is the slowest thread's. ``algbw`` is GB/s in each direction."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
         left = socket.create_connection(listener.getsockname()[:2])
         right, _ = listener.accept()
@@ -216,10 +179,8 @@ class _LoopbackTransfer:
 
     def run(self, workers: list[tuple[_Worker, socket.socket]]) -> None:
         """Run each ``(worker, end)`` on its own thread; raise the first failure."""
-        threads = [
-            threading.Thread(target=self._guarded, args=(fn, end, self.times[i]), daemon=True)
-            for i, (fn, end) in enumerate(workers)
-        ]
+        threads = [threading.Thread(target=self._guarded, args=(fn, end, self.times[i]),
+                                    daemon=True) for i, (fn, end) in enumerate(workers)]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -290,7 +251,7 @@ def _naive_seconds(count: int, dtype: str, iters: int, warmup: int, world: int) 
             t.start()
         for t in threads:
             t.join()
-    return median([max(column) for column in zip(*times, strict=True)][warmup:])
+    return float(median([max(column) for column in zip(*times, strict=True)][warmup:]))
 
 
 def _emit(rows: list[PeerRow], extra: dict[str, Any] | None = None) -> None:
@@ -299,9 +260,8 @@ def _emit(rows: list[PeerRow], extra: dict[str, Any] | None = None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m burncoll.bench.peers", description="Run one peer-baseline worker."
-    )
+    parser = argparse.ArgumentParser(prog="python -m burncoll.bench.peers",
+                                     description="Run one peer-baseline worker.")
     parser.add_argument("peer", choices=("gloo", "mpi", "tcp", "numpy", "naive"))
     parser.add_argument("--sizes", required=True, help="comma-separated sizes in bytes")
     parser.add_argument("--dtype", default="float32")
@@ -314,9 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     if args.peer == "gloo":
-        rows = gloo_worker(
-            args.rank, args.world, args.port, sizes, args.dtype, args.iters, args.warmup, args.redop
-        )
+        rows = gloo_worker(args.rank, args.world, args.port, sizes, args.dtype, args.iters,
+                           args.warmup, args.redop)
         if args.rank == 0:
             _emit(rows)
     elif args.peer == "mpi":

@@ -20,17 +20,11 @@ def matplotlib_missing() -> bool:
     return importlib.util.find_spec("matplotlib") is None
 
 
-def plot_busbw(
-    path: str | os.PathLike[str],
-    rows: Sequence[Row],
-    peers: Sequence[PeerResult],
-    title: str,
-) -> None:
-    """Write a log-log PNG of busbw (GB/s) against size (bytes) to ``path``.
-
-    One line per burncoll operation and one per peer baseline that has rows. Raises
-    :class:`RuntimeError` with :data:`MISSING_MATPLOTLIB` when matplotlib is missing.
-    """
+def plot_busbw(path: str | os.PathLike[str], rows: Sequence[Row], peers: Sequence[PeerResult],
+               title: str) -> None:
+    """Write a log-log PNG of busbw (GB/s) against size (bytes) to ``path``. One line per burncoll
+    operation and one per peer baseline that has rows. Raises :class:`RuntimeError` with
+    :data:`MISSING_MATPLOTLIB` when matplotlib is missing."""
     try:
         import matplotlib
 

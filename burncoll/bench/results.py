@@ -26,18 +26,11 @@ import sys
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from statistics import median
 from typing import Any
 
-__all__ = [
-    "TIMING_METHOD",
-    "PeerResult",
-    "PeerRow",
-    "Row",
-    "busbw_factor",
-    "environment_info",
-    "median",
-    "write_json",
-]
+__all__ = ["TIMING_METHOD", "PeerResult", "PeerRow", "Row", "busbw_factor", "environment_info",
+           "median", "write_json"]
 
 #: How a row's time is measured, recorded in the JSON output and shown by ``--help``.
 TIMING_METHOD = (
@@ -58,15 +51,6 @@ def busbw_factor(op: str, world: int) -> float:
     if op in ("broadcast", "reduce"):
         return 1.0
     return 0.0
-
-
-def median(values: list[float]) -> float:
-    """The median (the mean of the two middle values for an even count)."""
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    if len(ordered) % 2:
-        return ordered[mid]
-    return (ordered[mid - 1] + ordered[mid]) / 2
 
 
 @dataclass(frozen=True)
@@ -143,13 +127,8 @@ class PeerResult:
         return None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "description": self.description,
-            "op": self.op,
-            "skipped": self.skipped,
-            "rows": [row.to_dict() for row in self.rows],
-        }
+        return {"name": self.name, "description": self.description, "op": self.op,
+                "skipped": self.skipped, "rows": [row.to_dict() for row in self.rows]}
 
 
 def environment_info() -> dict[str, Any]:
@@ -158,33 +137,20 @@ def environment_info() -> dict[str, Any]:
 
     from burncoll import __version__
 
-    info: dict[str, Any] = {
-        "burncoll": __version__,
-        "python": sys.version.split()[0],
-        "numpy": numpy.__version__,
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-    }
+    info: dict[str, Any] = {"burncoll": __version__, "python": sys.version.split()[0],
+                            "numpy": numpy.__version__, "platform": platform.platform(),
+                            "machine": platform.machine(), "processor": platform.processor(),
+                            "cpu_count": os.cpu_count(),
+                            "date": datetime.now(UTC).isoformat(timespec="seconds")}
     with contextlib.suppress(OSError):  # not on every platform
         info["load_average"] = list(os.getloadavg())
     return info
 
 
-def write_json(
-    path: str | os.PathLike[str],
-    rows: list[Row],
-    peers: list[PeerResult],
-    settings: dict[str, Any],
-) -> None:
+def write_json(path: str | os.PathLike[str], rows: list[Row], peers: list[PeerResult],
+               settings: dict[str, Any]) -> None:
     """Write ``{"environment", "settings", "timing", "rows", "peers"}`` to ``path``."""
-    document = {
-        "environment": environment_info(),
-        "settings": settings,
-        "timing": TIMING_METHOD,
-        "rows": [row.to_dict() for row in rows],
-        "peers": [peer.to_dict() for peer in peers],
-    }
+    document = {"environment": environment_info(), "settings": settings, "timing": TIMING_METHOD,
+                "rows": [row.to_dict() for row in rows],
+                "peers": [peer.to_dict() for peer in peers]}
     Path(path).write_text(json.dumps(document, indent=2) + "\n")

@@ -1,20 +1,11 @@
 """The measuring code: one node's local peers run every (operation, size) of the sweep.
 
-How a row is measured (also in :data:`~burncoll.bench.results.TIMING_METHOD`):
-
-1. every peer builds its input (:func:`~burncoll.bench.check.peer_input`) on its device;
-2. one untimed call, whose result each peer checks against the NumPy reference
-   (:mod:`burncoll.bench.check`);
-3. ``warmup`` untimed iterations;
-4. ``iters`` timed iterations: ``barrier()``, then ``time.perf_counter()`` around the
-   operation alone, on every peer (on JAX and CuPy, until the result is computed);
-5. the per-iteration times (float32 µs) and the wrong-element count of every peer are
-   gathered with one ``all_gather`` (outside the timed region); the iteration's time is the
-   slowest peer's, the row's time is the median over iterations, ``#wrong`` the sum over
-   peers.
-
-The barrier releases peers a few microseconds apart, so the slowest peer's time includes that
-skew; nccl-tests has the same effect with its per-rank CUDA events.
+A row (:data:`~burncoll.bench.results.TIMING_METHOD`): every peer builds its input on its
+device; one untimed call is checked against the NumPy reference (:mod:`burncoll.bench.check`);
+``warmup`` untimed iterations; ``iters`` timed ones (``barrier()``, then ``perf_counter`` around
+the operation alone, until the result is computed on JAX and CuPy); one ``all_gather`` of every
+peer's times and wrong count; the row's time is the median over iterations of the slowest
+peer's. The slowest peer's time includes the barrier's release skew, as nccl-tests' does.
 """
 
 from __future__ import annotations
@@ -65,18 +56,12 @@ class _Context:
     emit: Callable[[Row], None]
 
 
-def run_node(
-    spec: BenchSpec,
-    config: CollectiveConfig,
-    node_rank: int = 0,
-    on_row: Callable[[Row], None] | None = None,
-) -> list[Row]:
-    """Run this node's ``config.num_devices`` peers through the sweep; block until done.
-
-    Peer ids are ``node_rank * num_devices + d`` for local device ``d``. Returns the rows on
-    the node that holds rank 0 (``on_row`` is called with each as soon as it is known) and
-    ``[]`` on the other nodes. The first peer's error is raised after every thread ended.
-    """
+def run_node(spec: BenchSpec, config: CollectiveConfig, node_rank: int = 0,
+             on_row: Callable[[Row], None] | None = None) -> list[Row]:
+    """Run this node's ``config.num_devices`` peers through the sweep; block until done. Peer ids
+    are ``node_rank * num_devices + d`` for local device ``d``. Returns the rows on the node that
+    holds rank 0 (``on_row`` is called with each as soon as it is known) and ``[]`` on the other
+    nodes. The first peer's error is raised after every thread ended."""
     devices = config.num_devices
     world = devices * (config.num_nodes or 1)
     rows: list[Row] = []
@@ -94,12 +79,8 @@ def run_node(
     context = _Context(spec, config, get_backend(config.backend), cache, emit)
     errors: list[BaseException] = []
     threads = [
-        threading.Thread(
-            target=_peer_thread,
-            args=(context, node_rank * devices + d, d, errors),
-            name=f"burncoll-bench-peer-{node_rank * devices + d}",
-            daemon=True,
-        )
+        threading.Thread(target=_peer_thread, args=(context, node_rank * devices + d, d, errors),
+                         name=f"burncoll-bench-peer-{node_rank * devices + d}", daemon=True)
         for d in range(devices)
     ]
     for thread in threads:
@@ -112,10 +93,8 @@ def run_node(
 
 
 def _give_jax_cpu_devices(devices: int) -> None:
-    """Ask XLA for ``devices`` CPU devices, unless jax is already imported or told otherwise.
-
-    Only the CPU platform reads this flag; accelerators keep their real devices.
-    """
+    """Ask XLA for ``devices`` CPU devices, unless jax is already imported or told otherwise. Only
+    the CPU platform reads this flag; accelerators keep their real devices."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
@@ -155,9 +134,8 @@ def _sweep(context: _Context, comm: Communicator) -> None:
             _measure(context, comm, op, requested, total, per_peer)
 
 
-def _operation(
-    comm: Communicator, op: str, x: Array, spec: BenchSpec
-) -> Callable[[], Array | None]:
+def _operation(comm: Communicator, op: str, x: Array,
+               spec: BenchSpec) -> Callable[[], Array | None]:
     """The call to time, with its arguments bound."""
     if op == "all_reduce":
         backend = comm._backend
@@ -195,9 +173,8 @@ def _wait(result: Array | None) -> None:
         synchronize()
 
 
-def _measure(
-    context: _Context, comm: Communicator, op: str, requested: int, total: int, per_peer: int
-) -> None:
+def _measure(context: _Context, comm: Communicator, op: str, requested: int, total: int,
+             per_peer: int) -> None:
     spec, backend = context.spec, context.backend
     host_input = peer_input(comm.rank, per_peer, spec.dtype)
     x = backend.from_host(host_input, spec.dtype, host_input.shape, comm.device)
@@ -234,18 +211,11 @@ def _measure(
     size = total * dtype_from_name(spec.dtype).itemsize
     algbw = size / seconds / 1e9 if seconds > 0 else 0.0
     context.emit(
-        Row(
-            op=op,
-            requested=requested,
-            size=size,
-            count=total,
+        Row(op=op, requested=requested, size=size, count=total,
             dtype=spec.dtype if op != "barrier" else "none",
             redop=spec.redop if op in REDUCING_OPS else "none",
-            root=spec.root if op in ROOTED_OPS else -1,
-            time_us=seconds * 1e6,
-            algbw=algbw,
+            root=spec.root if op in ROOTED_OPS else -1, time_us=seconds * 1e6, algbw=algbw,
             busbw=algbw * busbw_factor(op, comm.world_size),
             wrong=int(stats[:, spec.iters].sum()) * 2**20 + int(stats[:, spec.iters + 1].sum()),
-            iter_times_us=[float(t) for t in slowest],
-        )
+            iter_times_us=[float(t) for t in slowest])
     )

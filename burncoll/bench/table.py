@@ -13,18 +13,8 @@ from typing import Any
 
 from burncoll.bench.results import PeerResult, Row
 
-__all__ = [
-    "banner",
-    "body",
-    "closing",
-    "format_row",
-    "op_header",
-    "peer_table",
-    "ratio_peers",
-    "ratios_for",
-    "row_lines",
-    "summary",
-]
+__all__ = ["banner", "body", "closing", "format_row", "op_header", "peer_table", "ratio_peers",
+           "ratios_for", "row_lines", "summary"]
 
 _COLUMNS = ("size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong")
 _UNITS = ("(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "")
@@ -70,17 +60,8 @@ def ratios_for(row: Row, peers: Sequence[PeerResult]) -> list[float | None]:
 
 def format_row(row: Row, ratios: Sequence[float | None] = ()) -> str:
     """One table line."""
-    values = [
-        str(row.size),
-        str(row.count),
-        row.dtype,
-        row.redop,
-        str(row.root),
-        f"{row.time_us:.1f}",
-        f"{row.algbw:.3f}",
-        f"{row.busbw:.3f}",
-        str(row.wrong),
-    ]
+    values = [str(row.size), str(row.count), row.dtype, row.redop, str(row.root),
+              f"{row.time_us:.1f}", f"{row.algbw:.3f}", f"{row.busbw:.3f}", str(row.wrong)]
     values += ["-" if r is None else f"{r:.3g}" for r in ratios]
     widths = [*_WIDTHS, *(_RATIO_WIDTH for _ in ratios)]
     return " " + _cells(values, widths)[1:]
@@ -91,19 +72,12 @@ def peer_table(peer: PeerResult) -> list[str]:
     if peer.skipped is not None:
         return [f"# vs {peer.name}: skipped: {peer.skipped}"]
     widths = (12, 12, 10, 8, 8)
-    lines = [
-        f"# vs {peer.name}: {peer.description}",
-        "#" + _cells(("size", "count", "time", "algbw", "busbw"), widths)[1:],
-        ("#" + _cells(("(B)", "(elements)", "(us)", "(GB/s)", "(GB/s)"), widths)[1:]).rstrip(),
-    ]
+    lines = [f"# vs {peer.name}: {peer.description}",
+             "#" + _cells(("size", "count", "time", "algbw", "busbw"), widths)[1:],
+             ("#" + _cells(("(B)", "(elements)", "(us)", "(GB/s)", "(GB/s)"), widths)[1:]).rstrip()]
     for row in peer.rows:
-        values = (
-            str(row.size),
-            str(row.count),
-            f"{row.time_us:.1f}",
-            f"{row.algbw:.3f}",
-            f"{row.busbw:.3f}",
-        )
+        values = (str(row.size), str(row.count), f"{row.time_us:.1f}", f"{row.algbw:.3f}",
+                  f"{row.busbw:.3f}")
         lines.append(" " + _cells(values, widths)[1:])
     return lines
 
@@ -113,11 +87,8 @@ def summary(rows: Sequence[Row]) -> list[str]:
     wrong = sum(row.wrong for row in rows)
     data = [row.busbw for row in rows if row.op != "barrier"]
     average = sum(data) / len(data) if data else 0.0
-    return [
-        f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
-        f"# Avg bus bandwidth    : {average:.3f} GB/s",
-        "#",
-    ]
+    return [f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
+            f"# Avg bus bandwidth    : {average:.3f} GB/s", "#"]
 
 
 def row_lines(row: Row, previous: str | None, columns: Sequence[PeerResult]) -> list[str]:

@@ -17,11 +17,9 @@ __all__ = ["resolves_to_loopback", "route_address"]
 
 
 def route_address(host: str, port: int = 9) -> str:
-    """The local address the kernel would use to reach ``host`` (an IP or a name).
-
-    Raises :class:`~burncoll.ConfigError` naming ``host`` when it cannot be resolved or no
-    route leads there: set ``node_address`` (``BURNCOLL_NODE_ADDRESS``) then.
-    """
+    """The local address the kernel would use to reach ``host`` (an IP or a name). Raises
+    :class:`~burncoll.ConfigError` naming ``host`` when it cannot be resolved or no route leads
+    there: set ``node_address`` (``BURNCOLL_NODE_ADDRESS``) then."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
     except (OSError, UnicodeError) as exc:

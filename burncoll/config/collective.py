@@ -1,15 +1,10 @@
 """``CollectiveConfig``: one frozen dataclass describing a collective, validated on creation.
 
-Where each field's value comes from (the code, then ``BURNCOLL_<FIELD>`` variables, then a
-YAML file, then a launcher's variables, then the default) is one rule, in
-:mod:`burncoll.config.sources`. A multi-node config without ``node_address`` uses this
-machine's address toward the rendezvous host.
-
-Secure by default: a multi-node config whose ``node_address`` is not a loopback address
-(``127.0.0.0/8``, ``::1``, ``localhost``) must carry an ``auth_token`` (or ``auth_token_file``)
-unless ``insecure`` is set; an empty token is refused and one shorter than
-:data:`MIN_TOKEN_BYTES` bytes draws a :class:`UserWarning`. ``repr`` and
-:meth:`~CollectiveConfig.to_dict` never show the token.
+Where each field's value comes from is :mod:`burncoll.config.sources`. Secure by default: a
+multi-node config whose ``node_address`` is not loopback needs an ``auth_token`` (or
+``auth_token_file``) unless ``insecure``; an empty token is refused, one shorter than
+:data:`MIN_TOKEN_BYTES` bytes warns. ``repr`` and :meth:`~CollectiveConfig.to_dict` never show
+the token.
 """
 
 from __future__ import annotations
@@ -44,14 +39,9 @@ __all__ = ["CollectiveConfig"]
 
 #: What :func:`repr` and :meth:`CollectiveConfig.to_dict` show instead of a token.
 REDACTED = "***"
-_STRATEGY_FIELDS = (
-    "local_all_reduce_strategy",
-    "local_reduce_strategy",
-    "local_broadcast_strategy",
-    "global_all_reduce_strategy",
-    "global_reduce_strategy",
-    "global_broadcast_strategy",
-)
+_STRATEGY_FIELDS = ("local_all_reduce_strategy", "local_reduce_strategy",
+                    "local_broadcast_strategy", "global_all_reduce_strategy",
+                    "global_reduce_strategy", "global_broadcast_strategy")
 
 
 @dataclass(frozen=True)
@@ -200,15 +190,11 @@ class CollectiveConfig:
 
     def global_fingerprint(self) -> dict[str, Any]:
         """The fields every node must agree on; the orchestrator compares them."""
-        return {
-            "num_nodes": self.num_nodes,
-            "global_all_reduce_strategy": self.strategy("global_all_reduce_strategy").spec,
-            "global_reduce_strategy": self.strategy("global_reduce_strategy").spec,
-            "global_broadcast_strategy": self.strategy("global_broadcast_strategy").spec,
-            "transport": self.transport,
-            "integrity": self.integrity,
-            "tls": self.uses_tls,
-        }
+        return {"num_nodes": self.num_nodes,
+                "global_all_reduce_strategy": self.strategy("global_all_reduce_strategy").spec,
+                "global_reduce_strategy": self.strategy("global_reduce_strategy").spec,
+                "global_broadcast_strategy": self.strategy("global_broadcast_strategy").spec,
+                "transport": self.transport, "integrity": self.integrity, "tls": self.uses_tls}
 
     def to_dict(self, *, reveal_token: bool = False) -> dict[str, Any]:
         """Plain values (strategies as their spelling), as a YAML file would hold them.
@@ -321,9 +307,8 @@ class CollectiveConfig:
         """Set ``tls`` (``None`` automatic, ``True`` wss, ``False`` plain ws)."""
         return self.replace(tls=value)
 
-    def with_tls(
-        self, cert: str | None, key: str | None, ca: str | None = None
-    ) -> CollectiveConfig:
+    def with_tls(self, cert: str | None, key: str | None,
+                 ca: str | None = None) -> CollectiveConfig:
         return self.replace(tls_cert=cert, tls_key=key, tls_ca=ca)
 
 

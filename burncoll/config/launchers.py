@@ -1,27 +1,16 @@
 """Which launcher started this process: ``burncoll launch``, torchrun, SLURM, Open MPI or MPICH.
 
-Each launcher tells its processes their rank and the size of the job in environment variables;
-:func:`detect_launcher` reads them so that burncoll never runs as a silent world of one under a
-launcher. Each launched process is one burncoll node. Launchers are tried in the order of
-:data:`LAUNCHERS`; the first whose marker variable is set wins (``BURNCOLL_*`` variables beat
-torchrun's, torchrun's inside a SLURM allocation beat SLURM's). Ranks started by mpirun or
-mpiexec inside a SLURM allocation inherit its variables: the MPI launcher wins there, decided
-on what every rank sees alike (see :func:`_mpi_inside_slurm`). SLURM counts several processes
-only inside an srun step (``SLURM_STEP_NUM_TASKS``); a batch script run without srun is one
-process. Variables that don't add up (a rank past the size, a non-integer, half of a pair)
-raise :class:`~burncoll.ConfigError` naming them, never a guess; ``""``, ``none`` or ``null``
-count as unset.
-
-The rendezvous (burncoll's orchestrator) address comes from the launcher too, and is
-``127.0.0.1`` whenever every process of the job is on this host:
-
-* torchrun: ``MASTER_ADDR:(MASTER_PORT + 1)``: torchrun's agent already holds ``MASTER_PORT``
-  with torch's own TCPStore (under ``torchrun --standalone`` that port is busy).
-* SLURM: ``MASTER_ADDR`` or the first host of the step's node list; ``MASTER_PORT + 1`` or a
-  port derived from ``SLURM_JOB_ID`` (:func:`derived_port`, as jax does).
-* Open MPI / MPICH: ``MASTER_ADDR``, else (Open MPI) mpirun's host from
-  ``OMPI_MCA_orte_hnp_uri``; ``MASTER_PORT + 1`` or a port derived from the job id
-  (``OMPI_MCA_ess_base_jobid``, ``PMIX_NAMESPACE``, ``PMI_KVSNAME``).
+:func:`detect_launcher` reads the rank and job size each launcher exports, so that burncoll
+never runs as a silent world of one under a launcher; each launched process is one node.
+Launchers are tried in the order of :data:`LAUNCHERS`, the first whose marker is set winning
+(``BURNCOLL_*`` beat torchrun's, torchrun's beat SLURM's, mpirun inside SLURM beats SLURM:
+:func:`_mpi_inside_slurm`). SLURM counts processes only inside an srun step. Variables that
+don't add up raise :class:`~burncoll.ConfigError` naming them; ``""``, ``none``, ``null`` are
+unset. The orchestrator's address (``127.0.0.1`` when the whole job is on this host):
+torchrun ``MASTER_ADDR:(MASTER_PORT + 1)`` (its agent holds ``MASTER_PORT``); SLURM
+``MASTER_ADDR`` or the step's first host; MPI ``MASTER_ADDR`` or (Open MPI) mpirun's host.
+The port, where no ``MASTER_PORT`` gives it, is derived from the job id (:func:`derived_port`,
+as jax does).
 """
 
 from __future__ import annotations
@@ -174,11 +163,9 @@ class _Vars:
 
 
 def derived_port(key: str) -> int:
-    """A port in 61440..65535 from a job id, the same on every process of the job.
-
-    An integer id gives ``id % 4096 + 61440`` (as jax does for SLURM); other text gives
-    ``crc32(text) % 4096 + 61440``.
-    """
+    """A port in 61440..65535 from a job id, the same on every process of the job. An integer id
+    gives ``id % 4096 + 61440`` (as jax does for SLURM); other text gives ``crc32(text) % 4096 +
+    61440``."""
     text = key.strip()
     if text.isascii() and text.isdigit() and len(text) < 4000:  # int() takes up to 4300
         return int(text) % _PORT_SPAN + _PORT_BASE
@@ -343,11 +330,9 @@ def _mpi_inside_slurm(env: Mapping[str, str], slurm: LaunchEnvironment) -> str |
 
 def detect_launcher(environ: Mapping[str, str] | None = None) -> LaunchEnvironment | None:
     """The launcher that started this process and what it says, or None when there is none.
-
     ``environ`` defaults to ``os.environ``. Raises :class:`~burncoll.ConfigError` naming the
-    variables when they don't add up, or when only half of torchrun's ``RANK`` /
-    ``WORLD_SIZE`` pair is set and no other launcher is found.
-    """
+    variables when they don't add up, or when only half of torchrun's ``RANK`` / ``WORLD_SIZE`` pair
+    is set and no other launcher is found."""
     env = os.environ if environ is None else environ
     for launcher in LAUNCHERS:
         read, markers = _READERS[launcher]

@@ -14,17 +14,8 @@ import warnings
 
 from burncoll.errors import ConfigError
 
-__all__ = [
-    "HOW_TO_SET_A_TOKEN",
-    "MIN_TOKEN_BYTES",
-    "TOKEN_FILE_LIMIT",
-    "check_bind_address",
-    "check_tls_mode",
-    "check_token",
-    "is_loopback",
-    "read_token_file",
-    "resolve_token",
-]
+__all__ = ["HOW_TO_SET_A_TOKEN", "MIN_TOKEN_BYTES", "TOKEN_FILE_LIMIT", "check_bind_address",
+           "check_tls_mode", "check_token", "is_loopback", "read_token_file", "resolve_token"]
 
 #: Tokens shorter than this (in UTF-8 bytes) draw a warning: an HMAC over a sniffed handshake
 #: lets anyone test guesses offline, and a 4-letter token fell in 0.2 s.
@@ -59,14 +50,11 @@ HOW_TO_SET_A_TOKEN = (
 )
 
 
-def check_bind_address(
-    host: str, token: str | None, insecure: bool, subject: str, override: str
-) -> None:
+def check_bind_address(host: str, token: str | None, insecure: bool, subject: str,
+                       override: str) -> None:
     """Refuse to listen on a non-loopback ``host`` without a token unless ``insecure``.
-
-    :class:`ConfigError` naming the ``subject`` (``"node_address='0.0.0.0'"``), how to set a
-    token, and the ``override`` that accepts the risk.
-    """
+    :class:`ConfigError` naming the ``subject`` (``"node_address='0.0.0.0'"``), how to set a token,
+    and the ``override`` that accepts the risk."""
     if token is not None or insecure or is_loopback(host):
         return
     raise ConfigError(
@@ -99,11 +87,9 @@ def check_token(token: str | None, what: str = "auth_token") -> None:
 
 
 def read_token_file(path: str) -> str:
-    """The token in file ``path``, its trailing newline stripped.
-
-    :class:`ConfigError` naming the path when it is missing, unreadable, too large, not UTF-8
-    or empty; a :class:`UserWarning` when group or others may read it.
-    """
+    """The token in file ``path``, its trailing newline stripped. :class:`ConfigError` naming the
+    path when it is missing, unreadable, too large, not UTF-8 or empty; a :class:`UserWarning` when
+    group or others may read it."""
     try:
         with open(path, "rb") as f:
             mode = os.fstat(f.fileno()).st_mode
@@ -122,21 +108,16 @@ def read_token_file(path: str) -> str:
     if not token:
         raise ConfigError(f"auth_token_file={path!r}: the file is empty; write the token in it")
     if os.name == "posix" and stat.S_ISREG(mode) and mode & 0o077:
-        warnings.warn(
-            f"auth_token_file={path!r} may be read by other users (mode "
-            f"{stat.S_IMODE(mode):o}); restrict it: chmod 600 {path}",
-            UserWarning,
-            stacklevel=3,
-        )
+        warnings.warn(f"auth_token_file={path!r} may be read by other users (mode "
+                      f"{stat.S_IMODE(mode):o}); restrict it: chmod 600 {path}", UserWarning,
+                      stacklevel=3)
     return token
 
 
 def resolve_token(token: str | None, token_file: str | None) -> str | None:
-    """The token to use: ``token``, or the one read from ``token_file``, checked.
-
-    Both given: they must agree (:class:`ConfigError` otherwise, neither shown). The result
-    passes :func:`check_token`.
-    """
+    """The token to use: ``token``, or the one read from ``token_file``, checked. Both given: they
+    must agree (:class:`ConfigError` otherwise, neither shown). The result passes
+    :func:`check_token`."""
     if token_file is not None:
         from_file = read_token_file(token_file)
         if token is not None and token != from_file:

@@ -1,22 +1,14 @@
-"""Where each value of a :class:`~burncoll.CollectiveConfig` comes from, first match wins:
+"""Where each value of a :class:`~burncoll.CollectiveConfig` comes from, first match wins.
 
-1. the code's arguments: the constructor, :meth:`~burncoll.CollectiveConfig.from_mapping`,
-   :meth:`~burncoll.CollectiveConfig.replace` and the ``with_*`` builders;
-2. a ``BURNCOLL_<FIELD>`` environment variable (``BURNCOLL_NUM_NODES=2``; ``burncoll launch``
-   hands each node its settings that way);
-3. a YAML file (:meth:`~burncoll.CollectiveConfig.from_yaml`);
-4. the variables of the launcher that started the process (torchrun, SLURM, Open MPI, MPICH;
-   :mod:`burncoll.config.launchers`): ``num_nodes``, ``node_rank``, ``global_address``;
-5. the field's default.
+1. the code's arguments (constructor, ``from_mapping``, ``replace``, the ``with_*`` builders);
+2. a ``BURNCOLL_<FIELD>`` environment variable (how ``burncoll launch`` configures nodes);
+3. a YAML file (``from_yaml``); 4. the launcher's variables (:mod:`burncoll.config.launchers`:
+   ``num_nodes``, ``node_rank``, ``global_address``); 5. the field's default.
 
-In short: the nearer to the code, the stronger, and a file is overridden by the environment,
-as pydantic-settings orders its sources and as torch's ``init_process_group(rank=...,
-world_size=...)`` ignores ``RANK`` / ``WORLD_SIZE`` when given them. ``CollectiveConfig(
-timeout=5)`` stays 5 whatever ``BURNCOLL_TIMEOUT`` says; a YAML ``timeout: 5`` does not.
-
-:func:`file_values` keeps a file's values that no variable overrides (they then count as
-the code's); every config calls :func:`resolve` for 2 and 4. :func:`check_node_fields` checks
-the rank and rendezvous address, and finds a multi-node config's missing ``node_address``.
+The nearer to the code, the stronger, as pydantic-settings orders its sources and as torch's
+``init_process_group(rank=...)`` ignores ``RANK``. :func:`file_values` keeps a file's values
+that no variable overrides; :func:`resolve` does 2 and 4; :func:`check_node_fields` checks the
+rank and rendezvous address and finds a multi-node config's missing ``node_address``.
 """
 
 from __future__ import annotations
@@ -59,14 +51,11 @@ def resolve(code: frozenset[str], so_far: Mapping[str, Any]) -> dict[str, Any]:
 def launcher_values(code: frozenset[str], env: frozenset[str], num_nodes: int | None,
                     node_rank: int | None) -> dict[str, Any]:
     """The field values the launcher's variables give, for the fields that neither the code
-    (``code``) nor a ``BURNCOLL_*`` variable (``env``) set.
-
-    ``num_nodes`` and ``node_rank``: the values so far. A ``num_nodes`` set elsewhere that
-    differs from the launcher's takes nothing from it (the three fields go together). Node 0
-    of a torchrun, SLURM or mpirun job hosts the orchestrator (``host_orchestrator``) unless
-    the code chose the rendezvous address or said who hosts. Raises
-    :class:`~burncoll.ConfigError` when the launcher's variables don't add up.
-    """
+    (``code``) nor a ``BURNCOLL_*`` variable (``env``) set. ``num_nodes`` and ``node_rank``: the
+    values so far. A ``num_nodes`` set elsewhere that differs from the launcher's takes nothing from
+    it (the three fields go together). Node 0 of a torchrun, SLURM or mpirun job hosts the
+    orchestrator (``host_orchestrator``) unless the code chose the rendezvous address or said who
+    hosts. Raises :class:`~burncoll.ConfigError` when the launcher's variables don't add up."""
     given = code | env
     if all(name in given for name in LAUNCHER_FIELDS):
         return {}

@@ -22,9 +22,8 @@ MAX_TIMEOUT = 30 * 24 * 3600.0
 ENV_PREFIX = "BURNCOLL_"
 
 
-def parse_host_port(
-    value: str, field_name: str, default_port: int | None = None
-) -> tuple[str, int]:
+def parse_host_port(value: str, field_name: str,
+                    default_port: int | None = None) -> tuple[str, int]:
     """``"host:port"``, ``"ws://host:port/path"``, ``"quic://[::1]:5000"`` -> ``(host, port)``;
     a bare IPv6 address (``"fd00::2"``) is a host without a port."""
     text = value.strip()
@@ -69,10 +68,8 @@ def parse_strategy_field(name: str, value: object) -> Strategy:
             return parse_strategy(value)
         except ConfigError as exc:
             raise ConfigError(f"{name}: {exc}") from None
-    raise ConfigError(
-        f"{name}={value!r}: expected burncoll.Centralized(), Tree(k), Ring() or one of "
-        "'centralized', 'tree', 'tree:K', 'ring'"
-    )
+    raise ConfigError(f"{name}={value!r}: expected burncoll.Centralized(), Tree(k), Ring() or "
+                      "one of 'centralized', 'tree', 'tree:K', 'ring'")
 
 
 def _parse_optional_int(text: str) -> int | None:
@@ -103,25 +100,13 @@ def _parse_optional_bool(text: str) -> bool | None:
 
 
 _ENV_PARSERS: dict[str, Callable[[str], Any]] = {
-    "num_devices": int,
-    "num_nodes": _parse_optional_int,
-    "data_service_port": _parse_optional_int,
-    "timeout": float,
-    "global_address": _parse_optional_str,
-    "node_address": _parse_optional_str,
+    "num_devices": int, "timeout": float,
     "auth_token": str,  # "" stays "": an empty token is refused, never read as "no token"
-    "auth_token_file": _parse_optional_str,
-    "insecure": _parse_bool,
-    "integrity": _parse_bool,
-    "shared_memory": _parse_bool,
-    "caller_sockets": _parse_bool,
-    "compression": _parse_optional_str,
-    "tls": _parse_optional_bool,
-    "tls_cert": _parse_optional_str,
-    "tls_key": _parse_optional_str,
-    "tls_ca": _parse_optional_str,
-    "node_rank": _parse_optional_int,
-    "host_orchestrator": _parse_optional_bool,
+    **dict.fromkeys(("num_nodes", "data_service_port", "node_rank"), _parse_optional_int),
+    **dict.fromkeys(("global_address", "node_address", "auth_token_file", "compression",
+                     "tls_cert", "tls_key", "tls_ca"), _parse_optional_str),
+    **dict.fromkeys(("insecure", "integrity", "shared_memory", "caller_sockets"), _parse_bool),
+    **dict.fromkeys(("tls", "host_orchestrator"), _parse_optional_bool),
 }
 
 
@@ -141,9 +126,5 @@ def parse_env(name: str, raw: str) -> Any:
     try:
         return parser(raw)
     except ValueError:
-        raise ConfigError(
-            f"environment variable {ENV_PREFIX}{name.upper()}={raw!r} is not a valid {name}: "
-            f"expected {_ACCEPTS.get(parser, 'a ' + name)}"
-        ) from None
-
-
+        raise ConfigError(f"environment variable {ENV_PREFIX}{name.upper()}={raw!r} is not a "
+                          f"valid {name}: expected {_ACCEPTS.get(parser, 'a ' + name)}") from None

@@ -1,12 +1,8 @@
 """The orchestrator that node 0 hosts inside its own process.
 
-Under torchrun, SLURM or mpirun nobody starts ``burncoll orchestrator`` by hand: as torch's
-rank 0 hosts its TCPStore, node 0, when its config says ``host_orchestrator`` (automatic in
-such a job; other nodes ignore the setting), starts one listening on ``global_address`` when
-its peers register. It
-stays up for the life of the process (later collectives of the process use it too) and is
-closed at exit; the other nodes' registrations wait for it with the usual retries until their
-deadline.
+As torch's rank 0 hosts its TCPStore, node 0 with ``host_orchestrator`` (automatic under
+torchrun, SLURM or mpirun) starts one on ``global_address`` when its peers register; it stays
+up for the life of the process and the other nodes' registrations retry until it answers.
 """
 
 from __future__ import annotations
@@ -28,11 +24,9 @@ _HOSTED: dict[tuple[str, int, str], Orchestrator] = {}
 
 
 def hosted_orchestrator(config: CollectiveConfig) -> Orchestrator | None:
-    """The orchestrator this process hosts for ``config``, started on first use; ``None`` when
-    the config does not ask this process to host one.
-
-    Raises :class:`~burncoll.TransportError` naming the address when it cannot be bound.
-    """
+    """The orchestrator this process hosts for ``config``, started on first use; ``None`` when the
+    config does not ask this process to host one. Raises :class:`~burncoll.TransportError` naming
+    the address when it cannot be bound."""
     if not config.host_orchestrator or config.global_address is None or config.node_rank:
         return None  # only node 0 hosts, so the setting may be the same on every node
     host, port = parse_host_port(config.global_address, "global_address")

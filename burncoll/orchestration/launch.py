@@ -1,40 +1,19 @@
 """``burncoll launch``: node processes of a script, on one machine or one per host, restarted.
 
-Two forms, with torchrun's vocabulary:
+:func:`launch_nodes` (``--nodes N``, like ``torchrun --standalone``) runs an orchestrator and N
+node processes on this machine, on loopback and authenticated with a fresh random token when
+none is given. :func:`launch_host` (``--nnodes N --node-rank R --master-addr HOST --master-port
+PORT``), run once per host, runs this host's nodes; host 0's launcher also hosts the
+orchestrator for the whole run. Hosts share a token given to them (a non-loopback ``HOST``
+without one is an error). Nodes get their settings as ``BURNCOLL_*`` variables and torchrun's
+(:func:`torchrun_environment`); the token travels in the environment, never argv.
 
-* :func:`launch_nodes` (``burncoll launch --nodes N``), like ``torchrun --standalone``: an
-  orchestrator and N node processes on this machine. Everything binds loopback, and the run
-  is authenticated all the same: without a token given, a fresh random one
-  (:func:`secrets.token_urlsafe`, 32 bytes) is made for the run.
-* :func:`launch_host` (``burncoll launch --nnodes N --node-rank R --master-addr HOST
-  --master-port PORT``), run once per host: this host runs node R of N (or its
-  ``--nproc-per-node`` node processes). The launcher of host 0 hosts the orchestrator on
-  ``HOST:PORT`` for the whole run, restarts included. Every host must
-  share the token, so none is made up: it comes from ``BURNCOLL_AUTH_TOKEN`` or a token file,
-  and a non-loopback ``HOST`` without one is an error. A loopback ``HOST`` without a token runs
-  unauthenticated (only this machine can reach it), as the orchestrator allows.
-
-Each node gets its node rank, the orchestrator's address and its own settings through
-``BURNCOLL_*`` environment variables, which ``CollectiveConfig`` reads (and which beat
-torchrun's there), and torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ... for scripts
-that read them (:func:`torchrun_environment`); the token travels through the environment too
-(never argv, which every user can read in ``/proc/PID/cmdline``). Each node's output is
-prefixed with ``[node R]`` (:mod:`burncoll.orchestration.launch_report`).
-
-Failures and restarts (``max_restarts``): when a node of this launcher exits non-zero or is
-killed by a signal and restarts remain, the launcher stops its other nodes (SIGTERM, then
-SIGKILL after :data:`STOP_SECONDS`) and starts all of them again, ``BURNCOLL_RESTART_COUNT``
-one higher (0 the first time). The orchestrator keeps running: the restarted nodes register
-again and form a new session. Nodes on other hosts see the lost node as a
-:class:`~burncoll.PeerLost` error, exit non-zero, and their own launchers restart them. In the
-last round (no restart left) the other nodes get ``grace`` seconds (:data:`FAILURE_GRACE`) to
-exit before they are stopped. The launcher says at once which node failed, its exit code and
-error, and ends a failed run with a summary of every node. The exit code is 0 when the last
-round succeeds, else the first failing node's code in it (a death by signal N gives 128 + N).
-
-Limits: a node that finished its work before a peer died is not restarted (its launcher has
-exited 0), so a script whose nodes can finish at different points should end with a
-collective (as :meth:`~burncoll.Communicator.finish` is), which fails when a peer is lost.
+``max_restarts``: when a node fails and restarts remain, the launcher stops its other nodes
+(SIGTERM, then SIGKILL after :data:`STOP_SECONDS`) and starts them all again,
+``BURNCOLL_RESTART_COUNT`` one higher; the orchestrator keeps running and the nodes form a new
+session. In the last round the others get ``grace`` seconds to exit. The exit code is the
+first failing node's in the last round (128 + N for signal N), else 0. A node that finished
+before a peer died is not restarted, so a script should end with a collective (``finish``).
 """
 
 from __future__ import annotations
@@ -56,17 +35,8 @@ from burncoll.orchestration.launch_rounds import (
 )
 from burncoll.orchestration.orchestrator import start_orchestrator
 
-__all__ = [
-    "FAILURE_GRACE",
-    "RESTART_COUNT_ENV",
-    "STOP_SECONDS",
-    "exit_code",
-    "launch_host",
-    "launch_nodes",
-    "new_token",
-    "node_environment",
-    "torchrun_environment",
-]
+__all__ = ["FAILURE_GRACE", "RESTART_COUNT_ENV", "STOP_SECONDS", "exit_code", "free_port",
+           "launch_host", "launch_nodes", "new_token", "node_environment", "torchrun_environment"]
 
 #: The environment variable telling a node how many times its launcher restarted it.
 RESTART_COUNT_ENV = "BURNCOLL_RESTART_COUNT"
@@ -77,27 +47,18 @@ def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
-def node_environment(
-    rank: int, nodes: int, devices: int, orchestrator: str, transport: str,
-    extra: dict[str, str] | None = None, *, node_address: str = "127.0.0.1", restart: int = 0,
-) -> dict[str, str]:
+def node_environment(rank: int, nodes: int, devices: int, orchestrator: str, transport: str,
+                     extra: dict[str, str] | None = None, *, node_address: str = "127.0.0.1",
+                     restart: int = 0) -> dict[str, str]:
     """The environment of node ``rank``: the parent's plus the BURNCOLL_* settings.
-
-    ``node_address``: where its data service listens (other nodes connect there);
-    ``restart``: its ``BURNCOLL_RESTART_COUNT``.
-    """
+    ``node_address``: where its data service listens (other nodes connect there); ``restart``: its
+    ``BURNCOLL_RESTART_COUNT``."""
     env = dict(os.environ)
-    env.update({
-        "BURNCOLL_NODE_RANK": str(rank),
-        "BURNCOLL_NUM_NODES": str(nodes),
-        "BURNCOLL_NUM_DEVICES": str(devices),
-        "BURNCOLL_GLOBAL_ADDRESS": orchestrator,
-        "BURNCOLL_NODE_ADDRESS": node_address,
-        "BURNCOLL_DATA_SERVICE_PORT": "0",
-        "BURNCOLL_TRANSPORT": transport,
-        RESTART_COUNT_ENV: str(restart),
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update({"BURNCOLL_NODE_RANK": str(rank), "BURNCOLL_NUM_NODES": str(nodes),
+                "BURNCOLL_NUM_DEVICES": str(devices), "BURNCOLL_GLOBAL_ADDRESS": orchestrator,
+                "BURNCOLL_NODE_ADDRESS": node_address, "BURNCOLL_DATA_SERVICE_PORT": "0",
+                "BURNCOLL_TRANSPORT": transport, RESTART_COUNT_ENV: str(restart),
+                "PYTHONUNBUFFERED": "1"})
     env.update(extra or {})
     return env
 
@@ -118,10 +79,8 @@ def torchrun_environment(rank: int, world: int, local: tuple[int, int], group: i
 def _security_environment(token: str | None, integrity: bool, tls: bool | None
                           ) -> dict[str, str]:
     """The settings every node must share with the orchestrator, as environment variables."""
-    env = {
-        "BURNCOLL_INTEGRITY": "1" if integrity else "0",
-        "BURNCOLL_TLS": "auto" if tls is None else ("1" if tls else "0"),
-    }
+    env = {"BURNCOLL_INTEGRITY": "1" if integrity else "0",
+           "BURNCOLL_TLS": "auto" if tls is None else ("1" if tls else "0")}
     if token is not None:
         env["BURNCOLL_AUTH_TOKEN"] = token
     return env
@@ -137,36 +96,20 @@ def _node_env(base: dict[str, str], token: str | None) -> dict[str, str]:
     return env
 
 
-def launch_nodes(
-    command: Sequence[str],
-    nodes: int,
-    devices: int,
-    transport: str = "websocket",
-    auth_token: str | None = None,
-    grace: float = FAILURE_GRACE,
-    extra_env: dict[str, str] | None = None,
-    *,
-    integrity: bool = False,
-    tls: bool | None = None,
-    max_restarts: int = 0,
-) -> int:
-    """Run ``command`` as ``nodes`` node processes around a fresh orchestrator.
-
-    ``auth_token``: the run's token; ``None`` makes a fresh random one (:func:`new_token`).
-    It reaches the nodes as ``BURNCOLL_AUTH_TOKEN`` (``BURNCOLL_AUTH_TOKEN_FILE`` is removed
-    from their environment, the token having been read already). ``integrity``, ``tls``: as
-    the config fields, set on the orchestrator and on every node. ``max_restarts``: how many
-    times every node is restarted after one fails (see the module). ``grace``: seconds the
-    other nodes of the last round get to exit on their own once one failed. Returns 0 when
-    every node of the last round exits 0, else the exit code of the first node that failed in
-    it. Each node also gets torchrun's variables (:func:`torchrun_environment`), its
-    ``MASTER_PORT`` a free port of this machine.
-    """
+def launch_nodes(command: Sequence[str], nodes: int, devices: int, transport: str = "websocket",
+                 auth_token: str | None = None, grace: float = FAILURE_GRACE,
+                 extra_env: dict[str, str] | None = None, *, integrity: bool = False,
+                 tls: bool | None = None, max_restarts: int = 0) -> int:
+    """Run ``command`` as ``nodes`` node processes around a fresh orchestrator. ``auth_token``: the
+    run's token (``None``: a fresh one, :func:`new_token`), given to the nodes as
+    ``BURNCOLL_AUTH_TOKEN``. ``integrity``, ``tls``: as the config fields. ``max_restarts``,
+    ``grace``: see the module. Returns 0 when every node of the last round exits 0, else the exit
+    code of the first that failed. Each node also gets torchrun's variables."""
     _check_restarts(max_restarts)
     token = new_token() if auth_token is None else auth_token
     extra = dict(extra_env or {})
     extra.update(_security_environment(token, integrity, tls))
-    master = ("127.0.0.1", _free_port())
+    master = ("127.0.0.1", free_port())
     with start_orchestrator(transport=transport, auth_token=token, integrity=integrity,
                             tls=tls, expected_nodes=nodes) as orchestrator:
 
@@ -183,43 +126,24 @@ def launch_nodes(
                           lambda line: orchestrator.node_failed(_failed_reason(line)))
 
 
-def launch_host(
-    command: Sequence[str],
-    nnodes: int,
-    node_rank: int,
-    master_addr: str,
-    master_port: int,
-    devices: int,
-    transport: str = "websocket",
-    auth_token: str | None = None,
-    grace: float = FAILURE_GRACE,
-    extra_env: dict[str, str] | None = None,
-    *,
-    integrity: bool = False,
-    tls: bool | None = None,
-    max_restarts: int = 0,
-    node_address: str | None = None,
-    min_nodes: int | None = None,
-    min_nodes_wait: float = 30.0,
-    nproc_per_node: int = 1,
-) -> int:
+def launch_host(command: Sequence[str], nnodes: int, node_rank: int, master_addr: str,
+                master_port: int, devices: int, transport: str = "websocket",
+                auth_token: str | None = None, grace: float = FAILURE_GRACE,
+                extra_env: dict[str, str] | None = None, *, integrity: bool = False,
+                tls: bool | None = None, max_restarts: int = 0, node_address: str | None = None,
+                min_nodes: int | None = None, min_nodes_wait: float = 30.0,
+                nproc_per_node: int = 1) -> int:
     """Run host ``node_rank`` of ``nnodes`` hosts of ``command`` on this host: its
     ``nproc_per_node`` node processes, node ranks ``node_rank * nproc_per_node + i``.
 
-    Call it once on every host with the same ``nnodes``, ``master_addr``, ``master_port``,
-    ``devices``, ``nproc_per_node``, token and modes. With ``node_rank == 0`` it also runs the
-    orchestrator on
-    ``master_addr:master_port`` until it returns. ``auth_token``: shared by every host;
-    ``None`` runs without authentication, which only a loopback ``master_addr`` allows
-    (:class:`~burncoll.ConfigError` otherwise, before anything connects). ``node_address``:
-    where this node's data service listens, for the other hosts to reach; default the address
-    of the interface that routes to ``master_addr``. ``max_restarts``, ``grace`` and the
-    result: as :func:`launch_nodes`. ``min_nodes`` (elastic, given to node 0's launcher): a
-    session forms with fewer hosts, at least ``min_nodes``, when the missing ones have not
-    joined ``min_nodes_wait`` seconds after the ``min_nodes``-th did (a host that died does
-    not come back; the others restart and go on without it). torchrun's variables: as
-    :func:`launch_nodes`, ``MASTER_ADDR`` the master's and ``MASTER_PORT`` the port after the
-    orchestrator's (before it, for 65535), the same on every host.
+    Call it on every host with the same arguments but ``node_rank``; host 0 also runs the
+    orchestrator on ``master_addr:master_port`` until it returns. ``auth_token``: shared by every
+    host; ``None`` only with a loopback ``master_addr`` (:class:`~burncoll.ConfigError`
+    otherwise). ``node_address``: where this node's data service listens (default: the address
+    routing to ``master_addr``). ``min_nodes`` (elastic, host 0): a session forms with at least
+    ``min_nodes`` hosts when the others have not joined ``min_nodes_wait`` seconds after the
+    ``min_nodes``-th did. The rest, and torchrun's variables (``MASTER_PORT`` the port after the
+    orchestrator's): as :func:`launch_nodes`.
     """
     _check_host(nnodes, node_rank, master_addr, master_port, devices, nproc_per_node)
     _check_restarts(max_restarts)
@@ -266,14 +190,12 @@ def _host_envs(host: str, port: int, ranks: tuple[int, int, int], devices: int, 
 
 def missing_token_message(master_addr: str) -> str:
     """Why a multi-host launch with a non-loopback master needs a token, and how to give it."""
-    return (
-        f"--master-addr {master_addr!r} is reachable from other machines, and no auth token is "
-        "set: every host must hold the same token (a fresh random one would differ from host "
-        "to host). Export the same BURNCOLL_AUTH_TOKEN=<secret> on every host, or copy a "
-        "token file to every host and give it with --auth-token-file PATH (or "
-        "BURNCOLL_AUTH_TOKEN_FILE=PATH); make a token with: python -c 'import secrets; "
-        "print(secrets.token_urlsafe(32))'"
-    )
+    return (f"--master-addr {master_addr!r} is reachable from other machines, and no auth token is "
+            "set: every host must hold the same token (a fresh random one would differ from host "
+            "to host). Export the same BURNCOLL_AUTH_TOKEN=<secret> on every host, or copy a "
+            "token file to every host and give it with --auth-token-file PATH (or "
+            "BURNCOLL_AUTH_TOKEN_FILE=PATH); make a token with: python -c 'import secrets; "
+            "print(secrets.token_urlsafe(32))'")
 
 
 def _is_count(value: object, low: int) -> bool:
@@ -311,8 +233,8 @@ def _failed_reason(line: str) -> str:
     return f"burncoll launch: {line}; the collective this node waits for cannot form"
 
 
-def _free_port() -> int:
-    """A port free on loopback now (for the script's ``MASTER_PORT``)."""
+def free_port() -> int:
+    """A port free on loopback now (a script's ``MASTER_PORT``, a baseline's rendezvous)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])

@@ -75,12 +75,10 @@ def _say(message: str) -> None:
 def _run_round(command: Sequence[str], envs: dict[int, dict[str, str]],
                wait_after_failure: float, on_failure: Callable[[str], None]
                ) -> tuple[int | None, list[Outcome]]:
-    """Start one process per node and wait for them: the rank of the first to fail (or
-    ``None``), and how each ended.
-
-    Once one fails, the others get ``wait_after_failure`` seconds before they are stopped.
-    Every process is stopped when this returns or raises (an interrupt of the launcher).
-    """
+    """Start one process per node and wait for them: the rank of the first to fail (or ``None``),
+    and how each ended. Once one fails, the others get ``wait_after_failure`` seconds before they
+    are stopped. Every process is stopped when this returns or raises (an interrupt of the
+    launcher)."""
     procs: dict[int, subprocess.Popen[str]] = {}
     outputs: dict[int, tuple[NodeOutput, threading.Thread]] = {}
     stopped: list[int] = []

@@ -1,52 +1,16 @@
 """The GlobalOrchestrator: the rendezvous point of the nodes. It carries no array data.
 
-Protocol (CONTROL frames, JSON, after the token challenge):
-
-* node -> orchestrator ``{"type": "join", "host", "port", "peer_ids", "fingerprint", "pid",
-  "meta"}`` (``meta``: facts about the node that the others need, passed through untouched)
-* orchestrator -> node ``{"type": "table", "session", "index", "nodes": [...], "secret"}``
-  once ``num_nodes`` nodes with the same fingerprint have joined (ordered by lowest peer id);
-  ``secret``: 32 random bytes (hex), fresh for each session, sent to its members only (they
-  authenticate each other with it without a token). Or ``{"type": "refused", "reason"}``.
-* node -> orchestrator ``{"type": "abandon", "node", "peer_ids", "fingerprint", "error",
-  "reason", "pid"}`` instead of a join: it failed before it could join (error class, message).
-* orchestrator -> each node waiting with that fingerprint ``{"type": "abandoned", "error",
-  "reason"}``: a node of its collective failed before it formed (or, with a token, was
-  refused), naming it and quoting its error; the node raises that class of error at once.
-* orchestrator -> node ``{"type": "notice", "reason"}`` while it waits: other nodes are waiting
-  whose config differs from this one's (a few per node; informational).
-* node -> orchestrator ``{"type": "finish"}``; orchestrator -> every node ``{"type":
-  "finished"}`` when every node of the session has finished.
-* orchestrator -> node ``{"type": "node_lost", "node"}`` when a member's connection drops
-  before it finished, unless it said ``{"type": "leave"}`` first (a node leaving a failed
-  collective: the nodes have already told each other why, and it is not dead).
-
-Who waits with whom. Waiting registrations are grouped by their config fingerprint
-(:meth:`burncoll.CollectiveConfig.global_fingerprint`); a group becomes a session when it
-holds its ``num_nodes`` members. Peer ids must be unique within a group (a duplicate is
-refused). What happens to a registration whose fingerprint differs from a group already
-waiting depends on whether the orchestrator has a token:
-
-* **With a token**, every registration comes from a process that holds it, so a difference is
-  a genuine misconfiguration: the newcomer is refused at once, the message naming each field
-  that differs (``transport: 'quic' here, 'websocket' on the node(s) already waiting``), and
-  the nodes waiting get ``abandoned`` naming it (they would wait for it in vain); so do the
-  nodes of a group in which a newcomer claims peer ids already held.
-* **Without a token** (loopback only, unless ``insecure``) anyone on the machine can register,
-  so a difference is no reason to refuse: a stranger that arrives first with ``num_nodes=99``
-  must not lock the real nodes out. The newcomer waits in its own group, and both sides get a
-  ``notice`` naming the differences, which a node includes in its registration timeout error
-  -- what a user who misconfigured one node needs to see.
-
-``expected_nodes`` (``burncoll orchestrator --nodes N``; ``burncoll launch`` sets it) refuses
-any other ``num_nodes`` at once. State is bounded (:mod:`burncoll.orchestration.waiting`): the
-waiting registrations and their peer ids are capped, and so is each join (its peer ids, the
-bytes of its fingerprint and meta); beyond, a join is refused with a logged reason. A waiting
-node whose connection closes (or that says ``leave``) is forgotten. The messages are the
-dataclasses of :mod:`burncoll.protocol.control`.
-
-After the table the nodes talk peer to peer; the orchestrator can die without disturbing the
-operations under way (only ``finish`` and new registrations need it).
+After the token challenge a node sends ``join`` (or ``abandon``, having failed before it could
+join); the messages are the dataclasses of :mod:`burncoll.protocol.control`. Registrations wait
+in groups keyed by their config fingerprint (:mod:`burncoll.orchestration.waiting`, bounded);
+a group of ``num_nodes`` members becomes a session and each member gets the ``table`` (with a
+fresh 32-byte session secret). A registration whose config differs from a waiting group's is,
+**with a token** (a misconfigured job), refused at once naming each field that differs, and the
+waiting group is told ``abandoned``; **without a token** (anyone local can register) it waits
+in its own group, both sides get a ``notice`` of the differences, and a stranger with
+``num_nodes=99`` cannot lock the real nodes out. ``expected_nodes`` refuses any other
+``num_nodes``. After the table the nodes talk peer to peer: only ``finish`` (answered
+``finished``) and ``node_lost`` (a member dropped without ``leave``) still pass through here.
 """
 
 from __future__ import annotations
@@ -367,23 +331,12 @@ class Orchestrator:
                 await tell(m.conn, NodeLost(member.index), _TELL_SECONDS)
 
 
-def start_orchestrator(
-    host: str = "127.0.0.1",
-    port: int = 0,
-    transport: str = "websocket",
-    auth_token: str | None = None,
-    *,
-    timeout: float = 60.0,
-    tls_cert: str | None = None,
-    tls_key: str | None = None,
-    tls_ca: str | None = None,
-    tls: bool | None = None,
-    integrity: bool = False,
-    insecure: bool = False,
-    expected_nodes: int | None = None,
-    min_nodes: int | None = None,
-    min_nodes_wait: float = 30.0,
-) -> Orchestrator:
+def start_orchestrator(host: str = "127.0.0.1", port: int = 0, transport: str = "websocket",
+                       auth_token: str | None = None, *, timeout: float = 60.0,
+                       tls_cert: str | None = None, tls_key: str | None = None,
+                       tls_ca: str | None = None, tls: bool | None = None, integrity: bool = False,
+                       insecure: bool = False, expected_nodes: int | None = None,
+                       min_nodes: int | None = None, min_nodes_wait: float = 30.0) -> Orchestrator:
     """Start the rendezvous server on ``host:port`` (0 = a free port) in the background.
 
     Returns a running :class:`Orchestrator` (a context manager; ``.address`` is

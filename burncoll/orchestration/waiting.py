@@ -1,18 +1,11 @@
 """The orchestrator's waiting room: who waits with whom, and the sessions they form.
 
-Sans-I/O: the orchestrator (:mod:`burncoll.orchestration.orchestrator`) reads and sends; this
-module decides.
-Waiting registrations are grouped by their config fingerprint; a group becomes a
-:class:`Session` when it holds its ``num_nodes`` members. Peer ids must be unique within a
-group. With a token, a registration whose fingerprint differs from a group already waiting is
-refused (a genuine misconfiguration); without one it waits apart, and both sides get a
-:class:`~burncoll.protocol.control.Notice` naming the differences (see the orchestrator's
-docstring for why).
-
-State is bounded: at most :data:`MAX_WAITING` registrations and :data:`MAX_WAITING_PEERS` peer
-ids wait at once; each join is itself bounded (:data:`~burncoll.protocol.control.MAX_NODE_PEERS`
-peer ids, :data:`~burncoll.protocol.control.MAX_FIELD_BYTES` of fingerprint and of meta); each
-waiting node is sent at most :data:`MAX_NOTICES` notices.
+Sans-I/O: the orchestrator (:mod:`burncoll.orchestration.orchestrator`, whose docstring says
+who waits with whom and why) reads and sends; this module decides. State is bounded: at most
+:data:`MAX_WAITING` registrations and :data:`MAX_WAITING_PEERS` peer ids wait at once, each
+join is bounded (:data:`~burncoll.protocol.control.MAX_NODE_PEERS` peer ids,
+:data:`~burncoll.protocol.control.MAX_FIELD_BYTES` of fingerprint and of meta), and each
+waiting node gets at most :data:`MAX_NOTICES` notices.
 """
 
 from __future__ import annotations
@@ -25,17 +18,8 @@ from burncoll.protocol.control import Join, Notice, Table, TableEntry
 from burncoll.protocol.fields import JsonObject, canonical
 from burncoll.transport.base import Connection
 
-__all__ = [
-    "MAX_NOTICES",
-    "MAX_WAITING",
-    "MAX_WAITING_PEERS",
-    "Conflict",
-    "Group",
-    "Member",
-    "Session",
-    "WaitingRoom",
-    "differences",
-]
+__all__ = ["MAX_NOTICES", "MAX_WAITING", "MAX_WAITING_PEERS", "Conflict", "Group", "Member",
+           "Session", "WaitingRoom", "differences"]
 
 #: Most registrations waiting at once, all groups together (a session needs at most this many
 #: nodes). Each costs a connection plus at most a few tens of KiB of state.
@@ -147,10 +131,8 @@ class Session:
 
 class WaitingRoom:
     """The registrations waiting for their session, in groups by fingerprint.
-
-    ``refuse_differences``: refuse a member whose fingerprint differs from a waiting group's
-    (the orchestrator has a token). ``expected_nodes``: refuse any other ``num_nodes``.
-    """
+    ``refuse_differences``: refuse a member whose fingerprint differs from a waiting group's (the
+    orchestrator has a token). ``expected_nodes``: refuse any other ``num_nodes``."""
 
     def __init__(self, refuse_differences: bool, expected_nodes: int | None) -> None:
         self.refuse_differences = refuse_differences
@@ -193,12 +175,7 @@ class WaitingRoom:
         member.group = group
         self.waiting += 1
         self.waiting_peers += len(member.peer_ids)
-        if len(group.members) < group.num_nodes:
-            return None
-        members = list(group.members)
-        for m in members:
-            self.unwait(m)
-        return members
+        return self._take_out(group) if len(group.members) >= group.num_nodes else None
 
     def _check_limits(self, member: Member) -> None:
         expected = self.expected_nodes
@@ -232,6 +209,9 @@ class WaitingRoom:
         group = self.groups.get(key)
         if group is None or not min_nodes <= len(group.members) < group.num_nodes:
             return None
+        return self._take_out(group)
+
+    def _take_out(self, group: Group) -> list[Member]:
         members = list(group.members)
         for m in members:
             self.unwait(m)
@@ -278,8 +258,5 @@ class WaitingRoom:
 def differences(here: JsonObject, there: JsonObject,
                 where: str = "on the node(s) already waiting") -> str:
     """``"key: X here, Y on the node(s) already waiting; ..."`` for each differing field."""
-    return "; ".join(
-        f"{key}: {here.get(key)!r} here, {there.get(key)!r} {where}"
-        for key in sorted(set(here) | set(there))
-        if here.get(key) != there.get(key)
-    )
+    return "; ".join(f"{key}: {here.get(key)!r} here, {there.get(key)!r} {where}"
+                     for key in sorted(set(here) | set(there)) if here.get(key) != there.get(key))

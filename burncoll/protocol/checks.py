@@ -23,18 +23,8 @@ from burncoll.ops import ROW_KINDS, OpKind, ReduceOp
 from burncoll.protocol.wire import DataHeader
 from burncoll.strategies.layout import even_layout
 
-__all__ = [
-    "Check",
-    "array_bytes",
-    "describe_fingerprint",
-    "expected_bytes",
-    "header_check",
-    "memory_bytes",
-    "order_mismatch",
-    "part_of",
-    "protocol_error",
-    "timed_out",
-]
+__all__ = ["Check", "array_bytes", "describe_fingerprint", "expected_bytes", "header_check",
+           "memory_bytes", "order_mismatch", "part_of", "protocol_error", "timed_out"]
 
 #: ``check(header)``: the error of a frame that is not of this node's call, or ``None``.
 Check = Callable[[DataHeader], CollectiveError | None]
@@ -90,14 +80,11 @@ def timed_out(op: GlobalOp, describe: Callable[[int], str], me: int, src: int, r
 
 def header_check(op: GlobalOp, me: int, describe: Callable[[int], str]) -> Check:
     """``check(header)``: the error of a frame that is not of this node's call ``op``
-    (:class:`~burncoll.MismatchError`), or ``None``.
-
-    A broadcast receiver (which calls it without an array) and an all-gather (whose peers'
-    arrays differ in length) learn the array from the frames: every later frame of the
-    operation (of the chunk, for an all-gather) must then carry the same dtype and shape as
-    the first, or it is a :class:`~burncoll.ProtocolError`. One check per walk: it remembers
-    the first array a frame carried.
-    """
+    (:class:`~burncoll.MismatchError`), or ``None``. A broadcast receiver (which calls it without an
+    array) and an all-gather (whose peers' arrays differ in length) learn the array from the frames:
+    every later frame of the operation (of the chunk, for an all-gather) must then carry the same
+    dtype and shape as the first, or it is a :class:`~burncoll.ProtocolError`. One check per walk:
+    it remembers the first array a frame carried."""
     first: dict[int, tuple[str | None, tuple[int, ...]]] = {}
     rows = op.kind in ROW_KINDS
 
@@ -153,10 +140,8 @@ def _calls(op: GlobalOp, h: DataHeader) -> tuple[str, str]:
 def _mismatch(op: GlobalOp, me: int, describe: Callable[[int], str],
               h: DataHeader) -> MismatchError:
     mine, theirs = _calls(op, h)
-    return MismatchError(
-        f"{op.label}: peers called it with different arguments: "
-        f"{describe(me)} called {mine}; {describe(h.src)} called {theirs}"
-    )
+    return MismatchError(f"{op.label}: peers called it with different arguments: "
+                         f"{describe(me)} called {mine}; {describe(h.src)} called {theirs}")
 
 
 def order_mismatch(op: GlobalOp, me: int, describe: Callable[[int], str],

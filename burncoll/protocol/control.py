@@ -1,20 +1,12 @@
 """Control messages: the JSON objects of CONTROL frames, as frozen dataclasses.
 
-Two conversations use them. A node and the orchestrator
-(:mod:`burncoll.orchestration.orchestrator`) share this module, which holds their whole
-conversation: the node sends :class:`Join` (or :class:`Abandon`, having failed before it could
-join), :class:`Finish`, :class:`Leave`; the orchestrator answers with :class:`Table`,
-:class:`Refused`, :class:`Abandoned`, :class:`Notice`, :class:`Finished`, :class:`NodeLost`.
-Two members of a session talk with the messages of :mod:`burncoll.protocol.members`, built on
-what is here: the frame (:func:`encode`, :func:`kind_of`), the shapes several messages share
-and the decoding by type.
-
-Each message encodes to the JSON object sent before these types existed (same keys, same
-order, so the same bytes). Decoding checks every field: a message whose fields are not what
-its type says raises :class:`~burncoll.protocol.fields.MalformedMessage` (a
-:class:`~burncoll.ProtocolError`) naming each field that is wrong. A type the receiver does
-not expect is ignored (the ``decode_*`` functions return ``None``), as it always was. Nothing
-is unpickled: JSON only.
+A node sends the orchestrator :class:`Join` (or :class:`Abandon`), :class:`Finish`,
+:class:`Leave`; the orchestrator answers :class:`Table`, :class:`Refused`, :class:`Abandoned`,
+:class:`Notice`, :class:`Finished`, :class:`NodeLost`. The members' messages
+(:mod:`burncoll.protocol.members`) build on the frame, shapes and decoding here. Each message
+encodes to the same bytes as before these types existed. Decoding checks every field and
+raises :class:`~burncoll.protocol.fields.MalformedMessage` naming each wrong one; a type the
+receiver does not expect decodes to ``None`` (ignored). JSON only, nothing unpickled.
 """
 
 from __future__ import annotations
@@ -26,12 +18,11 @@ from typing import ClassVar, Protocol, Self, TypeAlias, TypeVar
 from burncoll.protocol.fields import Fields, JsonObject, is_int
 from burncoll.protocol.wire import Frame, encode_control
 
-__all__ = [
-    "MAX_FIELD_BYTES", "MAX_NODE_PEERS", "MAX_PEER_ID", "MAX_REASON", "MAX_SESSION", "Abandon",
-    "Abandoned", "AboutNode", "ControlMessage", "Finish", "Finished", "FromNode",
-    "FromOrchestrator", "Join", "Leave", "NodeLost", "Notice", "Refused", "Table", "TableEntry",
-    "decode_by_type", "decode_from_node", "decode_from_orchestrator", "encode", "kind_of",
-]
+__all__ = ["MAX_FIELD_BYTES", "MAX_NODE_PEERS", "MAX_PEER_ID", "MAX_REASON", "MAX_SESSION",
+           "Abandon", "Abandoned", "AboutNode", "ControlMessage", "Finish", "Finished", "FromNode",
+           "FromOrchestrator", "Join", "Leave", "NodeLost", "Notice", "Refused", "Table",
+           "TableEntry", "decode_by_type", "decode_from_node", "decode_from_orchestrator", "encode",
+           "kind_of"]
 
 #: Most peer ids one node may register (devices on one node).
 MAX_NODE_PEERS = 4096

@@ -13,10 +13,8 @@ from typing import TypeAlias, TypeVar
 
 from burncoll.errors import ProtocolError
 
-__all__ = [
-    "Fields", "JsonObject", "JsonValue", "MalformedMessage", "canonical", "count", "int_tuple",
-    "is_int",
-]
+__all__ = ["Fields", "JsonObject", "JsonValue", "MalformedMessage", "canonical", "count",
+           "int_tuple", "is_int"]
 
 JsonValue: TypeAlias = "str | int | float | bool | list[JsonValue] | dict[str, JsonValue] | None"
 JsonObject: TypeAlias = "dict[str, JsonValue]"
@@ -63,10 +61,9 @@ def _index(key: object) -> int | None:
 
 class Fields:
     """Reads the fields of one message, noting each that is wrong; :meth:`check` raises
-    :class:`MalformedMessage` naming them all (what was read meanwhile is a placeholder).
-
-    ``what`` names the message in the error (``"join message"``); ``prefix`` each field
-    (``"nodes[2]."``, for an object within the message)."""
+    :class:`MalformedMessage` naming them all (what was read meanwhile is a placeholder). ``what``
+    names the message in the error (``"join message"``); ``prefix`` each field (``"nodes[2]."``, for
+    an object within the message)."""
 
     def __init__(self, message: Mapping[str, object], what: str, prefix: str = "") -> None:
         self.message = message

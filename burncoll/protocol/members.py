@@ -20,10 +20,8 @@ from burncoll.protocol.control import MAX_PEER_ID, MAX_SESSION, AboutNode, decod
 from burncoll.protocol.fields import Fields, JsonObject, MalformedMessage, count, int_tuple, is_int
 from burncoll.protocol.wire import Frame
 
-__all__ = [
-    "MAX_REFUSAL", "Abort", "Bye", "Hello", "MemberMessage", "P2PAck", "Status", "StatusQuery",
-    "decode_member",
-]
+__all__ = ["MAX_REFUSAL", "Abort", "Bye", "Hello", "MemberMessage", "P2PAck", "Status",
+           "StatusQuery", "decode_member"]
 
 #: Longest reason a receiver gives for refusing a point-to-point message (characters).
 MAX_REFUSAL = 1000

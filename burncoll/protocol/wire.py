@@ -44,22 +44,10 @@ from burncoll.dtypes import WIRE_CODES, WIRE_NAMES
 from burncoll.errors import ProtocolError
 from burncoll.ops import OpKind, ReduceOp
 
-__all__ = [
-    "CONTROL_LIMIT",
-    "DEFAULT_MAX_MESSAGE_BYTES",
-    "DataHeader",
-    "FrameType",
-    "LENGTH_PREFIX_BYTES",
-    "MAX_NDIM",
-    "WIRE_VERSION",
-    "announced_lengths",
-    "decode",
-    "decode_control",
-    "decode_data_head",
-    "encode_control",
-    "encode_data_header",
-    "restamped",
-]
+__all__ = ["CONTROL_LIMIT", "DEFAULT_MAX_MESSAGE_BYTES", "DataHeader", "FrameType",
+           "LENGTH_PREFIX_BYTES", "MAX_NDIM", "WIRE_VERSION", "announced_lengths", "decode",
+           "decode_control", "decode_data_head", "encode_control", "encode_data_header",
+           "restamped"]
 
 MAGIC = b"BC"
 WIRE_VERSION = 1
@@ -131,12 +119,11 @@ class Frame:
 
 @dataclass(frozen=True, slots=True)
 class Placed:
-    """A DATA message as a transport delivers it when the payload was received straight into
-    its destination (see ``StreamProtocol.placer``): the header bytes, and the destination.
-
-    ``lent``: the whole message (``head`` empty, ``payload`` all of it) was not moved at all:
-    it is the transport's own memory (the shared-memory ring), valid until the connection's
-    next ``recv``; its frame is :attr:`Frame.borrowed`."""
+    """A DATA message as a transport delivers it when the payload was received straight into its
+    destination (see ``StreamProtocol.placer``): the header bytes, and the destination. ``lent``:
+    the whole message (``head`` empty, ``payload`` all of it) was not moved at all: it is the
+    transport's own memory (the shared-memory ring), valid until the connection's next ``recv``; its
+    frame is :attr:`Frame.borrowed`."""
 
     head: bytes
     payload: memoryview
@@ -181,25 +168,10 @@ def encode_data_header(h: DataHeader, payload_len: int) -> bytes:
     """The bytes of a DATA frame's header; the payload is sent right after it."""
     if len(h.shape) > MAX_NDIM:
         raise ProtocolError(f"arrays of more than {MAX_NDIM} dimensions cannot be sent")
-    fixed = _FIXED.pack(
-        MAGIC,
-        WIRE_VERSION,
-        FrameType.DATA,
-        h.session,
-        h.seq,
-        h.op_kind,
-        0 if h.reduce_op is None else h.reduce_op,
-        0 if h.dtype is None else WIRE_CODES[h.dtype],
-        len(h.shape),
-        h.root,
-        h.src,
-        h.round,
-        h.channel,
-        h.chunk,
-        h.offset,
-        h.chunk_bytes,
-        payload_len,
-    )
+    fixed = _FIXED.pack(MAGIC, WIRE_VERSION, FrameType.DATA, h.session, h.seq, h.op_kind,
+                        0 if h.reduce_op is None else h.reduce_op,
+                        0 if h.dtype is None else WIRE_CODES[h.dtype], len(h.shape), h.root, h.src,
+                        h.round, h.channel, h.chunk, h.offset, h.chunk_bytes, payload_len)
     return fixed + struct.pack(f"<{len(h.shape)}Q", *h.shape)
 
 
@@ -220,10 +192,8 @@ def encode_control(message: dict[str, Any], session: int = 0) -> bytes:
     body = json.dumps(message, separators=(",", ":")).encode()
     if len(body) > CONTROL_LIMIT:
         raise ProtocolError(f"control message of {len(body)} bytes exceeds {CONTROL_LIMIT}")
-    fixed = _FIXED.pack(
-        MAGIC, WIRE_VERSION, FrameType.CONTROL, session, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0,
-        len(body), len(body),
-    )
+    fixed = _FIXED.pack(MAGIC, WIRE_VERSION, FrameType.CONTROL, session, 0, 0, 0, 0, 0, -1, -1, 0,
+                        0, 0, 0, len(body), len(body))
     return fixed + body
 
 
@@ -307,21 +277,11 @@ def _data_header(view: memoryview, fields: tuple[Any, ...]) -> DataHeader:
             f"part at offset {offset} of {payload_len} bytes overruns its chunk of {chunk_bytes}"
         )
     shape = struct.unpack_from(f"<{ndim}Q", view, FIXED_HEADER_BYTES)
-    return DataHeader(
-        session=session,
-        seq=seq,
-        op_kind=OpKind(op_kind),
-        reduce_op=None if reduce_op == 0 else ReduceOp(reduce_op),
-        dtype=WIRE_NAMES.get(dtype),
-        shape=tuple(shape),
-        root=root,
-        src=src,
-        round=round_,
-        channel=channel,
-        chunk=chunk,
-        offset=offset,
-        chunk_bytes=chunk_bytes,
-    )
+    return DataHeader(session=session, seq=seq, op_kind=OpKind(op_kind),
+                      reduce_op=None if reduce_op == 0 else ReduceOp(reduce_op),
+                      dtype=WIRE_NAMES.get(dtype), shape=tuple(shape), root=root, src=src,
+                      round=round_, channel=channel, chunk=chunk, offset=offset,
+                      chunk_bytes=chunk_bytes)
 
 
 def decode_control(payload: memoryview) -> dict[str, Any]:

@@ -16,19 +16,8 @@ from burncoll.strategies.ring import Ring
 from burncoll.strategies.schedule import Action, Schedule, Step
 from burncoll.strategies.tree import Tree
 
-__all__ = [
-    "Action",
-    "Auto",
-    "ByHost",
-    "Centralized",
-    "Ring",
-    "Schedule",
-    "Step",
-    "Strategy",
-    "Tree",
-    "parse_strategy",
-    "resolve",
-]
+__all__ = ["Action", "Auto", "ByHost", "Centralized", "Ring", "Schedule", "Step", "Strategy",
+           "Tree", "parse_strategy", "resolve"]
 
 _ACCEPTED = "'centralized', 'tree', 'tree:K' (K >= 1), 'ring', 'auto'"
 

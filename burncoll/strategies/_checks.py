@@ -42,13 +42,10 @@ def drop_empty(rounds: list[Round]) -> tuple[Round, ...]:
 
 def validate_schedule(schedule: Schedule) -> None:
     """Raise :class:`ValueError` if ``schedule`` breaks the contract of
-    :mod:`burncoll.strategies.schedule`.
-
-    Checked per step: ``src`` and ``dst`` in ``[0, world)``, ``src != dst``, ``chunk`` in
-    ``[0, num_chunks)``, ``action`` an :class:`Action`. Checked per round: no
-    (participant, chunk) is both read and written, and a (participant, chunk) written by a
-    ``COPY`` is written by no other step of the round.
-    """
+    :mod:`burncoll.strategies.schedule`. Checked per step: ``src`` and ``dst`` in ``[0, world)``,
+    ``src != dst``, ``chunk`` in ``[0, num_chunks)``, ``action`` an :class:`Action`. Checked per
+    round: no (participant, chunk) is both read and written, and a (participant, chunk) written by a
+    ``COPY`` is written by no other step of the round."""
     check_world(schedule.world)
     if schedule.num_chunks < 0:
         raise ValueError(f"num_chunks must be >= 0, got {schedule.num_chunks}")

@@ -1,32 +1,17 @@
 """``ByHost``: a strategy composed by host -- inside each host, then between hosts, then inside.
 
-Node processes that share a host move data through shared memory, hosts through the network.
-A flat schedule over every node crosses the network wherever two neighbours sit on different
-hosts: a ring of ``N`` nodes on ``H`` hosts sends ``2 (N - 1) / N * S`` bytes out of a host per
-crossing, and more crossings than hosts when the nodes of a host are not numbered together.
-``ByHost`` keeps the network for the one part that needs it, as NCCL's and Open MPI's
-hierarchical collectives do:
-
-* **all-reduce**, every host with the same number ``k >= 2`` of nodes (torchrun's one process
-  per device): a ring reduce-scatter inside each host leaves node ``j`` of the host with the
-  host's sum of shard ``j``; the ``j``-th nodes of all hosts all-reduce shard ``j`` with
-  the inner strategy (``k`` of these at once, one per shard); a one-round all-gather inside each
-  host hands every node every shard. A host sends ``2 (H - 1) / H * S`` bytes in all (spread over
-  its ``k`` nodes): the ring's lower bound among ``H`` participants.
-* **all-reduce** with hosts of different sizes, **reduce**, **broadcast**, **reduce-scatter**,
-  **all-gather**: through one *leader* per host (its first node; the root on the root's host):
-  a chain through the host's members into the leader (reductions), the inner strategy among
-  the leaders, leader -> members in one round inside the host (copies).
-
-A node never reduces the parts of several senders in one round: those would wait in its
-mailbox for their turn (up to ``(k - 2)`` arrays on a host of ``k`` nodes); a ring or a chain
-inside the host has each node reduce one sender's parts at a time, and the walk's pipeline
-overlaps its rounds part by part.
-
-Every chunk's reduction is still computed once and copied, so every node ends bitwise
-identical. ``hosts[p]`` names the host of participant ``p`` (any integers; equal = same host);
-hosts are ordered by their first participant. Pure and stdlib-only, like the rest of
-:mod:`burncoll.strategies`.
+A flat schedule crosses the network wherever two neighbours sit on different hosts; ``ByHost``
+keeps the network for the part that needs it, as NCCL's and Open MPI's hierarchical
+collectives do. **All-reduce** with every host holding the same ``k >= 2`` nodes: a ring
+reduce-scatter inside each host, the ``j``-th nodes of all hosts all-reduce shard ``j`` with the
+inner strategy (``k`` at once), a one-round all-gather inside each host: a host sends
+``2 (H - 1) / H * S`` bytes, the ring's lower bound among ``H`` hosts. **Everything else**
+(hosts of different sizes too) goes through one *leader* per host (its first node; the root on
+the root's host): a chain into the leader, the inner strategy among leaders, one round out.
+Rings and chains inside a host make each node reduce one sender at a time rather than queue
+``k - 2`` arrays. Every chunk's reduction is computed once and copied, so every node ends
+bitwise identical. ``hosts[p]`` names participant ``p``'s host (equal integers = same host),
+hosts ordered by their first participant. Pure and stdlib-only.
 """
 
 from __future__ import annotations

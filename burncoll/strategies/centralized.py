@@ -21,22 +21,14 @@ _CACHE_SIZE = 1024
 
 def _reduce_round(world: int, root: int, num_chunks: int) -> Round:
     """Every non-root sends each chunk to ``root`` (REDUCE), in rank order, then chunk order."""
-    return tuple(
-        Step(src, root, c, Action.REDUCE)
-        for src in range(world)
-        if src != root
-        for c in range(num_chunks)
-    )
+    return tuple(Step(src, root, c, Action.REDUCE) for src in range(world) if src != root
+                 for c in range(num_chunks))
 
 
 def _broadcast_round(world: int, root: int, num_chunks: int) -> Round:
     """``root`` copies each chunk to every other participant, in rank order."""
-    return tuple(
-        Step(root, dst, c, Action.COPY)
-        for dst in range(world)
-        if dst != root
-        for c in range(num_chunks)
-    )
+    return tuple(Step(root, dst, c, Action.COPY) for dst in range(world) if dst != root
+                 for c in range(num_chunks))
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
@@ -70,12 +62,8 @@ def _all_gather(world: int, owners: tuple[int, ...]) -> Schedule:
     owners = check_owners(world, owners)
     n = len(owners)
     gather: Round = tuple(Step(o, 0, c, Action.COPY) for c, o in enumerate(owners) if o != 0)
-    spread: Round = tuple(
-        Step(0, dst, c, Action.COPY)
-        for dst in range(1, world)
-        for c in range(n)
-        if owners[c] != dst
-    )
+    spread: Round = tuple(Step(0, dst, c, Action.COPY) for dst in range(1, world) for c in range(n)
+                          if owners[c] != dst)
     return Schedule(world, n, drop_empty([gather, spread]))
 
 

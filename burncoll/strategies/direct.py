@@ -1,20 +1,13 @@
 """Direct schedules: one round, each block sent straight from the node that holds it to the
 node that needs it -- the rooted and personalised collectives across nodes.
 
-A gather, a scatter and an all-to-all move *different* data to each destination: nothing can be
-combined on the way, so a relay (a tree, a ring) only adds hops. Sent directly, each node sends
-and receives exactly the bytes it must (the root of a gather receives every other node's blocks
-once, as it must in any schedule), in one round: the same choice as MPI's linear
-``Gatherv``/``Scatterv`` and pairwise ``Alltoallv``. A prefix reduction (``scan``) sends each
-rank's array to every node that holds a later rank, which then reduces in rank order itself:
-one round too, every result reduced in the same order on whichever node computes it. A
-reduce-scatter with explicit counts combines on the node first: each node sends each rank of
-another node one block, its local ranks' blocks for that rank already reduced, under the chunk
-of the node's first rank.
-
-Chunks are indexed by rank (gather, scatter, prefix) or by ``(src rank, dst rank)`` as
-``src * ranks + dst`` (all-to-all); ``owners[r]`` is the node of rank ``r``. Pure and
-stdlib-only, like the rest of :mod:`burncoll.strategies`.
+A gather, scatter or all-to-all moves *different* data to each destination, so a relay only
+adds hops: as MPI's linear ``Gatherv``/``Scatterv`` and pairwise ``Alltoallv``, each node sends
+and receives exactly its bytes in one round. A ``scan`` sends each rank's array to every node
+holding a later rank, which reduces in rank order itself. A reduce-scatter with counts sends
+each rank of another node one block, the node's local ranks' blocks already reduced, under the
+chunk of the node's first rank. Chunks are indexed by rank, or by ``src * ranks + dst``
+(all-to-all); ``owners[r]`` is the node of rank ``r``. Pure and stdlib-only.
 """
 
 from __future__ import annotations

@@ -42,29 +42,19 @@ def _groups(world: int, owners: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
 def _reduce_scatter_rounds(world: int, groups: tuple[tuple[int, ...], ...]) -> list[Round]:
     """N - 1 rounds after which participant ``p`` holds ``groups[p]`` fully reduced."""
     return [
-        tuple(
-            Step(i, (i + 1) % world, c, Action.REDUCE)
-            for i in range(world)
-            for c in groups[(i - 1 - r) % world]
-        )
+        tuple(Step(i, (i + 1) % world, c, Action.REDUCE) for i in range(world)
+              for c in groups[(i - 1 - r) % world])
         for r in range(world - 1)
     ]
 
 
-def _all_gather_rounds(
-    world: int, groups: tuple[tuple[int, ...], ...], skip_dst: int | None = None
-) -> list[Round]:
+def _all_gather_rounds(world: int, groups: tuple[tuple[int, ...], ...],
+                       skip_dst: int | None = None) -> list[Round]:
     """N - 1 rounds after which everyone holds every group, if ``p`` starts with ``groups[p]``.
-
-    Steps into ``skip_dst`` (a participant that already holds everything) are left out.
-    """
+    Steps into ``skip_dst`` (a participant that already holds everything) are left out."""
     return [
-        tuple(
-            Step(i, (i + 1) % world, c, Action.COPY)
-            for i in range(world)
-            if (i + 1) % world != skip_dst
-            for c in groups[(i - r) % world]
-        )
+        tuple(Step(i, (i + 1) % world, c, Action.COPY) for i in range(world)
+              if (i + 1) % world != skip_dst for c in groups[(i - r) % world])
         for r in range(world - 1)
     ]
 

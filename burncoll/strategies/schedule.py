@@ -1,21 +1,15 @@
 """Schedules: what a strategy produces and what the executors walk.
 
-Theory of operation
--------------------
-A collective runs among ``world`` participants, numbered ``0 .. world-1`` (their rank at the
-level being scheduled: local peers of one node, or nodes). Every participant holds a buffer cut
-into ``num_chunks`` chunks; the executor decides where each chunk starts and stops.
-
-A :class:`Schedule` is a sequence of rounds. A round is a tuple of :class:`Step` s. A step moves
-chunk ``chunk`` from ``src`` to ``dst`` and either combines it into what ``dst`` holds
-(:attr:`Action.REDUCE`: ``dst[c] = dst[c] (op) src[c]``) or replaces it (:attr:`Action.COPY`).
-
-Within a round all steps read the values their sources held *at the start of the round*. A
-valid schedule guarantees that no (participant, chunk) is both read and written in the same
-round, so executors may run a round's steps in any interleaving across participants. Steps with
-the same destination run in the order listed (that fixes the order of floating-point
-reductions, so results are reproducible). Executors may synchronise between rounds (threads)
-or not at all (the network executor matches messages by round).
+A collective runs among ``world`` participants ``0 .. world-1`` (local peers of one node, or
+nodes), each holding a buffer cut into ``num_chunks`` chunks (the executor decides where each
+starts and stops). A :class:`Schedule` is a sequence of rounds, a round a tuple of
+:class:`Step` s, a step moving chunk ``chunk`` from ``src`` to ``dst`` and combining it
+(:attr:`Action.REDUCE`: ``dst[c] = dst[c] (op) src[c]``) or replacing it (:attr:`Action.COPY`).
+Every step of a round reads what its source held *at the start of the round*: a valid schedule
+never reads and writes one (participant, chunk) in the same round, so executors may interleave
+a round's steps freely; steps with the same destination run in the order listed (a fixed,
+reproducible reduction order). Executors may synchronise between rounds (threads) or not at
+all (the network executor matches messages by round).
 """
 
 from __future__ import annotations
@@ -57,10 +51,6 @@ class Schedule:
     def steps_into(self, participant: int, round_index: int) -> tuple[Step, ...]:
         """The steps of round ``round_index`` whose destination is ``participant``."""
         return tuple(s for s in self.rounds[round_index] if s.dst == participant)
-
-    def steps_from(self, participant: int, round_index: int) -> tuple[Step, ...]:
-        """The steps of round ``round_index`` whose source is ``participant``."""
-        return tuple(s for s in self.rounds[round_index] if s.src == participant)
 
     def then(self, other: Schedule) -> Schedule:
         """This schedule followed by ``other`` (same world and chunks)."""

@@ -45,18 +45,13 @@ def _parent(arity: int, v: int) -> int:
 
 
 def _up_rounds(arity: int, world: int, root: int, num_chunks: int) -> list[Round]:
-    """Deepest level first: every node of the level sends each chunk to its parent (REDUCE).
-
-    Steps are listed in virtual-rank order, so a parent reduces its children in heap order.
-    """
+    """Deepest level first: every node of the level sends each chunk to its parent (REDUCE). Steps
+    are listed in virtual-rank order, so a parent reduces its children in heap order."""
     rounds: list[Round] = []
     for level in reversed(_levels(arity, world)[1:]):
         rounds.append(
-            tuple(
-                Step((v + root) % world, (_parent(arity, v) + root) % world, c, Action.REDUCE)
-                for v in level
-                for c in range(num_chunks)
-            )
+            tuple(Step((v + root) % world, (_parent(arity, v) + root) % world, c, Action.REDUCE)
+                  for v in level for c in range(num_chunks))
         )
     return rounds
 
@@ -66,11 +61,8 @@ def _down_rounds(arity: int, world: int, root: int, num_chunks: int) -> list[Rou
     rounds: list[Round] = []
     for level in _levels(arity, world)[1:]:
         rounds.append(
-            tuple(
-                Step((_parent(arity, v) + root) % world, (v + root) % world, c, Action.COPY)
-                for v in level
-                for c in range(num_chunks)
-            )
+            tuple(Step((_parent(arity, v) + root) % world, (v + root) % world, c, Action.COPY)
+                  for v in level for c in range(num_chunks))
         )
     return rounds
 
@@ -122,12 +114,8 @@ def _all_gather(arity: int, world: int, owners: tuple[int, ...]) -> Schedule:
         )
     for level in levels[1:]:  # spread: send each node what its subtree did not own
         rounds.append(
-            tuple(
-                Step(_parent(arity, v), v, c, Action.COPY)
-                for v in level
-                for c in range(n)
-                if c not in held[v]
-            )
+            tuple(Step(_parent(arity, v), v, c, Action.COPY) for v in level for c in range(n)
+                  if c not in held[v])
         )
     return Schedule(world, n, drop_empty(rounds))
 

@@ -18,20 +18,6 @@ from burncoll.train.ddp import NODE_RANK_ENV, DataParallel, ddp, node_rank
 from burncoll.train.fit import FitResult, GradientTransformation, replicas_identical
 from burncoll.train.overlap import GradientBuckets, leaf_paths, plan_stream_buckets
 
-__all__ = [
-    "DEFAULT_BUCKET_BYTES",
-    "NODE_RANK_ENV",
-    "DataParallel",
-    "FitResult",
-    "GradientBuckets",
-    "GradientTransformation",
-    "all_reduce_tree",
-    "broadcast_tree",
-    "ddp",
-    "flatten_tree",
-    "leaf_paths",
-    "node_rank",
-    "plan_buckets",
-    "plan_stream_buckets",
-    "replicas_identical",
-]
+__all__ = ["DEFAULT_BUCKET_BYTES", "NODE_RANK_ENV", "DataParallel", "FitResult", "GradientBuckets",
+           "GradientTransformation", "all_reduce_tree", "broadcast_tree", "ddp", "flatten_tree",
+           "leaf_paths", "node_rank", "plan_buckets", "plan_stream_buckets", "replicas_identical"]

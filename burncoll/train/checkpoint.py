@@ -1,24 +1,13 @@
 """Checkpoints of :func:`burncoll.train.fit.fit`, so that a restarted run resumes where it stopped.
 
-An elastic launcher kills a failed training process and starts it again; with
-``checkpoint_dir`` set, ``fit`` picks up from the last checkpoint instead of from step 0, and
-ends with the same parameters as a run that was never interrupted (bitwise, since the
-batches are a function of the step and the update is deterministic).
-
-Writing. After every ``checkpoint_every``-th step and after the last one, the peer of global
-rank 0 writes ``DIR/fit-checkpoint.npz`` atomically, with the :class:`RunInfo` of the run
-(seed, global batch, data shapes and dtypes). The file and its format (one ``.npz``, JSON
-metadata, nothing pickled) are :mod:`burncoll.train.checkpoint_file`'s; its names are
-re-exported here.
-
-Resuming. The peer of global rank 0 reads the file and checks it against its own run; every
-peer then receives its verdict, the step, the losses and the leaves through collectives, so
-only rank 0's filesystem matters on several hosts. The same :class:`~burncoll.UsageError` is
-raised on every peer for a checkpoint that is unreadable or of another format version, that
-another run wrote (another seed, global batch or data: resuming would silently continue a
-different experiment), that does not match the model (leaf count, dtypes, shapes), or whose
-step is beyond this run's ``steps``. The world size is not compared (an elastic restart may
-resume on fewer nodes with the same global batch), nor are ``steps``, which may grow.
+With ``checkpoint_dir`` set, the peer of global rank 0 writes ``DIR/fit-checkpoint.npz`` (with
+the run's :class:`RunInfo`; the file is :mod:`burncoll.train.checkpoint_file`'s, its names
+re-exported here) after every ``checkpoint_every``-th and the last step. A restarted ``fit``
+resumes from it and ends bitwise like an uninterrupted run. Rank 0 reads and checks the file
+and every peer gets its verdict, step, losses and leaves through collectives, so only rank 0's
+filesystem matters. Every peer raises the same :class:`~burncoll.UsageError` for a checkpoint
+that is unreadable, of another version, of another run (seed, global batch, data) or model, or
+beyond ``steps``. The world size is not compared (an elastic restart may have fewer nodes).
 """
 
 from __future__ import annotations
@@ -50,11 +39,9 @@ from burncoll.train.checkpoint_file import (
     write_checkpoint,
 )
 
-__all__ = [
-    "CHECKPOINT_FILE", "FORMAT_NAME", "FORMAT_VERSION", "STALE_TEMP_SECONDS", "Checkpointer",
-    "Restored", "RunInfo", "Spec", "Stored", "checkpointer", "from_numpy", "mismatch",
-    "read_checkpoint", "write_checkpoint",
-]
+__all__ = ["CHECKPOINT_FILE", "FORMAT_NAME", "FORMAT_VERSION", "STALE_TEMP_SECONDS", "Checkpointer",
+           "Restored", "RunInfo", "Spec", "Stored", "checkpointer", "from_numpy", "mismatch",
+           "read_checkpoint", "write_checkpoint"]
 
 #: Checkpoints per run when only ``checkpoint_dir`` is given (see :func:`checkpointer`).
 DEFAULT_CHECKPOINTS_PER_RUN = 10
@@ -81,12 +68,8 @@ class Restored(NamedTuple):
     losses: list[float]
 
 
-def checkpointer(
-    checkpoint_dir: str | os.PathLike[str] | None,
-    checkpoint_every: int | None,
-    steps: int,
-    run: RunInfo | None = None,
-) -> Checkpointer | None:
+def checkpointer(checkpoint_dir: str | os.PathLike[str] | None, checkpoint_every: int | None,
+                 steps: int, run: RunInfo | None = None) -> Checkpointer | None:
     """The checkpoint policy of one :func:`~burncoll.train.fit.fit` call, checked.
 
     ``checkpoint_every`` defaults to ``max(1, steps // 10)``: about ten checkpoints per run,
@@ -137,12 +120,10 @@ class Checkpointer:
     def restore(self, comm: Communicator, params: Any, state: Any, stateful: bool,
                 bucket_bytes: int, *, steps: int | None = None) -> Restored | None:
         """The checkpoint on every peer, put into this run's ``params`` and ``state`` trees;
-        ``None`` when there is none. A collective: every peer must call it.
-
-        Raises :class:`~burncoll.UsageError` on every peer when rank 0 finds the checkpoint
-        unreadable, written by another run (:attr:`run`), not matching the trees, or at a step
-        beyond ``steps`` (this run's total; ``None``: any step).
-        """
+        ``None`` when there is none. A collective: every peer must call it. Raises
+        :class:`~burncoll.UsageError` on every peer when rank 0 finds the checkpoint unreadable,
+        written by another run (:attr:`run`), not matching the trees, or at a step beyond ``steps``
+        (this run's total; ``None``: any step)."""
         backend = get_backend(comm.config.backend)
         p_leaves, p_unflatten = flatten_tree(params)
         s_leaves, s_unflatten = flatten_tree(state)
@@ -238,4 +219,3 @@ def _like(backend: Backend, template: Any, leaf: Array) -> Any:
     if isinstance(template, bool | int | float | complex):
         return type(template)(host.item())
     return host
-

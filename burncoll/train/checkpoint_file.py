@@ -1,37 +1,20 @@
 """The file of a :func:`burncoll.train.fit.fit` checkpoint: its format, writing and reading.
 
 :mod:`burncoll.train.checkpoint` decides when to write and how every peer resumes; this module
-is the file alone, usable without a collective (``numpy`` and JSON, nothing pickled).
+is the file alone (``numpy`` and JSON, nothing pickled). :func:`write_checkpoint` writes
+``DIR/.fit-checkpoint.<pid>.<random>.tmp``, fsyncs it and renames it over
+``DIR/fit-checkpoint.npz``, so the file is always one whole checkpoint. Temporary files of
+exactly that pattern left by a killed writer are removed once :data:`STALE_TEMP_SECONDS` old;
+nothing else in ``DIR`` is touched.
 
-Writing. :func:`write_checkpoint` writes a temporary file ``DIR/.fit-checkpoint.<pid>.<random>
-.tmp``, flushed and fsynced, then renames it over ``DIR/fit-checkpoint.npz`` (``os.replace``),
-so the file is always either the old or the new checkpoint, whole; only the latest is kept.
-The pid names the writing process for whoever looks into ``DIR``. A writer killed before its
-rename leaves its temporary file behind; later writes remove files of exactly that pattern
-once their mtime is :data:`STALE_TEMP_SECONDS` old, and nothing else: a live writer's file is
-modified as it is written and renamed right after its fsync, so another writer's file in
-progress (another process's, or another thread's of this one), and every other file in
-``DIR``, is left alone.
-
-Format (version 2): one uncompressed ``.npz`` archive, readable with
-``numpy.load(path, allow_pickle=False)``:
-
-- ``meta``: a ``uint8`` array holding UTF-8 JSON: ``{"format": "burncoll.train.fit checkpoint",
-  "version": 2, "step": <steps done>, "run": {...} | null, "params": [leaf, ...],
-  "state": [leaf, ...] | null}``, each leaf ``{"dtype": "float64", "shape": [3, 4], "raw":
-  false}`` in flattening order (:func:`~burncoll.comm.buckets.flatten_tree`); ``state`` is ``null``
-  for a plain update function and lists the leaves of the optax optimizer state otherwise.
-  ``run`` is the :class:`RunInfo` of the run that wrote it: ``{"seed": 5, "batch": 32,
-  "full_batch": false, "examples": 64, "data": [{"dtype": "float64", "shape": [64, 8]},
-  ...]}``; ``null`` only from a caller of :func:`write_checkpoint` that passed none.
-- ``losses``: ``float64``, one per step done.
-- ``params_00000``, ... and ``state_00000``, ...: the leaves, as arrays of their dtype, or for
-  dtypes NumPy cannot store by itself (``bfloat16``) their raw bytes as ``uint8`` with
-  ``"raw": true``.
-
-Version 1 (burncoll before run identities) had no ``run``; it is refused with a message of its
-own, since nothing in it shows which run wrote it. The tree *structure* is never read from
-disk: it comes from the run's own initial params and ``update.init(params)``.
+Format (version 2): an uncompressed ``.npz`` (``numpy.load(path, allow_pickle=False)``):
+``meta``, UTF-8 JSON as ``uint8``: ``{"format": "burncoll.train.fit checkpoint", "version": 2,
+"step", "run": RunInfo | null, "params": [leaf...], "state": [leaf...] | null}``, a leaf being
+``{"dtype", "shape", "raw"}`` in :func:`~burncoll.comm.buckets.flatten_tree` order;
+``losses`` (``float64``, one per step); ``params_00000``, ... and ``state_00000``, ...: the
+leaves (``"raw": true``: the bytes as ``uint8``, for dtypes NumPy cannot store such as
+``bfloat16``). Version 1 had no ``run`` and is refused with a message of its own. The tree
+*structure* is never read from disk: it comes from the run's own params and ``update.init``.
 """
 
 from __future__ import annotations
@@ -53,10 +36,8 @@ import numpy as np
 from burncoll.dtypes import dtype_from_name, dtype_name
 from burncoll.errors import UsageError
 
-__all__ = [
-    "CHECKPOINT_FILE", "FORMAT_NAME", "FORMAT_VERSION", "STALE_TEMP_SECONDS", "RunInfo", "Spec",
-    "Stored", "mismatch", "read_checkpoint", "write_checkpoint",
-]
+__all__ = ["CHECKPOINT_FILE", "FORMAT_NAME", "FORMAT_VERSION", "STALE_TEMP_SECONDS", "RunInfo",
+           "Spec", "Stored", "mismatch", "read_checkpoint", "write_checkpoint"]
 
 #: The checkpoint's file name inside ``checkpoint_dir``.
 CHECKPOINT_FILE = "fit-checkpoint.npz"
@@ -78,11 +59,9 @@ Spec = tuple[str, tuple[int, ...]]
 @dataclass(frozen=True)
 class RunInfo:
     """What identifies the run behind a checkpoint (``meta["run"]``), so that a reused
-    ``checkpoint_dir`` never silently resumes another experiment with the same shapes.
-
-    Neither the world size (an elastic restart may resume on fewer nodes, with the same global
-    batch) nor ``steps`` (a resumed run may train longer) belong to it.
-    """
+    ``checkpoint_dir`` never silently resumes another experiment with the same shapes. Neither the
+    world size (an elastic restart may resume on fewer nodes, with the same global batch) nor
+    ``steps`` (a resumed run may train longer) belong to it."""
 
     seed: int
     #: The global batch (all replicas together), and whether it is every example
@@ -136,20 +115,13 @@ class Stored:
     run: RunInfo | None = None
 
 
-def write_checkpoint(
-    directory: Path,
-    step: int,
-    params: Sequence[NDArray],
-    state: Sequence[NDArray] | None,
-    losses: Sequence[float],
-    run: RunInfo | None = None,
-) -> Path:
-    """Atomically replace ``directory/CHECKPOINT_FILE`` by this checkpoint; its path.
-
-    Creates ``directory`` when missing, and removes temporary files left by a writer that
-    was killed (those of the checkpoint's own temporary pattern older than
-    :data:`STALE_TEMP_SECONDS`; see the module's docstring).
-    """
+def write_checkpoint(directory: Path, step: int, params: Sequence[NDArray],
+                     state: Sequence[NDArray] | None, losses: Sequence[float],
+                     run: RunInfo | None = None) -> Path:
+    """Atomically replace ``directory/CHECKPOINT_FILE`` by this checkpoint; its path. Creates
+    ``directory`` when missing, and removes temporary files left by a writer that was killed (those
+    of the checkpoint's own temporary pattern older than :data:`STALE_TEMP_SECONDS`; see the
+    module's docstring)."""
     directory.mkdir(parents=True, exist_ok=True)
     entries: dict[str, NDArray] = {"losses": np.asarray(losses, dtype=np.float64)}
     meta: dict[str, Any] = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "step": step,
@@ -203,11 +175,9 @@ def _fsync_directory(directory: Path) -> None:
 
 
 def read_checkpoint(directory: Path) -> Stored | None:
-    """The checkpoint in ``directory``; ``None`` when there is none.
-
-    Raises :class:`~burncoll.UsageError` when ``directory`` is not a directory, or when the
-    file cannot be read or is not a checkpoint of this format (truncated, corrupt, foreign).
-    """
+    """The checkpoint in ``directory``; ``None`` when there is none. Raises
+    :class:`~burncoll.UsageError` when ``directory`` is not a directory, or when the file cannot be
+    read or is not a checkpoint of this format (truncated, corrupt, foreign)."""
     if directory.exists() and not directory.is_dir():
         raise UsageError(f"checkpoint_dir {str(directory)!r} exists and is not a directory")
     path = directory / CHECKPOINT_FILE
@@ -299,4 +269,3 @@ def mismatch(stored: Stored, params: list[Spec], state: list[Spec] | None) -> st
                 problems.append(f"{kind} leaf {i}: {dtype_name(array.dtype)} {array.shape} in "
                                 f"the checkpoint, {dtype} {shape} here")
     return "; ".join(problems[:4]) or None
-

@@ -1,17 +1,11 @@
 """Data parallelism: one thread per device, each with its own registered communicator.
 
-``ddp(devices, config).run(fn)`` is the building block: it starts one thread per device,
-registers it as a peer, calls ``fn(comm)``, and finishes the peer. ``DataParallel.fit`` is
-the training loop built on it (see :mod:`burncoll.train.fit`).
-
-Failure: when ``fn`` raises on one thread, the collective is aborted at once, so the threads
-blocked in a collective waiting for it raise :class:`~burncoll.CollectiveAborted` instead of
-waiting for ``config.timeout``; every thread is joined, and ``run`` re-raises the first error.
-
-Multi-node: with ``config.is_multi_node``, every node process calls the same code; the node's
-rank is ``config.node_rank`` (from ``BURNCOLL_NODE_RANK`` or the launcher's variables, see
-:func:`node_rank`) and peer ids are ``node_rank * len(devices) + i``
-(:func:`burncoll.peer_ids`), so every node must use as many devices.
+``ddp(devices, config).run(fn)`` starts one thread per device, registers it as a peer, calls
+``fn(comm)`` and finishes the peer; ``DataParallel.fit`` is the training loop on it
+(:mod:`burncoll.train.fit`). When ``fn`` raises on one thread the collective is aborted, so the
+others raise :class:`~burncoll.CollectiveAborted` at once; ``run`` re-raises the first error.
+Multi-node: every node runs the same code; peer ids are ``node_rank * len(devices) + i``
+(:func:`node_rank`, :func:`burncoll.peer_ids`), so every node must use as many devices.
 """
 
 from __future__ import annotations
@@ -98,10 +92,8 @@ class DataParallel:
         self.node_rank = rank
 
     def __repr__(self) -> str:
-        return (
-            f"DataParallel(devices={list(self.devices)!r}, node_rank={self.node_rank}, "
-            f"backend={self.config.backend!r}, num_nodes={self.config.num_nodes or 1})"
-        )
+        return (f"DataParallel(devices={list(self.devices)!r}, node_rank={self.node_rank}, "
+                f"backend={self.config.backend!r}, num_nodes={self.config.num_nodes or 1})")
 
     @property
     def peer_ids(self) -> tuple[int, ...]:
@@ -121,12 +113,8 @@ class DataParallel:
         state = _RunState()
         results: list[Any] = [None] * len(self.devices)
         threads = [
-            threading.Thread(
-                target=self._worker,
-                args=(i, fn, results, state),
-                name=f"burncoll-ddp-peer-{pid}",
-                daemon=True,
-            )
+            threading.Thread(target=self._worker, args=(i, fn, results, state),
+                             name=f"burncoll-ddp-peer-{pid}", daemon=True)
             for i, pid in enumerate(self.peer_ids)
         ]
         for thread in threads:
@@ -151,9 +139,8 @@ class DataParallel:
             raise error
         return results
 
-    def _worker(
-        self, index: int, fn: Callable[[Communicator], R], results: list[Any], state: _RunState
-    ) -> None:
+    def _worker(self, index: int, fn: Callable[[Communicator], R], results: list[Any],
+                state: _RunState) -> None:
         comm: Communicator | None = None
         try:
             comm = register(self.peer_ids[index], self.devices[index], self.config)
@@ -169,45 +156,22 @@ class DataParallel:
                 state.record(exc, comm)
             state.thread_done()
 
-    def fit(
-        self,
-        params: Any,
-        data: Any,
-        grad_fn: GradFn,
-        update: Update,
-        *,
-        steps: int,
-        batch_size: int | None = None,
-        seed: int = 0,
-        bucket_bytes: int | None = None,
-        progress: bool = True,
-        desc: str = "ddp",
-        callback: Callable[[Communicator, int, Any], None] | None = None,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        checkpoint_every: int | None = None,
-    ) -> FitResult:
+    def fit(self, params: Any, data: Any, grad_fn: GradFn, update: Update, *, steps: int,
+            batch_size: int | None = None, seed: int = 0, bucket_bytes: int | None = None,
+            progress: bool = True, desc: str = "ddp",
+            callback: Callable[[Communicator, int, Any], None] | None = None,
+            checkpoint_dir: str | os.PathLike[str] | None = None,
+            checkpoint_every: int | None = None) -> FitResult:
         """Train with data parallelism; see :func:`burncoll.train.fit.fit` for the contract
         (``checkpoint_dir`` / ``checkpoint_every``: checkpoint and resume after a restart).
 
         Overlap, as DDP's: a ``grad_fn`` returning ``(loss, iterator of (key, grad))``, its
         backward yielding layer by layer, gets each ``bucket_bytes`` bucket all-reduced while
         the next gradients are computed (:data:`~burncoll.train.fit.GradFn`)."""
-        return fit(
-            self,
-            params,
-            data,
-            grad_fn,
-            update,
-            steps=steps,
-            batch_size=batch_size,
-            seed=seed,
-            bucket_bytes=bucket_bytes,
-            progress=progress,
-            desc=desc,
-            callback=callback,
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every,
-        )
+        return fit(self, params, data, grad_fn, update, steps=steps, batch_size=batch_size,
+                   seed=seed, bucket_bytes=bucket_bytes, progress=progress, desc=desc,
+                   callback=callback, checkpoint_dir=checkpoint_dir,
+                   checkpoint_every=checkpoint_every)
 
 
 class _RunState:
@@ -250,10 +214,8 @@ class _RunState:
             self._cond.notify_all()
 
     def wait_done(self, count: int, deadline: float | None) -> None:
-        """Wait until ``count`` threads are done, or ``deadline`` (monotonic) passes.
-
-        Once an error is recorded, waits at most the timeout of the failing collective more.
-        """
+        """Wait until ``count`` threads are done, or ``deadline`` (monotonic) passes. Once an error
+        is recorded, waits at most the timeout of the failing collective more."""
         with self._cond:
             while self._done < count:
                 if deadline is None and self.first_error is not None and self._comms:

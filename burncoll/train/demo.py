@@ -1,11 +1,8 @@
 """``burncoll demo``: data-parallel training of a small NumPy MLP, nothing to start by hand.
 
-A two-layer perceptron (tanh hidden layer, hand-written gradients) learns a smooth function
-of 8 inputs from generated, seeded data, by full-batch gradient descent on ``num_devices``
-logical CPU devices: each device takes an equal shard of the batch, the gradients are averaged
-with one bucketed all-reduce per step, and every replica applies the same update. The demo
-prints a progress bar with the loss, the final loss, and whether every replica ended bitwise
-identical. ``python -m burncoll.train.demo --help`` runs it without the CLI.
+A tanh MLP with hand-written gradients learns a smooth function of 8 seeded inputs by
+full-batch gradient descent on ``num_devices`` logical CPU devices, then reports the loss and
+whether every replica ended bitwise identical. ``python -m burncoll.train.demo --help``.
 """
 
 from __future__ import annotations
@@ -46,12 +43,8 @@ def make_data(seed: int = 0, n: int = EXAMPLES) -> tuple[NDArray, NDArray]:
 def init_mlp(seed: int = 1) -> Params:
     """The MLP's initial parameters: ``w1 (8, 32)``, ``b1 (32,)``, ``w2 (32, 1)``, ``b2 (1,)``."""
     rng = np.random.default_rng(seed)
-    return {
-        "w1": rng.normal(size=(FEATURES, HIDDEN)) / np.sqrt(FEATURES),
-        "b1": np.zeros(HIDDEN),
-        "w2": rng.normal(size=(HIDDEN, 1)) / np.sqrt(HIDDEN),
-        "b2": np.zeros(1),
-    }
+    return {"w1": rng.normal(size=(FEATURES, HIDDEN)) / np.sqrt(FEATURES), "b1": np.zeros(HIDDEN),
+            "w2": rng.normal(size=(HIDDEN, 1)) / np.sqrt(HIDDEN), "b2": np.zeros(1)}
 
 
 def mlp_loss_and_grad(params: Params, batch: tuple[NDArray, NDArray]) -> tuple[float, Params]:
@@ -62,12 +55,7 @@ def mlp_loss_and_grad(params: Params, batch: tuple[NDArray, NDArray]) -> tuple[f
     n = x.shape[0]
     d_out = 2.0 * err / n
     d_h = (d_out @ params["w2"].T) * (1.0 - h * h)
-    grads = {
-        "w1": x.T @ d_h,
-        "b1": d_h.sum(axis=0),
-        "w2": h.T @ d_out,
-        "b2": d_out.sum(axis=0),
-    }
+    grads = {"w1": x.T @ d_h, "b1": d_h.sum(axis=0), "w2": h.T @ d_out, "b2": d_out.sum(axis=0)}
     return float(np.mean(err * err)), grads
 
 
@@ -81,34 +69,22 @@ def sgd(learning_rate: float = LEARNING_RATE) -> Any:
 
 
 def demo_node(num_devices: int = 4, steps: int = 1000, progress: bool = True) -> int:
-    """Train on this node's ``num_devices`` devices; 0 when the replicas end identical.
-
-    The config comes from ``CollectiveConfig(num_devices=...)`` plus the ``BURNCOLL_*``
-    environment overrides, so the same function is what every node runs under
-    ``burncoll launch`` (only node 0 reports).
-    """
+    """Train on this node's ``num_devices`` devices; 0 when the replicas end identical. The config
+    comes from ``CollectiveConfig(num_devices=...)`` plus the ``BURNCOLL_*`` environment overrides,
+    so the same function is what every node runs under ``burncoll launch`` (only node 0 reports)."""
     config = CollectiveConfig(backend="numpy", num_devices=num_devices)
     nodes = config.num_nodes or 1
     world = config.num_devices * nodes
     report = node_rank() == 0
     if report:
-        print(
-            f"burncoll demo: a {FEATURES}-{HIDDEN}-1 MLP (NumPy, hand-written gradients), "
-            f"{EXAMPLES} examples, full-batch gradient descent, {steps} steps, "
-            f"{world} replicas ({config.num_devices} devices x {nodes} node(s))",
-            flush=True,
-        )
+        print(f"burncoll demo: a {FEATURES}-{HIDDEN}-1 MLP (NumPy, hand-written gradients), "
+              f"{EXAMPLES} examples, full-batch gradient descent, {steps} steps, "
+              f"{world} replicas ({config.num_devices} devices x {nodes} node(s))", flush=True)
     started = time.perf_counter()
     try:
-        result = ddp(range(config.num_devices), config).fit(
-            init_mlp(),
-            make_data(),
-            mlp_loss_and_grad,
-            sgd(),
-            steps=steps,
-            progress=progress and report,
-            desc="demo",
-        )
+        trainer = ddp(range(config.num_devices), config)
+        result = trainer.fit(init_mlp(), make_data(), mlp_loss_and_grad, sgd(), steps=steps,
+                             progress=progress and report, desc="demo")
     except CollectiveError as exc:
         print(f"burncoll demo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
@@ -133,12 +109,10 @@ def run_demo(num_devices: int = 4, steps: int = 1000, nodes: int = 1) -> int:
 
 
 def _run_multi_node(nodes: int, devices: int, steps: int) -> int:
-    """Run :func:`demo_node` in ``nodes`` local processes through an orchestrator.
-
-    The ``burncoll launch`` machinery starts an orchestrator on 127.0.0.1 and ``nodes``
-    processes of ``python -m burncoll.train.demo``, each with its ``BURNCOLL_*`` settings and a
-    fresh shared auth token; 0 when every process exits 0.
-    """
+    """Run :func:`demo_node` in ``nodes`` local processes through an orchestrator. The ``burncoll
+    launch`` machinery starts an orchestrator on 127.0.0.1 and ``nodes`` processes of ``python -m
+    burncoll.train.demo``, each with its ``BURNCOLL_*`` settings and a fresh shared auth token; 0
+    when every process exits 0."""
     import secrets
 
     from burncoll.orchestration.launch import launch_nodes

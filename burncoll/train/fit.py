@@ -1,21 +1,12 @@
 """The data-parallel training loop behind :meth:`DataParallel.fit`.
 
-Every peer holds a replica of the parameters. Step by step, each peer takes its shard of the
-global batch, computes the loss and gradients on it with the user's ``grad_fn``, averages them
-over all peers with one bucketed all-reduce (:func:`~burncoll.comm.buckets.all_reduce_tree`)
-and applies the user's update. Since the averaged gradients are bitwise identical everywhere
-and the update is deterministic, the replicas stay bitwise identical.
-
-With equal shards, the mean of the per-shard mean gradients is the full-batch mean gradient,
-so ``fit`` computes what single-device training on the whole batch computes, up to float
-rounding (``grad_fn`` must return the *mean* loss over its batch, and its gradient).
-
-Checkpoint and resume. With ``checkpoint_dir``, the peer of global rank 0 saves the step
-count, params, optimizer state and losses every ``checkpoint_every`` steps and after the last
-step (:mod:`burncoll.train.checkpoint`: one ``.npz``, no pickle, written atomically). A run
-started again with the same directory (say by an elastic launcher after a crash) resumes after
-the saved step: the batches are a function of the step and the replicas stay identical, so it
-ends with the same parameters, bitwise, as a run that never stopped.
+Each step, every peer computes the loss and gradients of its shard of the global batch with the
+user's ``grad_fn``, averages them over all peers with one bucketed all-reduce
+(:func:`~burncoll.comm.buckets.all_reduce_tree`) and applies the update; the averaged
+gradients are bitwise identical everywhere, so the replicas stay so. With equal shards the mean
+of per-shard mean gradients is the full-batch one (``grad_fn`` returns the *mean* loss): ``fit``
+computes what single-device training does, up to rounding. With ``checkpoint_dir`` a restarted
+run resumes bitwise (:mod:`burncoll.train.checkpoint`).
 """
 
 from __future__ import annotations
@@ -90,23 +81,12 @@ class FitResult:
     identical: bool
 
 
-def fit(
-    dp: Replicas,
-    params: Any,
-    data: Any,
-    grad_fn: GradFn,
-    update: Update,
-    *,
-    steps: int,
-    batch_size: int | None = None,
-    seed: int = 0,
-    bucket_bytes: int | None = None,
-    progress: bool = True,
-    desc: str = "ddp",
-    callback: Callable[[Communicator, int, Any], None] | None = None,
-    checkpoint_dir: str | os.PathLike[str] | None = None,
-    checkpoint_every: int | None = None,
-) -> FitResult:
+def fit(dp: Replicas, params: Any, data: Any, grad_fn: GradFn, update: Update, *, steps: int,
+        batch_size: int | None = None, seed: int = 0, bucket_bytes: int | None = None,
+        progress: bool = True, desc: str = "ddp",
+        callback: Callable[[Communicator, int, Any], None] | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int | None = None) -> FitResult:
     """Train ``params`` for ``steps`` steps on every device of ``dp``; the final state.
 
     - ``params``: the initial tree of arrays. Rank 0's is broadcast, so every replica starts
@@ -142,11 +122,9 @@ def fit(
     world = dp.config.num_devices * (dp.config.num_nodes or 1)
     batch = _global_batch(steps, batch_size, arrays[0].shape[0], world)
     run = None if checkpoint_dir is None else _run_info(seed, batch, batch_size, arrays, dp.config)
-    job = _Job(
-        params, arrays, as_tuple, grad_fn, update, steps, batch, batch_size is None, seed,
-        DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes, progress, desc,
-        callback, checkpointer(checkpoint_dir, checkpoint_every, steps, run),
-    )
+    job = _Job(params, arrays, as_tuple, grad_fn, update, steps, batch, batch_size is None, seed,
+               DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes, progress, desc,
+               callback, checkpointer(checkpoint_dir, checkpoint_every, steps, run))
     results = dp.run(job.train)
     final, losses, _ = results[0]
     return FitResult(final, losses, all(r[2] for r in results))
@@ -289,16 +267,8 @@ def _run_info(seed: Any, batch: int, batch_size: int | None, arrays: list[Any],
 class _Sampler:
     """This peer's shard of each step's global batch; the same schedule on every peer."""
 
-    def __init__(
-        self,
-        arrays: Sequence[Any],
-        as_tuple: bool,
-        batch: int,
-        full: bool,
-        seed: int,
-        comm: Communicator,
-        backend: Backend,
-    ) -> None:
+    def __init__(self, arrays: Sequence[Any], as_tuple: bool, batch: int, full: bool, seed: int,
+                 comm: Communicator, backend: Backend) -> None:
         self._arrays = arrays
         self._as_tuple = as_tuple
         self._rows = int(arrays[0].shape[0])

@@ -1,15 +1,11 @@
 """One step of :func:`burncoll.train.fit.fit` on one replica: averaging the loss and the
 gradients (:class:`StepReducer`), applying an optimizer's updates, and the progress bar.
 
-Overlap. ``grad_fn`` may return its gradients as a tree, reduced by one bucketed
-:func:`~burncoll.comm.buckets.all_reduce_tree` once ``grad_fn`` has returned, or as an iterator of
-``(key, grad)`` pairs that backward yields layer by layer (last layer first): each pair is
-handed to a :class:`~burncoll.train.overlap.GradientBuckets` at once, so a bucket's
-all-reduce runs while the generator computes the next gradients. As DDP rebuilds its buckets
-after the first iteration, the first step's buckets follow the reverse of the parameters'
-flattening order; after it, the order in which rank 0's generator yielded them is broadcast,
-and every later step's buckets follow it on every peer (so the plan stays the same on every
-peer even if generators differed).
+``grad_fn`` returns its gradients as a tree (one bucketed
+:func:`~burncoll.comm.buckets.all_reduce_tree` after it returns) or as an iterator of ``(key,
+grad)`` pairs, last layer first, fed to a :class:`~burncoll.train.overlap.GradientBuckets` so
+buckets reduce while backward runs. As DDP does, the first step's buckets follow the reverse
+flattening order; then the order rank 0's generator yielded is broadcast and used by every peer.
 """
 
 from __future__ import annotations
@@ -94,10 +90,8 @@ def loss_leaf(backend: Backend, loss: Any, grads: Any, device: Device) -> Array:
 
 
 def apply_updates(params: Any, updates: Any) -> Any:
-    """``params + updates`` leaf by leaf, in the params' dtypes, as ``optax.apply_updates``.
-
-    Written out rather than calling optax, which would turn NumPy leaves into JAX arrays.
-    """
+    """``params + updates`` leaf by leaf, in the params' dtypes, as ``optax.apply_updates``. Written
+    out rather than calling optax, which would turn NumPy leaves into JAX arrays."""
     p_leaves, unflatten = flatten_tree(params)
     u_leaves, _ = flatten_tree(updates)
     if len(p_leaves) != len(u_leaves):

@@ -1,25 +1,18 @@
 """Gradient buckets reduced while backward still runs: DDP's overlap, for any grad function.
 
-``torch.nn.parallel.DistributedDataParallel`` packs the gradients into buckets of
-``bucket_cap_mb`` in the reverse order of the parameters (backward produces the last layer's
-gradients first), and an autograd hook per parameter marks its gradient ready; once every
-gradient of a bucket is, the bucket's all-reduce starts while backward computes the next
-ones. :class:`GradientBuckets` is that reducer: ``ready(key, grad)`` is the hook, the
-buckets' all-reduces are issued with ``async_op=True`` (they run on the communicator's worker
-thread), and :meth:`GradientBuckets.wait` returns the reduced tree::
+As ``torch.nn.parallel.DistributedDataParallel`` does, gradients are packed into buckets in the
+reverse order of the parameters, and a bucket's all-reduce (``async_op=True``) starts once all
+its gradients are ready, while backward computes the next ones::
 
     buckets = GradientBuckets(comm, params, "mean", bucket_bytes=4 * 2**20)
     for key, grad in backward(params, batch):   # e.g. "w3", "b3", "w2", ... last layer first
         buckets.ready(key, grad)                 # full buckets start reducing now
     grads = buckets.wait()                       # a tree shaped like params
 
-Every peer issues the buckets in the same order -- bucket ``k`` once it and every bucket
-before it are complete -- so gradients may be handed in in any order (they are then reduced
-later, not wrongly). The bucket plan is a pure function of ``like``'s structure, dtypes and
-shapes and of ``order``, so every peer must pass the same ones (as for
-:func:`~burncoll.comm.buckets.all_reduce_tree`). ``fit`` does what DDP does after its first
-iteration: it learns the order in which rank 0's ``grad_fn`` yielded the gradients and
-rebuilds the buckets in that order (see :mod:`burncoll.train.fit_step`).
+Every peer issues bucket ``k`` once it and every bucket before it are complete, so gradients
+may arrive in any order. The bucket plan is a pure function of ``like`` and ``order``, which
+every peer must pass alike; ``fit`` rebuilds it in the order rank 0's ``grad_fn`` yielded
+(:mod:`burncoll.train.fit_step`).
 """
 
 from __future__ import annotations

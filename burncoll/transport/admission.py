@@ -1,44 +1,14 @@
 """Listener admission: caps on connections a stranger can hold open before it authenticates.
 
-Every listener (stream transports and QUIC alike) asks an :class:`Admission` before it spends
-anything on a new connection, and tells it when the connection authenticates and when it
-closes::
-
-    admission = Admission()                     # one per listener, made on the event loop
-    ticket = admission.admit(host, drop)        # on accept; drop(reason) closes the connection
-    if ticket is None: ...                      # refused: max_connections reached; close now
-    ticket.authenticated()                      # from Connection.authenticated()
-    ticket.release()                            # when the connection closes (idempotent)
-    admission.close()                           # when the listener closes
-
-The limits, and why they are safe for legitimate peers:
-
-* ``max_connections``: connections admitted and not yet released (pending or authenticated).
-  A new one over it is **refused** (``admit`` returns ``None``). Pending connections are capped
-  far lower (below), so strangers alone can never reach this cap; it bounds what authenticated
-  peers and pending strangers hold together (file descriptors, buffers).
-* ``max_pending`` (overall) and ``max_pending_per_source`` (per source): connections not yet
-  authenticated. A *source* is an IPv4 address, or an IPv6 /64 network (one host commonly holds
-  a whole /64, so counting IPv6 addresses one by one would cap nothing): :func:`source_group`.
-  When a new connection would go over a source's cap, that source's **oldest** pending
-  connection is evicted. When it would go over ``max_pending``, the oldest pending connection
-  **of the source holding the most pending connections** is evicted (between sources holding
-  equally many, the one whose oldest is oldest). Evicting means: its ``drop(reason)`` is called
-  and its ticket released. So strangers churning from many addresses evict one another, not a
-  legitimate node: its one pending connection is evicted only when no source holds more, and
-  it authenticates within milliseconds anyway; an evicted client sees its connection closed
-  (:class:`~burncoll.TransportError`) and retries.
-* ``preauth_seconds``: a connection still pending that long after ``admit`` is dropped,
-  whatever it sent.
-
-Every refusal, eviction and deadline drop is logged at WARNING on the ``burncoll.transport``
-logger, naming the address, but at most :data:`LOG_BURST` lines a second per kind of event
-(:class:`BoundedLog`; the next line says how many were suppressed), so a flood cannot fill
-the log.
-
-Nothing here keeps a connection alive: a ticket forgets its ``drop`` callback once released,
-so a dropped connection's protocol and buffers are freed at once (no reference cycle through
-the admission). Used from one event loop; not thread-safe.
+Every listener asks its :class:`Admission` (``admit``) before it spends anything on a new
+connection, and tells the :class:`Ticket` when the connection authenticates and when it closes.
+``max_connections`` (pending and authenticated) refuses a new connection. ``max_pending`` and
+``max_pending_per_source`` (a source: an IPv4 address or an IPv6 /64, :func:`source_group`)
+evict the oldest pending connection of the source holding the most, so strangers churning from
+many addresses evict one another, not a legitimate node (which authenticates within
+milliseconds, and retries if evicted). ``preauth_seconds`` drops a connection still pending.
+Every refusal and drop is logged through a :class:`BoundedLog`. A released ticket forgets its
+``drop`` callback, so nothing here keeps a connection alive. One event loop; not thread-safe.
 """
 
 from __future__ import annotations
@@ -233,15 +203,10 @@ class Admission:
     def admit(self, source: str, drop: Callable[[str], None]) -> Ticket | None:
         """Admit a new connection from ``source`` (its host address, without the port).
 
-        Returns its :class:`Ticket`, or ``None`` when the connection must be refused (closed
-        at once, nothing read from it): ``max_connections`` are admitted already, or the
-        admission is closed. To make room under the pending caps, the oldest pending
-        connection of ``source``'s group (:func:`source_group`) is evicted first when that
-        group is at ``max_pending_per_source``; then, at ``max_pending``, the oldest of the
-        group holding the most pending connections (see the module docstring): its ``drop``
-        is called with the reason. ``drop(reason)`` must close the connection at once and
-        may be called later from the deadline timer; it is called at most once, and never
-        after the ticket is authenticated or released. Must be called on the event loop.
+        Returns its :class:`Ticket`, or ``None`` to refuse it (``max_connections`` reached, or
+        closed). Makes room under the pending caps first by evicting (see the module docstring).
+        ``drop(reason)`` must close the connection at once; it is called at most once (eviction
+        or the deadline), never after the ticket is authenticated or released. On the event loop.
         """
         if self._closed:
             return None

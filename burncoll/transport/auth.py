@@ -1,43 +1,22 @@
 """Mutual challenge-response authentication with a shared token, bound to the channel.
 
-Runs first on every connection (orchestrator and data service), before any array byte is
-read; until it succeeds the transport reads no more than
-:data:`~burncoll.transport.base.PREAUTH_BYTES` from the other side. Three CONTROL frames
-(:mod:`burncoll.protocol.wire`)::
+Runs first on every connection, before any array byte is read (docs/security.md)::
 
     server -> client  {"type": "challenge", "nonce": hex(Ns), "version": 2, "integrity": I,
                        "token": T}
     client -> server  {"type": "response", "nonce": hex(Nc), "mac": hex(HMAC(K, Lc|Ns|Nc|B|F)),
                        "token": T}
-    server -> client  {"type": "welcome", "mac": hex(HMAC(K, Ls|Nc|Ns|B|F))}
-                  or  {"type": "denied", "reason": "..."}
+    server -> client  {"type": "welcome", "mac": hex(HMAC(K, Ls|Nc|Ns|B|F))}  or  "denied"
 
-``K`` is the token's UTF-8 bytes (empty without a token, so a process with a token and one
-without fail to authenticate each other instead of silently agreeing); ``Ns``/``Nc`` are 32
-fresh random bytes each; HMAC is HMAC-SHA256 (RFC 2104); ``Lc``/``Ls`` are distinct labels, so
-the server's proof can never be replayed as a client's response or the other way round.
-Fresh nonces on both sides defeat replays; digests are compared in constant time. ``T`` says
-whether the sender has a token at all (not in the MAC: it only chooses the error message, so
-that a process without a token is told so rather than that the tokens differ; that a side has
-none is no secret, since anyone may connect to it then).
-
-``B`` is the **channel binding** each end computes for itself
-(:meth:`~burncoll.transport.base.Connection.channel_binding`, RFC 5929
-``tls-server-end-point``: the SHA-256 of the certificate the listener presents, as the
-listener knows it and as the connecting side received it; empty without TLS). A relay that
-terminates TLS -- QUIC, or wss -- must present a certificate of its own, for which it has the
-key, to the connecting side; that side then computes another ``B`` than the listener, and the
-exchange fails even though the relay forwards every message unchanged. So over TLS the token
-authenticates both ends *and* the channel, with ephemeral certificates too. (Python's ``ssl``
-module does not expose the RFC 5705 / RFC 8446 keying-material exporter, so the binding is the
-certificate's, which serves the same purpose against a relay that lacks the listener's key.)
-
-``F`` is ``b"integrity"`` when per-frame integrity is on, else empty; it is in the MAC, so a
-relay cannot switch it off. Both ends must agree on it (the challenge says what the listener
-wants). With it, every later message carries a tag (:mod:`burncoll.transport.integrity`) keyed
-from ``K``, both nonces and ``B``: on plain tcp/ws a relay that passed the exchange still cannot
-alter, drop, reorder or inject a message without the receiver failing the connection. It
-cannot stop a relay from *reading* the traffic: only TLS does that.
+``K``: the token's UTF-8 bytes (empty without one, so a side with a token and one without
+fail instead of agreeing); ``Ns``/``Nc``: 32 fresh random bytes (no replay); ``Lc``/``Ls``:
+distinct labels (a server proof is never a client response); HMAC-SHA256, compared in constant
+time. ``T`` (outside the MAC) only picks the error message. ``B``: the RFC 5929
+``tls-server-end-point`` channel binding (``Connection.channel_binding``; empty without
+TLS), so a relay terminating TLS with its own certificate fails the exchange (Python's
+``ssl`` exposes no keying-material exporter). ``F``: ``b"integrity"`` when every later
+message carries a tag keyed from ``K``, both nonces and ``B``
+(:mod:`burncoll.transport.integrity`); in the MAC, so a relay cannot switch it off.
 """
 
 from __future__ import annotations
@@ -74,10 +53,8 @@ _HINTS = {
     _UNEXPECTED_TOKEN: "it has no auth token and this process has one: give it the same token "
                        f"({_HOW_TO_SET}), or run every node and the orchestrator without one",
 }
-_MISMATCH_HINT = (
-    "the node and the orchestrator were given different auth tokens; set the same "
-    "BURNCOLL_AUTH_TOKEN on every node and on the orchestrator"
-)
+_MISMATCH_HINT = ("the node and the orchestrator were given different auth tokens; set the same "
+                  "BURNCOLL_AUTH_TOKEN on every node and on the orchestrator")
 _RELAY_HINT = (
     "; or a relay between the two ends terminated TLS (the certificate this side received "
     "is not the one the listener presents)"
@@ -140,15 +117,10 @@ def _secured(conn: Connection, token: str | None, server_nonce: bytes, client_no
 async def authenticate_server(conn: Connection, token: str | None, timeout: float, *,
                               integrity: bool = False) -> Connection:
     """Challenge the side that connected; return the connection to use once it proved it holds
-    ``token`` over this very channel.
-
-    ``integrity``: tag every later message (see the module docstring); the other side must
-    ask for the same. Waits at most ``min(timeout, PREAUTH_SECONDS)``: a stranger is not held
-    longer. Raises :class:`~burncoll.AuthenticationError` for a wrong token, a relay caught by
-    the channel binding, a malformed or unexpected reply, or no reply in time; a ``denied``
-    message is sent first, so the other side fails at once. The caller then logs and closes
-    ``conn``. :class:`~burncoll.TransportError` propagates when the connection breaks.
-    """
+    ``token`` over this very channel (tagged when ``integrity``). Waits at most ``min(timeout,
+    PREAUTH_SECONDS)``. Raises :class:`~burncoll.AuthenticationError` (after sending ``denied``) for
+    a wrong token, a relay, a malformed reply or none in time; :class:`~burncoll.TransportError`
+    when the connection breaks. The caller closes ``conn``."""
     server_nonce = secrets.token_bytes(_NONCE_BYTES)
     binding = conn.channel_binding()
     limit = min(timeout, PREAUTH_SECONDS)
@@ -204,14 +176,10 @@ async def _deny(conn: Connection, reason: str) -> None:
 
 async def authenticate_client(conn: Connection, token: str | None, timeout: float, *,
                               integrity: bool = False) -> Connection:
-    """Answer the server's challenge with ``token`` and check the server's own proof; return
-    the connection to use from then on.
-
-    Raises :class:`~burncoll.AuthenticationError` when the server refuses the token, cannot
-    prove it holds the same token over this channel, wants another ``integrity`` setting,
-    speaks another protocol or version, or does not finish within ``timeout`` seconds.
-    :class:`~burncoll.TransportError` propagates when the connection breaks.
-    """
+    """Answer the server's challenge with ``token`` and check the server's own proof; return the
+    connection to use from then on. Raises :class:`~burncoll.AuthenticationError` when the server
+    refuses, cannot prove the token, wants another ``integrity`` or version, or does not finish
+    within ``timeout`` seconds; :class:`~burncoll.TransportError` when the connection breaks."""
     binding = conn.channel_binding()
     try:
         async with asyncio.timeout(timeout):

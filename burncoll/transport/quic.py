@@ -1,24 +1,15 @@
 """QUIC transport (RFC 9000) on aioquic's asyncio API; always TLS 1.3, ALPN ``burncoll``.
 
-Theory of operation. A connection is one QUIC connection carrying one bidirectional stream of
-length-prefixed messages (:mod:`burncoll.transport.quic_connection`). Until
-:meth:`~burncoll.transport.quic_connection.QuicStreamConnection.authenticated` (called on both
-ends by :mod:`burncoll.transport.auth` after the challenge-response) the other side is a
-stranger: it gets :data:`~burncoll.transport.base.PREAUTH_BYTES` of flow-control credit and no
-more, and nothing larger is allocated on its word (:mod:`burncoll.transport.quic_credit`). A
-listener caps, screens and times out handshakes, and admits only completed ones
-(:mod:`burncoll.transport.quic_server`).
-
-A peer that vanishes without a word is noticed after ``idle_timeout``; pings every
-``idle_timeout / 3`` keep a quiet but live connection open. A client's UDP socket is
-connected, so on a LAN a dead peer's ICMP "port unreachable" fails the connection (and a
-connect to a port nobody listens on) at once.
-
-Throughput: aioquic's defaults (1200-byte datagrams, 1 MiB flow-control windows) give about
-30 MB/s. Datagrams of ``max_datagram_size`` (16 KiB by default, the most aioquic 1.x handles: IP
-fragments them on a 1500-byte-MTU network, which works on a LAN; lower it where fragments are
-dropped), windows of
-``2 * max_message_bytes`` and larger UDP socket buffers lift that several times over.
+A connection is one QUIC connection carrying one bidirectional stream of length-prefixed
+messages (:mod:`burncoll.transport.quic_connection`). Until it is authenticated the other side
+gets :data:`~burncoll.transport.base.PREAUTH_BYTES` of flow-control credit and nothing larger
+is allocated on its word (:mod:`burncoll.transport.quic_credit`); listeners screen handshakes
+(:mod:`burncoll.transport.quic_server`). A silent peer is declared gone after
+``idle_timeout`` (pings every third of it keep a live one open); a client's UDP socket is
+connected, so an ICMP "port unreachable" fails it at once. Throughput: aioquic's defaults give
+about 30 MB/s; 16 KiB datagrams (IP fragments them on a LAN; lower ``max_datagram_size`` where
+fragments are dropped), ``2 * max_message_bytes`` windows and larger socket buffers lift that
+several times over.
 """
 
 from __future__ import annotations
@@ -68,50 +59,33 @@ class QuicTransport(Transport):
     """Listen and connect with QUIC.
 
     Args:
-        tls: certificates as described in :mod:`burncoll.transport.tls`; ``None`` means an
-            ephemeral self-signed certificate that clients do not verify.
+        tls: certificates (:mod:`burncoll.transport.tls`); ``None``: an ephemeral self-signed one
+            that clients do not verify.
         max_message_bytes: the largest message this side accepts.
-        max_datagram_size: the largest UDP payload sent: 1200 (aioquic's default) to
-            :data:`MAX_DATAGRAM_SIZE`.
+        max_datagram_size: the largest UDP payload sent, 1200 to :data:`MAX_DATAGRAM_SIZE`.
         congestion_control: ``"reno"`` or ``"cubic"``.
-        connect_timeout: seconds for the QUIC handshake. A listener drops a handshake not
-            completed within ``min(connect_timeout, HANDSHAKE_SECONDS)`` (3 s): a slot held by a
-            client that never finishes is soon free again.
+        connect_timeout: seconds for the QUIC handshake.
         close_timeout: seconds ``close`` waits for the peer to acknowledge what was sent.
         idle_timeout: seconds of silence after which a peer is declared gone.
-        preauth_seconds: a listener drops a connection not authenticated this long after
-            its first packet.
-        max_handshakes: handshakes in progress at a listener; beyond it a new connection from
-            a validated address evicts the oldest handshake of the source holding the most
-            (when that source holds more than the newcomer's would), or is dropped unread.
-        max_handshakes_per_source: handshakes in progress per source (an IPv4 address, an
-            IPv6 /64) beyond which that source's Initial packets are dropped unread.
-        retry_handshakes: handshakes in progress beyond which a new client must validate its
-            address with a Retry first.
+        preauth_seconds: a listener drops a connection not authenticated this long after its
+            first packet.
+        max_handshakes, max_handshakes_per_source, retry_handshakes: a listener's handshake caps
+            (:mod:`burncoll.transport.quic_server`).
         max_connections, max_pending, max_pending_per_source: a listener's
             :class:`~burncoll.transport.admission.Admission` caps.
     """
 
     name = "quic"
 
-    def __init__(
-        self,
-        *,
-        tls: TlsSettings | None = None,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        max_datagram_size: int = 16384,
-        congestion_control: str = "reno",
-        connect_timeout: float = 10.0,
-        close_timeout: float = 2.0,
-        idle_timeout: float = 30.0,
-        preauth_seconds: float = PREAUTH_SECONDS,
-        max_handshakes: int = MAX_HANDSHAKES,
-        retry_handshakes: int = RETRY_HANDSHAKES,
-        max_handshakes_per_source: int = MAX_HANDSHAKES_PER_SOURCE,
-        max_connections: int = 1024,
-        max_pending: int = 64,
-        max_pending_per_source: int = 16,
-    ) -> None:
+    def __init__(self, *, tls: TlsSettings | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_datagram_size: int = 16384,
+                 congestion_control: str = "reno", connect_timeout: float = 10.0,
+                 close_timeout: float = 2.0, idle_timeout: float = 30.0,
+                 preauth_seconds: float = PREAUTH_SECONDS, max_handshakes: int = MAX_HANDSHAKES,
+                 retry_handshakes: int = RETRY_HANDSHAKES,
+                 max_handshakes_per_source: int = MAX_HANDSHAKES_PER_SOURCE,
+                 max_connections: int = 1024, max_pending: int = 64,
+                 max_pending_per_source: int = 16) -> None:
         if not 1200 <= max_datagram_size <= MAX_DATAGRAM_SIZE:
             raise ConfigError(
                 f"max_datagram_size must be in [1200, {MAX_DATAGRAM_SIZE}], not {max_datagram_size}"
@@ -122,11 +96,9 @@ class QuicTransport(Transport):
                 f"not retry_handshakes={retry_handshakes}, max_handshakes={max_handshakes}"
             )
         if not 1 <= max_handshakes_per_source <= max_handshakes:
-            raise ConfigError(
-                "QUIC needs 1 <= max_handshakes_per_source <= max_handshakes, not "
-                f"max_handshakes_per_source={max_handshakes_per_source}, "
-                f"max_handshakes={max_handshakes}"
-            )
+            raise ConfigError("QUIC needs 1 <= max_handshakes_per_source <= max_handshakes, not "
+                              f"max_handshakes_per_source={max_handshakes_per_source}, "
+                              f"max_handshakes={max_handshakes}")
         self.tls = tls
         self.max_message_bytes = max_message_bytes
         self.max_datagram_size = max_datagram_size
@@ -144,15 +116,11 @@ class QuicTransport(Transport):
 
     def _configuration(self, is_client: bool) -> QuicConfiguration:
         # The initial credit is the pre-authentication one; authenticated() opens the window.
-        return QuicConfiguration(
-            is_client=is_client,
-            alpn_protocols=[ALPN],
-            congestion_control_algorithm=self.congestion_control,
-            idle_timeout=self.idle_timeout,
-            max_datagram_size=self.max_datagram_size,
-            max_data=PREAUTH_WINDOW,
-            max_stream_data=PREAUTH_WINDOW,
-        )
+        return QuicConfiguration(is_client=is_client, alpn_protocols=[ALPN],
+                                 congestion_control_algorithm=self.congestion_control,
+                                 idle_timeout=self.idle_timeout,
+                                 max_datagram_size=self.max_datagram_size, max_data=PREAUTH_WINDOW,
+                                 max_stream_data=PREAUTH_WINDOW)
 
     def _protocol_factory(self, **kwargs: Any) -> Callable[..., QuicProtocol]:
         def create(quic: QuicConnection, stream_handler: Any = None) -> QuicProtocol:
@@ -201,10 +169,7 @@ class QuicTransport(Transport):
             quic = GatedConnection(configuration=configuration)
             create_protocol = self._protocol_factory(owns_transport=True)
             udp, protocol = await loop.create_datagram_endpoint(
-                lambda: create_protocol(quic),
-                remote_addr=address,
-                family=family,
-            )
+                lambda: create_protocol(quic), remote_addr=address, family=family)
             _grow_socket_buffers(udp)
             protocol.connect(address)
             async with asyncio.timeout(self.connect_timeout):
@@ -216,10 +181,8 @@ class QuicTransport(Transport):
             detail = "no answer" if isinstance(exc, TimeoutError) else str(exc)
             raise TransportError(f"cannot connect to {where} over QUIC: {detail}") from exc
         stream_id = quic.get_next_available_stream_id()
-        conn = QuicStreamConnection(
-            protocol, stream_id, where, self.max_message_bytes, self.close_timeout,
-            binding=binding,
-        )
+        conn = QuicStreamConnection(protocol, stream_id, where, self.max_message_bytes,
+                                    self.close_timeout, binding=binding)
         protocol.connection = conn
         quic.send_stream_data(stream_id, PREAMBLE)
         protocol.transmit()

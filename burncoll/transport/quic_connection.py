@@ -1,18 +1,14 @@
 """One QUIC connection with one bidirectional stream: its asyncio protocol, and the
 :class:`~burncoll.transport.base.Connection` on the stream.
 
-The client opens stream 0 by sending a 4-byte :data:`PREAMBLE`, which also tells the listener
-to start its handler. Each message is an 8-byte little-endian length and that many bytes; a
-:class:`~burncoll.transport.assembler.MessageAssembler` cuts the stream back into messages, and
-refuses a length over ``max_message_bytes`` before buffering it (the receiver stops the stream
-with :data:`ERR_MESSAGE_TOO_BIG`; both ends raise :class:`~burncoll.ProtocolError`). Before
-authentication it reads at most :data:`~burncoll.transport.base.PREAUTH_BYTES` in all and
-allocates nothing larger on the stranger's word (the credit: :mod:`.quic_credit`).
-
-Closing sends the stream's FIN first, so the peer's ``recv`` fails at once instead of after
-QUIC's closing period, waits (up to ``close_timeout``) for the peer to acknowledge what was
-sent, then closes the QUIC connection. Sends are not flow-controlled: ``send`` hands the whole
-message to aioquic, which keeps it until the peer acknowledges it.
+The client opens stream 0 with a 4-byte :data:`PREAMBLE`. Each message is an 8-byte
+little-endian length and its bytes, cut back into messages by a
+:class:`~burncoll.transport.assembler.MessageAssembler`, which refuses a length over
+``max_message_bytes`` before buffering it (:data:`ERR_MESSAGE_TOO_BIG`; a
+:class:`~burncoll.ProtocolError` on both ends). Before authentication at most
+:data:`~burncoll.transport.base.PREAUTH_BYTES` are read (:mod:`.quic_credit`). Closing sends
+FIN first (the peer's ``recv`` fails at once), waits up to ``close_timeout`` for the peer's
+acknowledgement, then closes. ``send`` hands aioquic the whole message (no flow control here).
 """
 
 from __future__ import annotations
@@ -186,20 +182,12 @@ class QuicStreamConnection(Connection):
 
 
 class QuicProtocol(QuicConnectionProtocol):
-    """One QUIC connection: routes its events to its :class:`QuicStreamConnection`.
+    """One QUIC connection: routes its events to its :class:`QuicStreamConnection`. On a listener it
+    also holds the connection's admission ``ticket`` and a ``forget`` callback that makes the server
+    drop every reference to it (see :meth:`drop`)."""
 
-    On a listener it also holds the connection's admission ``ticket`` and a ``forget``
-    callback that makes the server drop every reference to it (see :meth:`drop`).
-    """
-
-    def __init__(
-        self,
-        quic: QuicConnection,
-        *,
-        owns_transport: bool,
-        keepalive: float,
-        on_stream: Callable[[QuicProtocol], QuicStreamConnection] | None = None,
-    ) -> None:
+    def __init__(self, quic: QuicConnection, *, owns_transport: bool, keepalive: float,
+                 on_stream: Callable[[QuicProtocol], QuicStreamConnection] | None = None) -> None:
         super().__init__(quic)
         self.connection: QuicStreamConnection | None = None
         self.handshake: asyncio.Future[None] = self._loop.create_future()
@@ -401,4 +389,3 @@ def _ignore(cid: bytes) -> None:
 
 def _nothing() -> None:
     return None
-

@@ -1,15 +1,11 @@
 """QUIC flow-control credit: what a peer may send, decided by this side (RFC 9000 section 4).
 
-Before authentication the other side is a stranger: it gets :data:`PREAUTH_WINDOW` of credit
-(:data:`~burncoll.transport.base.PREAUTH_BYTES`), for the connection and for its stream, and
-no more (aioquic would double the credit as it is used: that is held back), one bidirectional
-stream and no unidirectional one. A STREAM frame at a large offset therefore cannot make
-aioquic zero-fill more than that; out-of-order CRYPTO data is capped at
-:data:`MAX_PENDING_CRYPTO` per epoch (aioquic's own cap is 512 KiB).
-
-Once it authenticates, the window is raised to :func:`working_window` and announced at once
-(MAX_DATA, MAX_STREAM_DATA), so throughput after authentication is what it was without the
-gate; from then on the credit follows what the application has read (:class:`GatedConnection`).
+Before authentication a stranger gets :data:`PREAUTH_WINDOW` of credit for the connection and
+its one bidirectional stream, and no more (aioquic's doubling is held back), so a STREAM frame
+at a large offset cannot make aioquic zero-fill more; out-of-order CRYPTO data is capped at
+:data:`MAX_PENDING_CRYPTO` per epoch. Once authenticated the window is raised to
+:func:`working_window` at once, then follows what the application has read
+(:class:`GatedConnection`).
 """
 
 from __future__ import annotations
@@ -41,18 +37,13 @@ def working_window(max_message_bytes: int) -> int:
 class GatedConnection(QuicConnection):
     """A QuicConnection whose receive credit this side decides.
 
-    Before :meth:`open_window` it grants the other side only its initial credit (the
-    configuration's ``max_data`` / ``max_stream_data``, one bidirectional stream). aioquic
-    doubles a window whenever the peer has used half of it -- using it means sending at a high
-    offset, not delivering data -- so without the gate a stranger could raise it step by step
-    and make aioquic zero-fill a large buffer.
-
-    After it, the credit follows what the application has *read*: the other side may send at
-    most ``window`` bytes beyond the last byte of the messages ``recv`` has returned
-    (:attr:`unread` counts the bytes of whole messages not yet returned). A reader that stops
-    reading (the data service pausing a member that runs ahead) stops the sender, as TCP's
-    flow control does on the stream transports: what waits here is bounded by ``window`` and
-    the message in progress. aioquic's own doubling, which follows arrival, is kept out."""
+    Before :meth:`open_window` the other side gets only its initial credit (``max_data`` /
+    ``max_stream_data``, one bidirectional stream): aioquic doubles a window whenever the peer used
+    half of it (sending at a high offset, not delivering data), so a stranger could otherwise make
+    it zero-fill a large buffer. After it, the other side may send at most ``window`` bytes beyond
+    the last byte ``recv`` has returned (:attr:`unread`: bytes of whole messages not yet returned),
+    so a reader that stops reading stops the sender, as TCP's flow control does.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -128,10 +119,7 @@ class GatedConnection(QuicConnection):
         stream = self._crypto_streams.get(context.epoch)
         if stream is not None and (
                 offset + length - stream.receiver.starting_offset() > MAX_PENDING_CRYPTO):
-            raise QuicConnectionError(
-                error_code=QuicErrorCode.CRYPTO_BUFFER_EXCEEDED,
-                frame_type=frame_type,
-                reason_phrase="too much crypto buffering",
-            )
+            raise QuicConnectionError(error_code=QuicErrorCode.CRYPTO_BUFFER_EXCEEDED,
+                                      frame_type=frame_type,
+                                      reason_phrase="too much crypto buffering")
         super()._handle_crypto_frame(context, frame_type, buf)
-

@@ -1,29 +1,16 @@
 """The listening side of the QUIC transport: handshake admission and the listener.
 
-A listener defends itself against handshake floods (:class:`GuardedServer`). Sources are
-grouped as :func:`source_of` does (an IPv4 address; an IPv6 /64, what one host or site usually
-holds). At most ``max_handshakes_per_source`` handshakes are in progress per source (8: more
-than a host running several nodes opens at once; a dropped Initial is retransmitted by its
-client) and ``max_handshakes`` in all. A new client must first prove its address with a
-stateless Retry (RFC 9000 section 8.1) when its source already has a handshake in progress,
-when ``retry_handshakes`` are in progress, or when the global cap is reached: a host cannot
-claim slots for addresses it does not hold. When the global cap is reached, a validated
-newcomer evicts the oldest handshake of the source holding the most, provided that source
-then still holds at least as many as the newcomer's (max-min fairness: one host holding
-half-open handshakes cannot lock others out, and sources holding one each do not churn);
-otherwise, or over the per-source cap, the Initial is dropped before any
-cryptographic work. A handshake not completed within ``min(connect_timeout, HANDSHAKE_SECONDS)``
-(:data:`HANDSHAKE_SECONDS` is 3 s: a LAN handshake takes milliseconds, and a few lost packets'
-retransmissions fit) is dropped, so a slot held by a silent client is soon free again; and
-every connection whose handshake completes passes the listener's
-:class:`~burncoll.transport.admission.Admission`
-(caps on unauthenticated connections, total and per source host, oldest evicted first; a cap
-on all connections, also checked before a handshake starts; the ``preauth_seconds`` deadline,
-counted from the end of the handshake). Admitting only completed handshakes keeps a flood of
-Initial packets, which never completes one, from evicting a legitimate client that is
-authenticating. A dropped connection is sent a CONNECTION_CLOSE (its client
-sees a :class:`~burncoll.TransportError` and may retry) and forgotten at once: its state is
-released without waiting for QUIC's closing period.
+:class:`GuardedServer` defends a listener against handshake floods, per source
+(:func:`source_of`: an IPv4 address, an IPv6 /64) and in all. A new client must prove its
+address with a stateless Retry (RFC 9000 section 8.1) when its source already has a handshake
+in progress, past ``retry_handshakes``, or at the global cap, so a host cannot claim slots for
+addresses it does not hold. At the global cap a validated newcomer evicts the oldest handshake
+of the source holding the most, if that source still holds at least as many as the newcomer's
+(max-min fairness); otherwise, and over the per-source cap, the Initial is dropped before any
+cryptographic work. A handshake not done within ``min(connect_timeout, HANDSHAKE_SECONDS)`` is
+dropped. Only completed handshakes reach the listener's
+:class:`~burncoll.transport.admission.Admission`, so a flood of Initials cannot evict a client
+that is authenticating. A dropped connection is sent CONNECTION_CLOSE and forgotten at once.
 """
 
 from __future__ import annotations
@@ -42,12 +29,7 @@ from aioquic._buffer import Buffer as QuicBuffer
 from aioquic.asyncio.server import QuicServer
 from aioquic.quic.configuration import SMALLEST_MAX_DATAGRAM_SIZE, QuicConfiguration
 from aioquic.quic.connection import NetworkAddress
-from aioquic.quic.packet import (
-    QuicHeader,
-    QuicPacketType,
-    encode_quic_retry,
-    pull_quic_header,
-)
+from aioquic.quic.packet import QuicHeader, QuicPacketType, encode_quic_retry, pull_quic_header
 from aioquic.quic.retry import QuicRetryTokenHandler
 
 from burncoll.errors import TransportError
@@ -95,17 +77,10 @@ class GuardedServer(QuicServer):
     caps on handshakes in progress (per source and in all, with eviction of the source holding
     the most), Retry under load and for repeat sources, a handshake deadline, admission."""
 
-    def __init__(
-        self,
-        *,
-        configuration: QuicConfiguration,
-        create_protocol: Callable[..., QuicProtocol],
-        admission: Admission,
-        max_handshakes: int,
-        retry_handshakes: int,
-        handshake_timeout: float,
-        max_handshakes_per_source: int = MAX_HANDSHAKES_PER_SOURCE,
-    ) -> None:
+    def __init__(self, *, configuration: QuicConfiguration,
+                 create_protocol: Callable[..., QuicProtocol], admission: Admission,
+                 max_handshakes: int, retry_handshakes: int, handshake_timeout: float,
+                 max_handshakes_per_source: int = MAX_HANDSHAKES_PER_SOURCE) -> None:
         super().__init__(configuration=configuration, create_protocol=create_protocol)
         self.admission = admission
         self.max_handshakes = max_handshakes
@@ -137,9 +112,8 @@ class GuardedServer(QuicServer):
         if len(data) < SMALLEST_MAX_DATAGRAM_SIZE:
             return None
         try:
-            header = pull_quic_header(
-                QuicBuffer(data=data), host_cid_length=self._configuration.connection_id_length
-            )
+            header = pull_quic_header(QuicBuffer(data=data),
+                                      host_cid_length=self._configuration.connection_id_length)
         except ValueError:
             return None
         if (header.packet_type != QuicPacketType.INITIAL
@@ -149,11 +123,10 @@ class GuardedServer(QuicServer):
         return header
 
     def _open(self, header: QuicHeader, data: bytes, addr: NetworkAddress) -> None:
-        """Screen an Initial packet for a new connection, then open it (or not).
-
-        Checks cost nothing before the Retry token is read (an AES-GCM open); the only state
-        created for an unvalidated address is the connection opened while fewer than
-        ``retry_handshakes`` are in progress and none from its source."""
+        """Screen an Initial packet for a new connection, then open it (or not). Checks cost nothing
+        before the Retry token is read (an AES-GCM open); the only state created for an unvalidated
+        address is the connection opened while fewer than ``retry_handshakes`` are in progress and
+        none from its source."""
         self._prune()
         source = source_of(addr)
         counts = Counter(self.handshaking.values())
@@ -189,11 +162,9 @@ class GuardedServer(QuicServer):
             original_cid = header.destination_cid
         if victim is not None:
             self._evict(victim, source)
-        quic = GatedConnection(
-            configuration=self._configuration,
-            original_destination_connection_id=original_cid,
-            retry_source_connection_id=retry_cid,
-        )
+        quic = GatedConnection(configuration=self._configuration,
+                               original_destination_connection_id=original_cid,
+                               retry_source_connection_id=retry_cid)
         protocol = cast(QuicProtocol, self._create_protocol(quic))
         self._register(protocol, header.destination_cid, source)
         protocol.datagram_received(data, addr)
@@ -323,15 +294,8 @@ class QuicListener(ServingListener):
 
     def accept(self, protocol: QuicProtocol) -> QuicStreamConnection:
         """Called on a new connection's first stream data: start its handler."""
-        conn = QuicStreamConnection(
-            protocol,
-            0,
-            protocol._remote(),
-            self._max_message_bytes,
-            self._close_timeout,
-            preamble=PREAMBLE,
-            binding=self._binding,
-        )
+        conn = QuicStreamConnection(protocol, 0, protocol._remote(), self._max_message_bytes,
+                                    self._close_timeout, preamble=PREAMBLE, binding=self._binding)
         if self.closing:
             conn._fail(TransportError("the listener is closing"))
             protocol.abort(None, ERR_NO_ERROR, "listener closing")

@@ -1,19 +1,12 @@
 """TLS material for the transports: ephemeral certificates, ``ssl`` contexts, QUIC settings.
 
-How :class:`~burncoll.transport.base.TlsSettings` is read. WebSocket uses TLS (``wss``) when
-any field is set and plain ``ws`` when none is (``TlsSettings()`` or ``None``); QUIC always
-uses TLS. Then, for both:
-
-* ``cert`` and ``key`` set: the listener presents that certificate.
-  Otherwise it presents an ephemeral self-signed one (:func:`make_self_signed`).
-* ``ca`` set: connecting sides verify the listener's certificate against it, host name included.
-  Otherwise they do not verify it: the channel is encrypted, but only the shared-token
-  challenge (:mod:`burncoll.transport.auth`) tells a peer it reached the right process, and
-  that does not stop an active man-in-the-middle who relays the challenge. Set ``ca`` on
-  networks you do not trust.
-
-This module imports neither ``websockets`` nor ``aioquic``: the QUIC helpers fill in a
-``QuicConfiguration`` they are given.
+WebSocket uses TLS (``wss``) when any field of :class:`~burncoll.transport.base.TlsSettings` is
+set; QUIC always does. ``cert`` and ``key``: the listener presents that certificate, else an
+ephemeral self-signed one (:func:`make_self_signed`). ``ca``: connecting sides verify the
+listener's certificate and host name against it; without it the channel is encrypted but only
+the token challenge (:mod:`burncoll.transport.auth`) identifies the peer, which an active
+man-in-the-middle can relay: set ``ca`` on networks you do not trust. Imports neither
+``websockets`` nor ``aioquic``.
 """
 
 from __future__ import annotations
@@ -32,16 +25,9 @@ from typing import Any
 from burncoll.errors import ConfigError
 from burncoll.transport.base import TlsSettings
 
-__all__ = [
-    "binding_of_certificate",
-    "client_ssl_context",
-    "configure_quic_client",
-    "configure_quic_server",
-    "listener_binding",
-    "make_self_signed",
-    "server_certificate",
-    "server_ssl_context",
-]
+__all__ = ["binding_of_certificate", "client_ssl_context", "configure_quic_client",
+           "configure_quic_server", "listener_binding", "make_self_signed", "server_certificate",
+           "server_ssl_context"]
 
 #: Names every ephemeral certificate is valid for, besides the host it was made for.
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -54,16 +40,11 @@ _SELF_SIGNED_LOCK = threading.Lock()
 def make_self_signed(host: str = "127.0.0.1") -> tuple[str, str]:
     """Write a fresh self-signed certificate for ``host`` and return ``(cert_path, key_path)``.
 
-    The PEM files live in a private temporary directory that is removed when the process
-    exits. The result is made once per process and host, so every listener of a process shares
-    one certificate (generation takes milliseconds, but there is no reason to repeat it). The
-    certificate is valid for ``host`` and the loopback names, for 30 days, and may serve as its
-    own trust anchor (``TlsSettings(cert, key, ca=cert)``).
-
-    Thread-safe: listeners started at once in several threads get the same certificate. (An
-    unguarded cache once let two threads each make their own; a listener then presented one
-    certificate and bound the token to the other, and every node was refused as having the
-    wrong token.)
+    Made once per process and host (every listener of a process shares it), in a private temporary
+    directory removed at exit; valid for ``host`` and the loopback names for 30 days, and usable as
+    its own trust anchor (``TlsSettings(cert, key, ca=cert)``). Thread-safe: an unguarded cache
+    once let two threads each make one, a listener then presented one certificate and bound the
+    token to the other, and every node was refused as having the wrong token.
     """
     with _SELF_SIGNED_LOCK:
         made = _SELF_SIGNED.get(host)
@@ -102,9 +83,8 @@ def _write_self_signed(host: str) -> tuple[str, str]:
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(public_key), critical=False
-        )
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(public_key),
+                       critical=False)
         .sign(key, hashes.SHA256())
     )
     directory = tempfile.TemporaryDirectory(prefix="burncoll-tls-")
@@ -116,21 +96,16 @@ def _write_self_signed(host: str) -> tuple[str, str]:
     fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(
-            key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption())
         )
     return cert_path, key_path
 
 
 def server_certificate(settings: TlsSettings, host: str) -> tuple[str, str]:
-    """The ``(cert, key)`` paths a listener on ``host`` presents under ``settings``.
-
-    Raises :class:`~burncoll.ConfigError` when only one of ``cert`` and ``key`` is set, or when
-    ``ca`` is set without them.
-    """
+    """The ``(cert, key)`` paths a listener on ``host`` presents under ``settings``. Raises
+    :class:`~burncoll.ConfigError` when only one of ``cert`` and ``key`` is set, or when ``ca`` is
+    set without them."""
     if settings.cert is None and settings.key is None:
         if settings.ca is not None:
             raise ConfigError(
@@ -171,10 +146,8 @@ def listener_binding(settings: TlsSettings | None, host: str) -> bytes:
 
 
 def server_ssl_context(settings: TlsSettings, host: str = "127.0.0.1") -> ssl.SSLContext:
-    """An ``ssl`` server context (TLS 1.2 or later) presenting the certificate for ``host``.
-
-    Raises :class:`~burncoll.ConfigError` when the files cannot be loaded.
-    """
+    """An ``ssl`` server context (TLS 1.2 or later) presenting the certificate for ``host``. Raises
+    :class:`~burncoll.ConfigError` when the files cannot be loaded."""
     cert, key = server_certificate(settings, host)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
@@ -187,9 +160,7 @@ def server_ssl_context(settings: TlsSettings, host: str = "127.0.0.1") -> ssl.SS
 
 def client_ssl_context(settings: TlsSettings) -> ssl.SSLContext:
     """An ``ssl`` client context: verifying against ``settings.ca`` or, without it, not at all.
-
-    Raises :class:`~burncoll.ConfigError` when ``ca`` cannot be loaded.
-    """
+    Raises :class:`~burncoll.ConfigError` when ``ca`` cannot be loaded."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     if settings.ca is None:
@@ -204,11 +175,9 @@ def client_ssl_context(settings: TlsSettings) -> ssl.SSLContext:
 
 
 def configure_quic_server(configuration: Any, settings: TlsSettings | None, host: str) -> None:
-    """Load the listener's certificate into an aioquic ``QuicConfiguration``.
-
-    ``settings=None`` is read as ``TlsSettings()``: QUIC always runs TLS.
-    Raises :class:`~burncoll.ConfigError` when the files cannot be loaded.
-    """
+    """Load the listener's certificate into an aioquic ``QuicConfiguration``. ``settings=None`` is
+    read as ``TlsSettings()``: QUIC always runs TLS. Raises :class:`~burncoll.ConfigError` when the
+    files cannot be loaded."""
     cert, key = server_certificate(settings or TlsSettings(), host)
     try:
         configuration.load_cert_chain(cert, key)
@@ -217,11 +186,9 @@ def configure_quic_server(configuration: Any, settings: TlsSettings | None, host
 
 
 def configure_quic_client(configuration: Any, settings: TlsSettings | None) -> None:
-    """Set certificate verification on an aioquic client ``QuicConfiguration``.
-
-    With ``settings.ca`` the server is verified against it, host name included; otherwise
-    verification is off (``ssl.CERT_NONE``) and the shared token authenticates the peer.
-    """
+    """Set certificate verification on an aioquic client ``QuicConfiguration``. With ``settings.ca``
+    the server is verified against it, host name included; otherwise verification is off
+    (``ssl.CERT_NONE``) and the shared token authenticates the peer."""
     if settings is None or settings.ca is None:
         configuration.verify_mode = ssl.CERT_NONE
         return

@@ -1,20 +1,14 @@
 """RFC 6455 frames without I/O: bytes in, checked headers and joined messages out; headers,
 frames and masks out.
 
-Nothing here touches a socket, so every rule of the framing is testable on plain bytes
-(``tests/transport/test_ws_frames.py``); :class:`~burncoll.transport.ws_protocol.WebSocketProtocol`
-drives it on the zero-copy stream core. What is checked, and the close code a breach earns
-(section 7.4.1):
-
-* reserved bits set (no extension is negotiated), an unknown opcode, a frame masked in the wrong
-  direction (section 5.1: a client masks every frame, a server none), a fragmented control frame
-  or one over :data:`MAX_CONTROL_PAYLOAD` bytes (section 5.5), a continuation without a message
-  in progress or a new message inside one (section 5.4): 1002 (protocol error);
-* a text message: 1003 (burncoll speaks binary);
-* a message whose frames announce more than the receiver's limit: 1009 (too big).
-
-Lengths are accepted in any of the three encodings (7-bit, 16-bit, 64-bit), minimal or not:
-the limit on the announced size is what protects the receiver, whatever the encoding.
+Testable on plain bytes (``tests/transport/test_ws_frames.py``);
+:class:`~burncoll.transport.ws_protocol.WebSocketProtocol` drives it. A breach earns its close
+code (section 7.4.1): 1002 for reserved bits (no extension is negotiated), an unknown opcode, a
+frame masked in the wrong direction (5.1), a fragmented or oversized control frame (5.5,
+:data:`MAX_CONTROL_PAYLOAD`), a stray continuation or a new message inside one (5.4); 1003 for
+a text message (burncoll speaks binary); 1009 for a message announcing more than the limit.
+Lengths are accepted in any encoding, minimal or not: the limit on the announced size is what
+protects the receiver.
 """
 
 from __future__ import annotations
@@ -26,17 +20,8 @@ import numpy as np
 from burncoll.errors import ProtocolError
 from burncoll.transport.base import Buffer
 
-__all__ = [
-    "FrameError",
-    "FrameHeader",
-    "FrameReader",
-    "close_payload",
-    "encode_frame",
-    "frame_header",
-    "mask_in_place",
-    "parse_close",
-    "unmasked",
-]
+__all__ = ["FrameError", "FrameHeader", "FrameReader", "close_payload", "encode_frame",
+           "frame_header", "mask_in_place", "parse_close", "unmasked"]
 
 OP_CONTINUATION, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
 OPCODES = frozenset((OP_CONTINUATION, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG))
