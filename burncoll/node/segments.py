@@ -57,7 +57,6 @@ from burncoll.node.lane_exchange import LaneExchange
 from burncoll.node.shared_mail import MAIL_AREA_BYTES, ORDERED_STORES, SharedMail
 from burncoll.ops import ReduceOp
 from burncoll.protocol.checks import Check
-from burncoll.protocol.wire import DataHeader, encode_data_header
 from burncoll.strategies.auto import SEGMENT_NODES
 from burncoll.strategies.layout import even_layout
 from burncoll.transport.ring_files import close_ring, map_offered, new_ring
@@ -99,7 +98,6 @@ class HostSegments:
         self._lanes = lanes
         self._me = lanes.service.node_index
         self._nodes = len(lanes.service.nodes)
-        self._session = lanes.service.session or 0
         self._bytes = segment_bytes(self._nodes)
         #: Whether the segments are in use: ``None`` until the first all-reduce sets them up.
         self.usable: bool | None = None
@@ -172,11 +170,9 @@ class HostSegments:
                ) -> dict[int, bytes]:
         """Round ``round_`` of ``op`` on the lanes: every node's ``payload``, by node (a
         copy: a few bytes)."""
-        header = encode_data_header(DataHeader(
-            session=self._session, seq=op.seq, op_kind=op.kind, reduce_op=op.reduce_op,
-            dtype=op.dtype, shape=op.shape, root=op.root, src=self._me, round=round_,
-            channel=0, chunk=0, offset=0, chunk_bytes=len(payload)), len(payload))
-        received = self._lanes.trade(op, check, header, payload)
+        core = self._lanes.cores.of(op, len(payload))
+        header = core.round_header(op, round_, len(payload))
+        received = self._lanes.trade(op, check, header, payload, core)
         return {node: bytes(data[len(header):]) for node, data in received.items()}
 
     def _set_up(self, op: GlobalOp, check: Check) -> bool:
