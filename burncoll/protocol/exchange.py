@@ -37,7 +37,6 @@ from burncoll.ops import ReduceOp
 from burncoll.protocol.checks import Check, order_mismatch, protocol_error
 from burncoll.protocol.wire import (
     DataHeader,
-    announced_lengths,
     decode_data_head,
     encode_data_header,
     restamped,
@@ -91,16 +90,16 @@ class ExchangeCore:
     def check(self, op: GlobalOp, check: Check, node: int, data: _Bytes,
               mine: bytes | None = None, where: str = ON_LANE) -> CollectiveError | None:
         """``None`` when ``data`` is the message this node expects from ``node`` in ``op``:
-        the same length as this node's, ``mine`` (this node's header, the exchange's by
-        default; its payload follows it), and the same header bytes but for the sender.
+        :attr:`expected_bytes` long, and the same header bytes as ``mine`` but for the
+        sender (``mine``: this node's header from this core, the exchange's by default or a
+        :meth:`round_header` of as many payload bytes).
         Otherwise why not, naming ``node`` (read ``where``); ``data`` may then hold only the
         start of its message, as far as its header (when it announced another length).
         ``check`` is this node's call's (:func:`~burncoll.protocol.checks.header_check`)."""
         mine = self.header(op.seq) if mine is None else mine
         view = memoryview(data)
         expected = restamped(mine, op.seq, node)
-        if len(view) == announced_lengths(memoryview(mine))[1] and (
-                view[:len(expected)] == expected):
+        if len(view) == self.expected_bytes and view[:len(expected)] == expected:
             return None
         return self.wrong(op, check, node, view, mine, where)
 
@@ -113,8 +112,7 @@ class ExchangeCore:
         except ProtocolError as exc:
             return ProtocolError(f"{op.label}: {self.describe(node)} sent a malformed "
                                  f"message {where}: {exc}")
-        mine = self.header(op.seq) if mine is None else mine
-        whole = announced_lengths(memoryview(mine))[1]
+        whole = self.expected_bytes
         return self.check_header(op, check, node, h, payload_len, mine, where) or (
             protocol_error(op, self.describe, h, f"a message cut short ({len(data)} of "
                            f"{whole} bytes)" if len(data) < whole else "a header that "

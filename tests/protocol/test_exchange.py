@@ -204,6 +204,7 @@ def test_the_rounds_of_the_shared_segments_are_checked_as_the_exchange_is() -> N
     assert zero.check(op, check, 1, theirs, mine) is None
     late = one.round_header(op, 4, 64) + bytes(64)
     assert "another round" in str(zero.check(op, check, 1, late, mine))
-    empty = one.round_header(op, 3, 0)  # (a round that says "done" and nothing else)
-    assert zero.check(op, check, 1, empty, zero.round_header(op, 3, 0)) is None
+    empty = _core(op, 1, 2, 0).round_header(op, 3, 0)  # (a round that says "done")
+    done = _core(op, 0, 2, 0)
+    assert done.check(op, check, 1, empty, done.round_header(op, 3, 0)) is None
     assert "wrong size" in str(zero.check(op, check, 1, empty, mine))
