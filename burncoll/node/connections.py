@@ -28,7 +28,6 @@ class MemberConnections:
         #: Connections this node dialed, to receive from each other node.
         self.dialed: dict[int, Connection] = {}
         self._locks: dict[int, asyncio.Lock] = {}
-        self._fast_out: dict[int, FastPath] = {}
         self._fast: list[FastPath] = []
         #: Set once every other member has dialed this node (see :meth:`expect`).
         self.all_out = asyncio.Event()
@@ -50,7 +49,6 @@ class MemberConnections:
         self.out[node] = conn
         self._locks[node] = asyncio.Lock()
         if isinstance(conn, FastPath):
-            self._fast_out[node] = conn
             self._fast.append(conn)
         self._check_all_out()
         return True
@@ -68,12 +66,6 @@ class MemberConnections:
         conn = self.out[node]
         async with self._locks[node]:
             await conn.send(parts)
-
-    def send_now(self, node: int, parts: Sequence[Buffer]) -> bool:
-        """From any thread: send a small message to ``node`` at once, without the event
-        loop, if its connection can (``FastPath.send_now``); ``False``: use :meth:`send`."""
-        fast = self._fast_out.get(node)
-        return fast is not None and fast.send_now(parts)
 
     async def tell(self, nodes: Iterable[int], message: ControlMessage, session: int,
                    timeout: float) -> None:

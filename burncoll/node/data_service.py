@@ -310,11 +310,6 @@ class DataService:
             # the session's failure: this one as fail() worded it, or an earlier one
             raise self.mailbox.error or PeerLost(str(exc)) from exc
 
-    def send_now(self, node: int, parts: Sequence[Buffer]) -> bool:
-        """From any thread: send a small frame to ``node`` at once, without the event loop,
-        if its connection can; ``False``: use :meth:`send`."""
-        return self.connections.send_now(node, parts)
-
     async def tell_all(self, message: Abort | Bye, timeout: float = 1.0) -> None:
         """Best effort: send a CONTROL message to every other node, bounded in time."""
         await self.connections.tell(list(self.connections.out), message, self.session or 0,

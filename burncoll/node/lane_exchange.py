@@ -1,17 +1,18 @@
 """The one-round exchange over the caller sockets (:mod:`burncoll.node.lanes`), run by the
 calling peer thread from start to end: it sends its message on every lane (or through the
-host mail, where the route says ``Medium.HOST``), reads every other node's, checks them and
-reduces in node order (:func:`~burncoll.node.exchange.reduce_in_node_order`, the same bits
-as the event loop's exchange). The rounds of the shared segments
-(:mod:`burncoll.node.segments`) go the same way (:meth:`LaneExchange.trade`).
+host mail, where the route says ``Medium.HOST``), reads every other node's, and has
+:class:`~burncoll.protocol.exchange.ExchangeCore` -- the protocol the event loop's exchange
+(:mod:`burncoll.node.exchange`) drives too -- check them and reduce in node order. The rounds
+of the shared segments (:mod:`burncoll.node.segments`) go the same way
+(:meth:`LaneExchange.trade`).
 
-The operation still starts its lane in the mailbox (``Mailbox.start_watched``, with a watch
-of no frames): a frame of this operation that arrives on a member connection -- another
-node's different call -- is then checked against this call and reported as before. Every
-failure becomes the error the event loop's exchange raises, through the event loop where it
-must be reported there (``call``): the session's own failure, a timeout with its explanation,
-a lost node (after the grace an explanation is given), a mismatch or a malformed message that
-fails the session on every node.
+The operation still starts its lane in the mailbox (``Mailbox.expect_now``, without the event
+loop where nothing needs it): a frame of this operation that arrives on a member connection
+-- another node's different call -- is then checked against this call and reported as before.
+Every failure becomes the error the event loop's exchange raises, through the event loop where
+it must be reported there (``call``): the session's own failure, a timeout with its
+explanation, a lost node (after the grace an explanation is given), a mismatch or a malformed
+message that fails the session on every node.
 """
 
 from __future__ import annotations
@@ -20,28 +21,15 @@ import asyncio
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
-import numpy as np
-
-from burncoll.dtypes import dtype_from_name
 from burncoll.errors import CollectiveError, PeerLost, ProtocolError
 from burncoll.levels import GlobalOp, HostArray
-from burncoll.node.exchange import (
-    exchange_parts,
-    payload_bytes,
-    reduce_in_node_order,
-)
+from burncoll.node.exchange import ExchangeCores
 from burncoll.node.lanes import LaneClosed, LaneOdd, LaneTimeout, LaneWoken, Mail
 from burncoll.node.receives import Receives
 from burncoll.node.spinning import usable_cpus
-from burncoll.node.watch import Watch
-from burncoll.protocol.checks import Check, order_mismatch, protocol_error
-from burncoll.protocol.wire import (
-    FIXED_HEADER_BYTES,
-    MAX_NDIM,
-    DataHeader,
-    decode_data_head,
-    restamped,
-)
+from burncoll.protocol.checks import Check, order_mismatch
+from burncoll.protocol.exchange import ExchangeCore, payload_bytes
+from burncoll.protocol.wire import FIXED_HEADER_BYTES, MAX_NDIM, decode_data_head
 from burncoll.transport.base import Buffer
 
 if TYPE_CHECKING:
@@ -56,8 +44,6 @@ Call = Callable[[GlobalOp, Coroutine[Any, Any, None]], None]
 
 #: The longest message header: as far as a report reads another node's message.
 _HEAD_BYTES = FIXED_HEADER_BYTES + 8 * MAX_NDIM
-#: Message headers kept per operation signature (past that, the cache starts over).
-_HEADERS_KEPT = 64
 #: Seconds after which an operation without the exchange looks at the lanes (the last one
 #: repeats until it ends).
 PEEKS = (0.01, 0.05, 0.25, 1.0)
@@ -75,12 +61,11 @@ class LaneExchange:
         #: Fails the session from this thread, without waiting (``DataService.fail`` on
         #: the loop).
         self.fail_soon = fail_soon
-        #: Starts the operation's lane in the mailbox; it takes no frames.
-        self._started = Watch(())
         #: Shared mail among node processes of one host, set up at join with their host
         #: memory (:mod:`burncoll.node.shared_mail`), for the routes that take it.
         self.mail: Mail | None = None
-        self._headers: dict[tuple[object, ...], tuple[bytes, np.dtype[Any]]] = {}
+        #: The exchange's protocol, by operation signature.
+        self.cores = ExchangeCores(executor)
         #: This node and the others (the session's table does not change).
         self._me = service.node_index
         self._others = tuple(n.index for n in service.nodes if n.index != self._me)
@@ -98,11 +83,9 @@ class LaneExchange:
     def _exchange_into(self, op: GlobalOp, check: Check, buf: HostArray, out: HostArray,
                        mail: Mail | None) -> None:
         """The exchange of ``buf`` into ``out`` (separate arrays) inside :meth:`run`."""
-        header, dtype = self._header(op, buf)
-        received = self.trade(op, check, header, payload_bytes(buf), mail)
-        arrays = {node: np.frombuffer(data, dtype, offset=len(header))
-                  for node, data in received.items()}
-        reduce_in_node_order(op, self._me, len(self._others) + 1, buf, arrays, out)
+        core = self.cores.of(op, buf.nbytes)
+        received = self.trade(op, check, core.header(op.seq), payload_bytes(buf), mail, core)
+        core.reduce(op, buf, core.payloads(received), out)
 
     def run(self, op: GlobalOp, nbytes: int, body: Callable[[Check], T]) -> T:
         """Run ``body`` -- operation ``op``'s rounds on the lanes (:meth:`trade`) -- with the
@@ -114,11 +97,11 @@ class LaneExchange:
         seq = op.seq  # what exchange_receives says, from the nodes kept
         receives = Receives(seq, 0, {(seq, 0, 0, n, 0): nbytes for n in self._others},
                             part_bytes=max(nbytes, 1))
-        started = self._started
-        started.started = False
+        started = [mailbox.expect_now(check, receives)]
         try:
-            if not mailbox.start_watched(check, receives, started):
-                self.call(op, self._start(check, receives, started))  # the loop works first
+            if not started[0]:  # the loop works first
+                started.pop()
+                self.call(op, self._start(check, receives, started))
             return body(check)
         except CollectiveError:
             raise
@@ -128,17 +111,19 @@ class LaneExchange:
                 f"({type(exc).__name__}: {exc}); the session cannot go on: register again"))
             raise
         finally:
-            if started.started:
+            if started:
                 mailbox.done(op.seq)
 
     def trade(self, op: GlobalOp, check: Check, header: bytes, payload: Buffer,
-              mail: Mail | None) -> Mapping[int, Buffer]:
+              mail: Mail | None, core: ExchangeCore | None = None) -> Mapping[int, Buffer]:
         """One round: send ``header`` (this node's, for ``op``) and ``payload`` through
         ``mail`` (it fits: the route said so), or on every lane without it, and read every
-        other node's message of the same length, which must start with the same header from
-        that node; its bytes by node (the payload after the header; in the mail, a view of
-        the other node's slot, valid until this node posts again)."""
+        other node's message of the same length, which ``core`` (the exchange's of this
+        payload size) must find to be the same header from that node; its bytes by node (the
+        header, then the payload; in the mail, a view of the other node's slot, valid until
+        this node posts again)."""
         size = len(header) + memoryview(payload).nbytes
+        core = core or self.cores.of(op, size - len(header))
         lanes = self.service.lanes
         received: Mapping[int, Buffer]
         try:
@@ -148,82 +133,39 @@ class LaneExchange:
             else:  # (header and payload straight into this node's slot)
                 received = lanes.exchange_mail(mail, (header, payload), size, op.deadline)
         except (LaneWoken, LaneTimeout, LaneClosed, LaneOdd) as stop:
-            self._raise(op, self._stopped(op, check, header, stop))
+            self._raise(op, self._stopped(op, check, core, header, stop))
         where = "on its caller socket" if mail is None else "in the shared mail"
         for node, data in received.items():
-            expected = restamped(header, op.seq, node)
-            if bytes(data[:len(expected)]) != expected:  # (the header only)
-                seen: Buffer = data
-                if mail is not None:  # (its whole header, for the report: a longer call's)
-                    seen = mail.read(node, mail.posted_count, max(size, _HEAD_BYTES))
-                self._raise(op, self._fail(self._wrong(op, check, node, seen, header, where)))
+            if core.check(op, check, node, data, header, where) is None:
+                continue
+            seen: Buffer = data
+            if mail is not None:  # (its whole header, for the report: a longer call's)
+                seen = mail.read(node, mail.posted_count, max(size, _HEAD_BYTES))
+            self._raise(op, self._fail(core.wrong(op, check, node, seen, header, where)))
         return received
 
     def refuse(self, op: GlobalOp, error: CollectiveError) -> NoReturn:
         """Fail the session with ``error`` (found in ``op``) on every node, and raise it."""
         self._raise(op, self._fail(error))
 
-    def _header(self, op: GlobalOp, buf: HostArray) -> tuple[bytes, np.dtype[Any]]:
-        """This node's message header for ``op`` -- the exchange's (:func:`exchange_parts`),
-        built once per signature and restamped with the operation's number -- and the dtype
-        of the messages' payloads."""
-        key = (op.fingerprint(), buf.nbytes, self.service.session)
-        kept = self._headers.get(key)
-        if kept is None:
-            if len(self._headers) >= _HEADERS_KEPT:
-                self._headers.clear()
-            kept = self._headers[key] = (bytes(exchange_parts(self.service, op, buf, 0)[0]),
-                                         dtype_from_name(op.dtype or "uint8"))
-        return restamped(kept[0], op.seq, self._me), kept[1]
-
-    def _wrong(self, op: GlobalOp, check: Check, node: int, data: Buffer,
-               header: bytes, where: str = "on its caller socket") -> CollectiveError:
-        """Why node ``node``'s message ``data`` (of the expected length, but not the expected
-        header; read ``where``) is not this operation's."""
-        try:
-            h, payload_len = decode_data_head(memoryview(data))
-        except ProtocolError as exc:
-            return ProtocolError(f"{op.label}: {self.executor.describe(node)} sent a "
-                                 f"malformed message {where}: {exc}")
-        return self._error_of(op, check, node, h, payload_len, header) or protocol_error(
-            op, self.executor.describe, h, "a header that differs from this operation's")
-
     def _raise(self, op: GlobalOp, coro: Coroutine[Any, Any, None]) -> NoReturn:
         """Run ``coro`` on the loop; it raises the operation's error."""
         self.call(op, coro)
         raise AssertionError("unreachable: the coroutine raises")  # pragma: no cover
 
-    async def _start(self, check: Check, receives: Receives, started: Watch) -> None:
+    async def _start(self, check: Check, receives: Receives, started: list[bool]) -> None:
         mailbox = self.service.mailbox
-        mailbox.start_watched(check, receives, started, on_loop=True)
+        if mailbox.error is None:
+            started.append(True)  # (whatever expect finds, ``done`` ends the lane)
+            mailbox.expect(check, receives)
         if mailbox.error is not None:
             raise mailbox.error
-
-    def _error_of(self, op: GlobalOp, check: Check, node: int, h: DataHeader,
-                  payload_len: int, header: bytes) -> CollectiveError | None:
-        """Why node ``node``'s message ``h`` is not this operation's, or ``None``."""
-        describe = self.executor.describe
-        if h.src != node or h.session != (self.service.session or 0):
-            return ProtocolError(f"{op.label}: {describe(node)} sent a frame that names "
-                                 f"node {h.src} of session {h.session}")
-        if h.seq != op.seq:
-            return order_mismatch(op, self.service.node_index, describe, h)
-        error = check(h)
-        if error is not None:
-            return error
-        mine, size = decode_data_head(memoryview(header))
-        if (h.channel, h.round, h.chunk) != (mine.channel, mine.round, mine.chunk):
-            return protocol_error(op, describe, h, "a part of another round, channel or "
-                                  "chunk on its caller socket")
-        if h.offset or h.chunk_bytes != mine.chunk_bytes or payload_len != size:
-            return protocol_error(op, describe, h, "a buffer of the wrong size")
-        return None
 
     async def _fail(self, error: CollectiveError) -> None:
         self.service.fail(error)
         raise self.service.mailbox.error or error
 
-    async def _stopped(self, op: GlobalOp, check: Check, header: bytes,
+    async def _stopped(self, op: GlobalOp, check: Check, core: ExchangeCore, header: bytes,
                        stop: Exception) -> None:
         """Raise what ended the exchange early, as the event loop's exchange would."""
         service = self.service
@@ -235,7 +177,7 @@ class LaneExchange:
             service.fail(PeerLost(f"{describe} is unreachable: its caller socket: "
                                   f"{stop.reason}"))
         elif isinstance(stop, LaneOdd):
-            await self._fail(self._wrong(op, check, stop.node, bytearray(stop.head), header))
+            await self._fail(core.wrong(op, check, stop.node, stop.head, header))
         raise service.mailbox.error or PeerLost("the session was closed")
 
 
@@ -284,3 +226,4 @@ class LaneExchange:
             if error is not None:
                 return error
         return None
+

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -27,13 +27,10 @@ from burncoll.ioloop import IoLoop
 from burncoll.levels import Exchange, GlobalOp, HostArray, HostReduce, LocalPeers, Medium, Route
 from burncoll.node.data_service import DataService
 from burncoll.node.exchange import (
+    ExchangeCores,
     exchange_all_reduce,
-    exchange_keys,
-    exchange_parts,
     exchange_receives,
-    reduce_in_node_order,
     require_separate_out,
-    watched_arrays,
 )
 from burncoll.node.executor import GlobalExecutor
 from burncoll.node.lane_exchange import LaneExchange
@@ -42,9 +39,7 @@ from burncoll.node.orchestrator_client import OrchestratorClient
 from burncoll.node.p2p_link import NodePointToPoint
 from burncoll.node.receives import Receives
 from burncoll.node.segments import HostSegments
-from burncoll.node.watch import Watch
 from burncoll.ops import OpKind
-from burncoll.protocol.checks import Check
 from burncoll.strategies import Schedule, Strategy
 from burncoll.strategies.layout import even_layout
 
@@ -72,6 +67,8 @@ class NodeLink:
         self._service = service
         self._orch = orchestrator
         self._executor = GlobalExecutor(service)
+        #: The exchange's protocol on the member connections, by operation signature.
+        self._cores = ExchangeCores(self._executor)
         self.node_index = orchestrator.index
         self.nodes = orchestrator.nodes
         self.num_nodes = len(self.nodes)
@@ -210,13 +207,20 @@ class NodeLink:
     async def _run(self, op: GlobalOp, schedule: Schedule, chunks: list[HostArray | None],
                    channel: int = 0, out: list[HostArray | None] | None = None,
                    ) -> tuple[str | None, tuple[int, ...]]:
+        executor = self._executor
+        return await self._started(op, executor.receives(op, schedule, chunks, channel),
+                                   lambda: executor.run(op, schedule, chunks, channel, out=out))
+
+    async def _started(self, op: GlobalOp, receives: Receives,
+                       work: Callable[[], Awaitable[T]]) -> T:
+        """``work()`` with the lane of ``op`` that ``receives`` describes started in the
+        mailbox (the session's failure instead, if it failed)."""
         mailbox = self._service.mailbox
         if mailbox.error is not None:
             raise mailbox.error
-        executor = self._executor
-        mailbox.expect(executor.checker(op), executor.receives(op, schedule, chunks, channel))
+        mailbox.expect(self._executor.checker(op), receives)
         try:
-            return await executor.run(op, schedule, chunks, channel, out=out)
+            return await work()
         finally:
             mailbox.done(op.seq)
 
@@ -232,61 +236,12 @@ class NodeLink:
 
     def _exchange_on_connections(self, op: GlobalOp, buf: HostArray, out: HostArray,
                                  channel: int) -> None:
-        """The exchange on the member connections, from the calling peer thread: it sends its
-        message itself where the connection allows (no event-loop wake-up before the bytes
-        leave), then the loop sends the rest, collects the other nodes' messages and
-        reduces."""
-        service = self._service
-        parts = exchange_parts(service, op, buf, channel)
-        sent_to: frozenset[int] = frozenset()
-        if service.mailbox.error is None:
-            sent_to = frozenset(n.index for n in self.nodes if n.index != self.node_index
-                                and service.send_now(n.index, parts))
-        watch: Watch | None = None
-        if len(sent_to) == self.num_nodes - 1:  # nothing left for the loop to send
-            watch = Watch(exchange_keys(service, op, channel))
-            check = self._executor.checker(op)
-            receives = exchange_receives(service, op, buf, channel)
-            if not service.mailbox.start_watched(check, receives, watch):  # no loop wake-up
-                self._io.loop.call_soon_threadsafe(self._start_watch, check, receives, watch)
-            if watch.done.wait(max(op.deadline - time.monotonic(), 0.0)) and not watch.error:
-                received = watched_arrays(op, buf, check, watch.frames)
-                if received is not None:
-                    try:
-                        reduce_in_node_order(op, self.node_index, self.num_nodes, buf,
-                                             received, out)
-                    finally:
-                        service.mailbox.done(op.seq)
-                    return
-        # late, failed, or not all sent: the loop finishes it and reports what went wrong
-        self._call(op, self._exchange_rest(op, buf, out, channel, sent_to, parts, watch))
-
-    def _start_watch(self, check: Check, receives: Receives, watch: Watch) -> None:
-        """(Event loop.) Start the exchange's lane and watch it; an unexpected error wakes the
-        waiting thread with it, which hands the operation to :meth:`_exchange_rest`."""
-        try:
-            self._service.mailbox.start_watched(check, receives, watch, on_loop=True)
-        except Exception as exc:  # never leave the calling thread waiting out its deadline
-            watch.fail(exc)
-
-    async def _exchange_rest(self, op: GlobalOp, buf: HostArray, out: HostArray, channel: int,
-                             sent_to: frozenset[int], parts: list[bytes | memoryview],
-                             watch: Watch | None) -> None:
-        mailbox = self._service.mailbox
-        if watch is not None:
-            mailbox.unwatch(watch)
-        if watch is None or not watch.started:
-            if mailbox.error is not None:
-                raise mailbox.error
-            mailbox.expect(self._executor.checker(op),
-                           exchange_receives(self._service, op, buf, channel))
-        try:
-            if watch is not None and watch.error is not None and mailbox.error is None:
-                raise watch.error  # starting the lane failed here (the session did not)
-            await exchange_all_reduce(self._executor, op, buf, out, channel, sent_to=sent_to,
-                                      parts=parts, taken=watch.frames if watch else None)
-        finally:
-            mailbox.done(op.seq)
+        """The exchange on the event loop, over the member connections: what this node
+        receives is registered with the mailbox as the operation starts there."""
+        core = self._cores.of(op, buf.nbytes, channel)
+        receives = exchange_receives(self._service, op, buf, channel)
+        self._call(op, self._started(op, receives, lambda: exchange_all_reduce(
+            self._executor, core, op, buf, out)))
 
     def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0,
                    out: HostArray | None = None, *, route: Route) -> None:

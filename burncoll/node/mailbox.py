@@ -60,7 +60,6 @@ from burncoll.node.receives import (
     key_of,
 )
 from burncoll.node.receives import describe_part as _part
-from burncoll.node.watch import Watch
 from burncoll.protocol.wire import DataHeader, Frame
 
 __all__ = [
@@ -81,7 +80,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def _locked(method: F) -> F:
     """Run ``method`` under the mailbox's lock: the event loop's thread stores frames while
-    a calling thread may start or end its exchange (:meth:`Mailbox.start_watched`)."""
+    a calling thread may start or end its exchange (:meth:`Mailbox.expect_now`)."""
     @functools.wraps(method)
     def locked(self: Mailbox, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
@@ -100,8 +99,6 @@ class Mailbox:
         self.clock = clock
         self._frames: dict[FrameKey, deque[Frame]] = {}
         self._waiters: dict[FrameKey, asyncio.Future[None]] = {}
-        #: Keys a calling thread waits for itself (:meth:`watch`).
-        self._watches: dict[FrameKey, Watch] = {}
         self._error: BaseException | None = None
         #: Checks a frame against the receiver's own call of ``seq``; returns an error or None.
         self._checks: dict[int, _Check] = {}
@@ -279,10 +276,6 @@ class Mailbox:
         waiter = self._waiters.pop(key, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
-        watch = self._watches.pop(key, None)
-        if watch is not None:
-            watch.take(key, frame)
-            self._pop(key)  # the frame just stored: the watch has it
         return receives is None
 
     async def get(self, key: FrameKey, deadline: float, on_timeout: Callable[[], BaseException]
@@ -317,44 +310,19 @@ class Mailbox:
         return frame
 
     @_locked
-    def watch(self, watch: Watch) -> None:
-        """Hand ``watch`` the next frame of each of its keys: those here now at once, the
-        others as :meth:`put` stores them (checked as for :meth:`get`); a failure of the
-        session wakes it with the error. On the event loop's thread, or from a calling thread
-        through :meth:`start_watched`."""
-        if self._error is not None:
-            watch.fail(self._error)
-            return
-        for key in watch.keys:
-            frame = self._pop(key)
-            if frame is None:
-                self._watches[key] = watch
-            else:
-                watch.take(key, frame)
-
-    @_locked
-    def start_watched(self, check: _Check, receives: Receives, watch: Watch, *,
-                      on_loop: bool = False) -> bool:
-        """:meth:`expect` (unless the session failed; ``watch.started`` then says it ran) and
-        :meth:`watch` at once. From a calling thread (not ``on_loop``) only when that needs
-        nothing of the event loop: no failure yet, and every frame held for the lane passes
-        its checks (a failure to report is the loop's); ``False``, with nothing done,
-        otherwise."""
-        # Off the loop these guards keep the loop's work on its thread: every held frame
-        # right, so ``expect`` calls no ``on_error`` (which must run on the loop; the budget
-        # wakes a paused reader through its loop). Keep ``_would_pass`` in step with ``expect``.
-        if not on_loop and (self._error is not None
-                            or not self._would_pass(check, receives)):
+    def expect_now(self, check: _Check, receives: Receives) -> bool:
+        """:meth:`expect` from a calling thread, when that needs nothing of the event loop:
+        no failure yet, and every frame held for the lane passes its checks (a failure to
+        report is the loop's: it fails the session there, and the budget wakes a paused
+        reader through its loop). ``False``, with nothing done, otherwise."""
+        if self._error is not None or not self._would_pass(check, receives):
             return False
-        if self._error is None:
-            watch.started = True  # set first: whatever happens next, ``done`` ends the lane
-            self._expect(check, receives)
-        if watch.keys or self._error is not None:
-            self.watch(watch)
+        self._expect(check, receives)
         return True
 
     def _would_pass(self, check: _Check, receives: Receives) -> bool:
-        """Whether :meth:`expect` would find every frame held for the lane right."""
+        """Whether :meth:`expect` would find every frame held for the lane right (keep it
+        in step with ``_expect``)."""
         lane, streams = (receives.seq, receives.channel), dict[FrameKey, Stream]()
         for key, frames in self._frames.items():
             for frame in frames if (key[0], key[1]) == lane else ():
@@ -366,13 +334,6 @@ class Mailbox:
                 except ProtocolError:
                     return False
         return True
-
-    @_locked
-    def unwatch(self, watch: Watch) -> None:
-        """Stop handing frames to ``watch`` (what it took is its own)."""
-        for key in watch.keys:
-            if self._watches.get(key) is watch:
-                del self._watches[key]
 
     @_locked
     def fail(self, error: BaseException) -> None:
@@ -389,6 +350,3 @@ class Mailbox:
             if not waiter.done():
                 waiter.set_exception(error)
         self._waiters.clear()
-        for watch in list(self._watches.values()):
-            watch.fail(error)
-        self._watches.clear()

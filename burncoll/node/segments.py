@@ -59,7 +59,6 @@ from burncoll.node.lane_exchange import LaneExchange
 from burncoll.node.shared_mail import MAIL_AREA_BYTES, ORDERED_STORES, SharedMail
 from burncoll.ops import ReduceOp
 from burncoll.protocol.checks import Check
-from burncoll.protocol.wire import DataHeader, encode_data_header
 from burncoll.reduction import reduce_into
 from burncoll.strategies.auto import MOST_PIECES, PIECE_BYTES, SEGMENT_NODES
 from burncoll.strategies.layout import even_layout
@@ -97,7 +96,6 @@ class HostSegments:
         self._lanes = lanes
         self._me = lanes.service.node_index
         self._nodes = len(lanes.service.nodes)
-        self._session = lanes.service.session or 0
         self._bytes = segment_bytes(self._nodes)
         #: Every node's segment, this node's writable, by node index.
         self._maps: dict[int, mmap.mmap] = {}
@@ -136,11 +134,9 @@ class HostSegments:
                ) -> dict[int, bytes]:
         """Round ``round_`` of ``op`` in the mail, if the session has it, else on the lanes:
         every node's ``payload``, by node (a copy: a few bytes)."""
-        header = encode_data_header(DataHeader(
-            session=self._session, seq=op.seq, op_kind=op.kind, reduce_op=op.reduce_op,
-            dtype=op.dtype, shape=op.shape, root=op.root, src=self._me, round=round_,
-            channel=0, chunk=0, offset=0, chunk_bytes=len(payload)), len(payload))
-        received = self._lanes.trade(op, check, header, payload, self._lanes.mail)
+        core = self._lanes.cores.of(op, len(payload))
+        header = core.round_header(op, round_, len(payload))
+        received = self._lanes.trade(op, check, header, payload, self._lanes.mail, core)
         return {node: bytes(data[len(header):]) for node, data in received.items()}
 
     def set_up(self, op: GlobalOp) -> bool:

@@ -148,11 +148,6 @@ class FastPath(Protocol):
     otherwise use the plain :class:`Connection` methods.
     """
 
-    def send_now(self, parts: Sequence[Buffer]) -> bool:
-        """From any thread: send a small message at once, bypassing the event loop, and return
-        ``True``; or do nothing and return ``False`` (the caller then uses ``send``)."""
-        ...
-
     def place_with(self, placer: Placer) -> None:
         """Let ``placer`` choose where each large incoming payload is received."""
         ...

@@ -19,8 +19,8 @@ TLS hides it.
 Costs: one HMAC pass over every byte on each side (SHA-256 runs at over a gigabyte per second
 with the CPU's SHA extensions, outside the GIL), and a payload is received into the
 transport's own buffer and copied to its place instead of being read straight there (it must
-be checked before it is used). Messages leave from the event loop (no ``send_now``), so that
-their numbers follow the order on the wire.
+be checked before it is used). Messages leave from the event loop, so that their numbers
+follow the order on the wire.
 """
 
 from __future__ import annotations

@@ -38,7 +38,6 @@ import os
 import re
 import secrets
 import struct
-import threading
 from collections.abc import Sequence
 
 from burncoll.errors import ProtocolError, TransportError
@@ -102,7 +101,6 @@ class RingSender(Connection, FastPath):
         self._unacked = 0
         self._room = asyncio.Event()
         self._broken: BaseException | None = None
-        self._busy = threading.Lock()  # held while a message goes through the ring
 
     async def send(self, parts: Sequence[Buffer]) -> None:
         views = [byte_view(p) for p in parts]
@@ -110,21 +108,20 @@ class RingSender(Connection, FastPath):
         if not MIN_BYTES <= size <= MAX_BYTES or self._mapped is False:
             await self.inner.send(views)
             return
-        with self._busy:
-            if not await self._ring_taken():  # (declined, or no ring could be made here)
-                await self.inner.send(views)
-                return
-            start, used = _advance(self._position, size)
-            while self._unacked + used > RING_BYTES:
-                self._check_open()
-                self._room.clear()
-                await self._room.wait()
-            at = start
-            for view in views:
-                self._ring[at:at + len(view)] = view
-                at += len(view)
-            self._position, self._unacked = at, self._unacked + used
-            await self.inner.send([_DATA + _LENGTH.pack(size)])
+        if not await self._ring_taken():  # (declined, or no ring could be made here)
+            await self.inner.send(views)
+            return
+        start, used = _advance(self._position, size)
+        while self._unacked + used > RING_BYTES:
+            self._check_open()
+            self._room.clear()
+            await self._room.wait()
+        at = start
+        for view in views:
+            self._ring[at:at + len(view)] = view
+            at += len(view)
+        self._position, self._unacked = at, self._unacked + used
+        await self.inner.send([_DATA + _LENGTH.pack(size)])
 
     async def _ring_taken(self) -> bool:
         """Whether the receiver mapped the ring: offered when the first large message needs
@@ -201,14 +198,6 @@ class RingSender(Connection, FastPath):
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
-
-    def send_now(self, parts: Sequence[Buffer]) -> bool:
-        if self._fast is None or not self._busy.acquire(blocking=False):
-            return False
-        try:  # (small messages only: the inner connection decides)
-            return self._fast.send_now(parts)
-        finally:
-            self._busy.release()
 
     def place_with(self, placer: Placer) -> None:
         if self._fast is not None:
@@ -320,9 +309,6 @@ class RingReceiver(Connection, FastPath):
 
     async def send(self, parts: Sequence[Buffer]) -> None:
         await self.inner.send(parts)
-
-    def send_now(self, parts: Sequence[Buffer]) -> bool:
-        return self._fast is not None and self._fast.send_now(parts)
 
     def place_with(self, placer: Placer) -> None:
         self._placer = placer

@@ -1,9 +1,8 @@
 """The :class:`~burncoll.transport.base.Connection` over the zero-copy stream core.
 
 Besides the plain interface it offers the fast path
-(:class:`~burncoll.transport.base.FastPath`): a small message sent from any thread without
-the event loop (:meth:`StreamConnection.send_now`), and large payloads received straight into
-memory their receiver chose (:meth:`StreamConnection.place_with`).
+(:class:`~burncoll.transport.base.FastPath`): large payloads received straight into memory
+their receiver chose (:meth:`StreamConnection.place_with`).
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from burncoll.errors import TransportError
 from burncoll.protocol.wire import Placed
 from burncoll.transport.base import Buffer, Connection, Placer, byte_view
 from burncoll.transport.stream import StreamProtocol
-from burncoll.transport.stream_send import JOIN_BYTES
 
 __all__ = ["StreamConnection"]
 
@@ -30,22 +28,6 @@ class StreamConnection(Connection):
         self.remote = protocol.remote
         self.close_timeout = close_timeout
         self._closing = False
-
-    def send_now(self, parts: Sequence[Buffer]) -> bool:
-        """From any thread: send a small message (up to
-        :data:`~burncoll.transport.stream_send.JOIN_BYTES`) at once, on the socket itself;
-        ``False`` (nothing sent) for a larger one, over TLS, from a masking WebSocket client,
-        or once the connection is closing: the caller then uses :meth:`send`."""
-        protocol = self._protocol
-        writer = protocol._writer
-        if writer is None or self._closing or protocol.error is not None or not (
-                protocol.sends_plain()):
-            return False
-        views = [byte_view(p) for p in parts]
-        total = sum(len(v) for v in views)
-        if total > JOIN_BYTES:
-            return False  # a large message waits on the loop until it is sent
-        return writer.write_now(b"".join([protocol.frame_header(total), *views]))
 
     def pause_reading(self) -> None:
         """Read nothing more from the socket until it is :meth:`detach`-ed (or closed)."""

@@ -82,10 +82,6 @@ class StreamSending(abc.ABC):
     def frame_header(self, size: int) -> bytes:
         """The bytes that go before a message of ``size`` bytes."""
 
-    def sends_plain(self) -> bool:
-        """Whether a message goes out as ``frame_header`` plus its bytes, unchanged."""
-        return True
-
     def write_message(self, views: list[memoryview], total: int) -> int | None:
         """Queue a whole message at once (no await: messages never interleave).
 

@@ -8,11 +8,7 @@ until its bytes are in the kernel before it may touch the memory again.
 
 It writes on a duplicate of the transport's socket (``socket.dup``: same connection, another
 descriptor), so the event loop watches it without disturbing the transport's reader. Plain TCP
-only: TLS must encrypt in the transport.
-
-:meth:`SocketWriter.write_now` may be called from any thread: a peer thread sends a small
-message itself instead of handing it to the event loop (a thread wake-up saved per message).
-A lock keeps whole messages in order whichever thread writes them.
+only: TLS must encrypt in the transport. Every method runs on the event loop's thread.
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ import asyncio
 import copy
 import itertools
 import socket
-import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -73,7 +68,6 @@ class SocketWriter:
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
         self._watching = False
         self._when_empty: Callable[[], None] | None = None
-        self._lock = threading.Lock()
         self.error: TransportError | None = None
 
     @classmethod
@@ -99,43 +93,16 @@ class SocketWriter:
     def write(self, buffers: Sequence[memoryview]) -> int:
         """Queue ``buffers`` (flat byte views) after everything before; send what the socket
         takes now. Returns the offset at which they are all sent."""
-        with self._lock:
-            if self.error is not None:
-                raise fresh_error(self.error)
-            for buffer in buffers:
-                if len(buffer):
-                    self._pending.append(buffer)
-                    self._queued += len(buffer)
-            queued = self._queued
+        if self.error is not None:
+            raise fresh_error(self.error)
+        for buffer in buffers:
+            if len(buffer):
+                self._pending.append(buffer)
+                self._queued += len(buffer)
+        queued = self._queued
         if not self._watching:
             self._flush()
         return queued
-
-    def write_now(self, data: bytes) -> bool:
-        """From any thread: send ``data`` (one whole message) now if nothing is queued before
-        it; what the socket does not take is queued for the event loop. ``False`` (nothing
-        written) when something is queued or the writer has failed: use :meth:`write` on the
-        loop instead."""
-        with self._lock:
-            if self.error is not None or self._pending:
-                return False
-            try:
-                sent = self._sock.send(data)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:
-                return False  # the event loop's next write meets the error and reports it
-            self._queued += len(data)
-            self._sent += sent
-            if sent == len(data):
-                return True
-            self._pending.append(memoryview(data)[sent:])
-        self._loop.call_soon_threadsafe(self._resume)
-        return True
-
-    def _resume(self) -> None:
-        if not self._watching and self.error is None:
-            self._flush()
 
     def sent(self, offset: int) -> asyncio.Future[None] | None:
         """A future resolved once the bytes before ``offset`` are sent; ``None`` if they are."""
@@ -157,18 +124,17 @@ class SocketWriter:
     def _flush(self) -> None:
         pending = self._pending
         failure: OSError | None = None
-        with self._lock:
-            try:
-                while pending:
-                    if len(pending) == 1:
-                        n = self._sock.send(pending[0])
-                    else:
-                        n = self._sock.sendmsg(list(itertools.islice(pending, _IOV_BATCH)))
-                    self._advance(n)
-            except (BlockingIOError, InterruptedError):
-                pass
-            except OSError as exc:
-                failure = exc
+        try:
+            while pending:
+                if len(pending) == 1:
+                    n = self._sock.send(pending[0])
+                else:
+                    n = self._sock.sendmsg(list(itertools.islice(pending, _IOV_BATCH)))
+                self._advance(n)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as exc:
+            failure = exc
         if failure is not None:
             on_error = self._on_error
             self.close(TransportError(f"sending failed: {failure}"))
@@ -207,11 +173,10 @@ class SocketWriter:
         if self._watching:
             self._loop.remove_writer(self._fd)
             self._watching = False
-        with self._lock:  # no thread is in write_now while the socket closes
-            if self.error is None:
-                self.error = error
-            self._pending.clear()
-            self._sock.close()
+        if self.error is None:
+            self.error = error
+        self._pending.clear()
+        self._sock.close()
         while self._waiters:
             _, waiter = self._waiters.popleft()
             if not waiter.done():

@@ -241,9 +241,6 @@ class WebSocketProtocol(StreamProtocol):
     def frame_header(self, size: int) -> bytes:
         return frame_header(OP_BINARY, size, None)
 
-    def sends_plain(self) -> bool:
-        return self.server and self._handshake is None  # a client masks every frame
-
     def write_message(self, views: list[memoryview], total: int) -> int | None:
         if self._handshake is not None:
             raise TransportError(f"the WebSocket to {self.remote} is not open")

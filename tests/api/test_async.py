@@ -13,6 +13,7 @@ tested on its own: order, failures, timeouts, callbacks, threads.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 
 import burncoll
-import burncoll.node.link as node_link
+import burncoll.node.exchange as node_exchange
 import burncoll.work
 from burncoll.train import all_reduce_tree
 from burncoll.work import OpQueue, Work, when_all
@@ -179,18 +180,19 @@ def test_a_mismatch_reported_by_a_node_ahead_waits_for_the_operation_it_finished
     still completes -- node 0 had sent everything for it -- and the mismatch surfaces at the
     second one's ``wait`` on every peer, not at the first's."""
     monkeypatch.setenv("BURNCOLL_SHARED_MEMORY", "0")  # (the exchange over member connections)
-    real, held = node_link.exchange_receives, list[bool]()
+    real, held = node_exchange._receive_all, list[bool]()
 
-    def after_the_abort(service: Any, op: Any, buf: Any, channel: int) -> Any:
+    async def after_the_abort(executor: Any, core: Any, op: Any) -> Any:
+        service = executor.service  # (node 1's message is sent: its sends run meanwhile)
         if service.node_index == 1 and op.seq == 0:
             end = time.monotonic() + WAIT
-            while getattr(service, "held", None) is None and service.mailbox.error is None \
+            while service.held is None and service.mailbox.error is None \
                     and time.monotonic() < end:
-                time.sleep(0.001)
+                await asyncio.sleep(0.001)
             held.append(time.monotonic() < end)
-        return real(service, op, buf, channel)
+        return await real(executor, core, op)
 
-    monkeypatch.setattr(node_link, "exchange_receives", after_the_abort)
+    monkeypatch.setattr(node_exchange, "_receive_all", after_the_abort)
     with burncoll.start_orchestrator(transport="websocket", expected_nodes=2) as orch:
         got = run_nodes(orch.address, 2, 2, _mismatch, timeout=10.0, caller_sockets=False)
     assert held == [True], held  # node 1 waited for the abort (once: its one exchange)

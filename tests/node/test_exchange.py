@@ -7,7 +7,8 @@ ones run the ring. Mismatched calls between nodes raise a ``MismatchError`` on e
 with the schedules -- or, on a peer that calls only after its node has learnt of the mismatch from
 another node, the ``CollectiveAborted`` (caused by it) that every later call raises.
 
-Two levels: :func:`exchange_all_reduce` alone, several nodes in one event loop over the
+Two levels: :func:`exchange_all_reduce` (the event loop's driver of the exchange's core)
+alone, several nodes in one event loop over the
 in-memory data service of ``test_out_of_place`` (every dtype and op, exact node order,
 mismatches, a malformed buffer); and real node processes through an orchestrator (tcp,
 websocket, quic), where ``all_reduce`` (with and without ``out=``) takes the exchange up to the
@@ -36,12 +37,7 @@ import pytest
 import burncoll
 from burncoll.dtypes import dtype_from_name
 from burncoll.levels import GlobalOp
-from burncoll.node.exchange import (
-    exchange_all_reduce,
-    exchange_parts,
-    exchange_receives,
-    reduce_in_node_order,
-)
+from burncoll.node.exchange import ExchangeCores, exchange_all_reduce, exchange_receives
 from burncoll.node.executor import GlobalExecutor
 from burncoll.ops import OpKind, parse_reduce_op
 from burncoll.strategies.auto import exchange_limit
@@ -118,7 +114,8 @@ def _exchange(bufs: list[np.ndarray], ops: list[GlobalOp],
         receives = exchange_receives(services[i], ops[i], bufs[i], 1)  # type: ignore[arg-type]
         services[i].mailbox.expect(ex.checker(ops[i]), receives)
         try:
-            await exchange_all_reduce(ex, ops[i], bufs[i], outs[i], channel=1)
+            core = ExchangeCores(ex).of(ops[i], bufs[i].nbytes, 1)
+            await exchange_all_reduce(ex, core, ops[i], bufs[i], outs[i])
         finally:
             services[i].mailbox.done(ops[i].seq)
         return outs[i]
@@ -210,7 +207,8 @@ def test_a_missing_node_times_out_naming_it() -> None:
         op = _op("sum", x, timeout=MISSING_TIMEOUT)
         receives = exchange_receives(services[i], op, x, 0)  # type: ignore[arg-type]
         services[i].mailbox.expect(ex.checker(op), receives)
-        await exchange_all_reduce(ex, op, x, np.empty_like(x))
+        await exchange_all_reduce(ex, ExchangeCores(ex).of(op, x.nbytes), op, x,
+                                  np.empty_like(x))
 
     async def two_nodes() -> list[Any]:
         return list(await asyncio.gather(node(0), node(1), return_exceptions=True))
@@ -282,31 +280,26 @@ def _expected(k: int, count: int, op: str, dtype: str, layout: list[int]
 
 
 def _count_exchanges() -> list[int]:
-    """Count this process's exchanges through the event loop's path (the returned list's
-    first item): each builds its message once, whether the calling thread or the event loop
-    then completes it; (the second) those the calling thread completed itself; and (the
-    third) those on the caller sockets, each reduced once. The wrappers only observe: they
-    call the real functions."""
-    import burncoll.node.lane_exchange as lane_module
-    import burncoll.node.link as link_module
+    """Count this process's exchanges: (the returned list's first item) those on the member
+    connections, through the event loop's driver, and (the second) those on the caller
+    sockets or the shared mail, through the calling thread's. The wrappers only observe:
+    they call the real methods."""
+    from burncoll.node.lane_exchange import LaneExchange
+    from burncoll.node.link import NodeLink
 
-    count = [0, 0, 0]
+    count = [0, 0]
+    on_connections, on_lanes = NodeLink._exchange_on_connections, LaneExchange.all_reduce
 
-    def counting(*args: Any, **kwargs: Any) -> list[bytes | memoryview]:
+    def counting_connections(*args: Any, **kwargs: Any) -> None:
         count[0] += 1
-        return exchange_parts(*args, **kwargs)
+        on_connections(*args, **kwargs)
 
-    def reducing_in_caller(*args: Any, **kwargs: Any) -> None:
-        count[1] += 1  # the calling thread got every frame itself (burncoll.node.watch)
-        reduce_in_node_order(*args, **kwargs)
+    def counting_lanes(*args: Any, **kwargs: Any) -> None:
+        count[1] += 1
+        on_lanes(*args, **kwargs)
 
-    def reducing_on_lanes(*args: Any, **kwargs: Any) -> None:
-        count[2] += 1  # the calling thread exchanged on its caller sockets (node.lanes)
-        reduce_in_node_order(*args, **kwargs)
-
-    link_module.exchange_parts = counting  # type: ignore[attr-defined]
-    link_module.reduce_in_node_order = reducing_in_caller  # type: ignore[attr-defined]
-    lane_module.reduce_in_node_order = reducing_on_lanes  # type: ignore[attr-defined]
+    NodeLink._exchange_on_connections = counting_connections  # type: ignore[method-assign]
+    LaneExchange.all_reduce = counting_lanes  # type: ignore[method-assign]
     return count
 
 
@@ -437,8 +430,8 @@ def _node_main(argv: list[str]) -> None:
     for t in threads:
         t.join()
     for record in records:
-        print(json.dumps({**record, "exchanges": exchanges[0], "watched": exchanges[1],
-                          "laned": exchanges[2]}), flush=True)
+        print(json.dumps({**record, "exchanges": exchanges[0], "laned": exchanges[1]}),
+              flush=True)
 
 
 def _run_nodes(layout: list[int], local_s: str, transport: str, scenario: str,
@@ -502,12 +495,11 @@ def test_small_all_reduces_exchange_and_larger_ones_do_not(
         assert r["digests"] == records[0]["digests"], f"peer {r['peer']} got different bits"
         # one per operation on each node, on the caller sockets or not
         assert r["exchanges"] + r["laned"] == exchanged, r
-        if transport == "quic":  # QUIC sends from the event loop: the loop completes them
+        if transport == "quic" or not lanes:  # the event loop's exchange, on the connections
             assert r["laned"] == 0, r
-        elif lanes:  # the calling thread exchanged on its own sockets (channel 0)
-            assert r["laned"] > 0 and (shards > 1 or r["watched"] == 0), r
-        else:  # the calling thread sent, waited and reduced itself
-            assert r["watched"] > 0 and r["laned"] == 0, r
+        else:  # the calling thread exchanged on its own sockets (channel 0; the other
+            # channels of a sharded all-reduce on the connections)
+            assert r["laned"] > 0 and (shards > 1 or r["exchanges"] == 0), r
 
 
 @pytest.mark.parametrize("local_s", ["auto", "ring"])

@@ -3,7 +3,9 @@
 The data service uses it to place received parts in the result array; here the placer is
 a plain function, so the transport's side is tested alone: the kept head, the placed bytes,
 the fallback when the placer declines, and no placement for masked WebSocket frames (their
-bytes must be unmasked, so they are received into a buffer of their own).
+bytes must be unmasked, so they are received into a buffer of their own). Connections that
+cannot place at all (QUIC, integrity-tagged ones, whose payloads are checked before use) do
+not claim to.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 from burncoll.errors import ProtocolError
 from burncoll.protocol.wire import Placed, decode, encode_control, peek_part
 from burncoll.transport.base import FastPath
+from burncoll.transport.integrity import IntegrityConnection
 from tests.transport.support import ALL_TRANSPORTS, MakeTransport, connected, run
 
 SIZE = 1 << 20
@@ -48,6 +51,21 @@ def test_a_placed_payload_lands_in_the_chosen_memory(make: MakeTransport) -> Non
             second = await asyncio.wait_for(client.recv(), 10)
             assert not isinstance(second, Placed) and bytes(second) == messages[1]
             assert asked == [SIZE, SIZE]
+
+    run(body())
+
+
+@pytest.mark.parametrize("make", ALL_TRANSPORTS)
+def test_only_stream_connections_without_tags_offer_placement(
+        make: MakeTransport, request: pytest.FixtureRequest) -> None:
+    name = request.node.callspec.id
+
+    async def body() -> None:
+        async with connected(make()) as (client, server, _):
+            for conn in (client, server):
+                assert isinstance(conn, FastPath) == (name != "quic"), name
+            tagged = IntegrityConnection(client, send_key=b"k" * 32, recv_key=b"k" * 32)
+            assert not isinstance(tagged, FastPath)
 
     run(body())
 

@@ -31,15 +31,27 @@ SIZES = [10, shm.MIN_BYTES - 1, shm.MIN_BYTES, 3 << 20, shm.MAX_BYTES, shm.MAX_B
          5 << 20, 1 << 20, 7 << 20]
 
 
+@pytest.fixture(autouse=True)
+def _rings_of_others() -> None:
+    """The rings open before the test (a session another test of this process has not closed
+    yet may hold one) are not this test's."""
+    _OTHERS.clear()
+    _OTHERS.update(_rings())
+
+
+_OTHERS: set[str] = set()
+
+
 def _rings() -> set[str]:
-    """The rings this process has open descriptors of (mappings hold no descriptor)."""
+    """The rings this process has open descriptors of (mappings hold no descriptor), except
+    those open before the test."""
     names = set()
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
             name = os.readlink(f"/proc/self/fd/{fd}")
             if name.startswith("/memfd:burncoll-") and "probe" not in name:
                 names.add(name)
-    return names
+    return names - _OTHERS
 
 
 def _message(i: int, size: int) -> bytes:
