@@ -39,6 +39,9 @@ class CpuDevice:
         return f"cpu:{self.index}"
 
 
+_CPU0 = CpuDevice(0)
+
+
 class NumpyBackend:
     """:class:`~burncoll.backends.base.Backend` for ``numpy.ndarray`` (mutable: ``out=`` works)."""
 
@@ -55,7 +58,7 @@ class NumpyBackend:
     def device_of(self, x: Array) -> CpuDevice:
         """Always ``cpu:0``: a NumPy array does not record which logical device it is for."""
         _array(x)
-        return CpuDevice(0)
+        return _CPU0
 
     def same_device(self, a: Any, b: Any) -> bool:
         """True when both are :class:`CpuDevice` objects (they share host memory)."""

@@ -175,6 +175,9 @@ class Communicator(RootedOps, Groups, PointToPoint):
     def _compression(self, x: Array, given: str | None) -> str | None:
         """The wire format of an all-reduce of ``x``: ``given`` (checked), else the config's
         for float32/float64 arrays; ``None`` on a single node (nothing goes on a wire)."""
+        server = self._server
+        if given is None and (server.config.compression is None or not server.world.multi_node):
+            return None  # (the common case, without looking at x)
         floats = self._is_array(x) and self._backend.dtype_name(x) in ("float32", "float64")
         if given is not None and given != "none":
             if given not in COMPRESSIONS:

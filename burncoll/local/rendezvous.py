@@ -153,6 +153,8 @@ class Rendezvous:
         to arrive prepared it with ``prepare``; the result or an error."""
         started = time.monotonic()  # (usable? checked on arrival)
         deadline = started + self.config.timeout
+        if self.size == 1:
+            return self._run_alone(call, started, deadline, prepare)
         with self._lock:
             self._active += 1
         try:
@@ -173,17 +175,61 @@ class Rendezvous:
     ) -> Array | None:
         state = self._arrive(index, call, started, deadline, prepare)
         try:
-            if state.prepared is None:  # pragma: no cover - _arrive returns prepared states
+            return self._ran(call, state, index, deadline)
+        finally:
+            self._leave(state)
+
+    def _run_alone(self, call: Call, started: float, deadline: float,
+                   prepare: Callable[[Rendezvous, OpState], Prepared]) -> Array | None:
+        """:meth:`run` for a node with one local peer, which always arrives last: no other
+        peer to compare its call with, wait for or notify, and the lock taken twice."""
+        with self._lock:
+            self.check_usable(0)
+            seq = self._next_seq[0]
+            self._next_seq[0] = seq + 1
+            state = OpState(seq, [call], arrived=1, ready=True, started=started,
+                            progress=["arrived"])
+            self._ops[seq] = state
+            self._active += 1
+        try:
+            state.prepared = self._prepare(call, state, prepare)
+            if state.error is not None:
+                self.fail(state.error)
+                raise copy_error(state.error)
+            return self._ran(call, state, 0, deadline)
+        finally:
+            with self._lock:
+                state.left = 1
+                self._ops.pop(seq, None)
+                self._active -= 1
+                if self._closed:  # finish() waits for the peers still inside
+                    self._cond.notify_all()
+
+    def _prepare(self, call: Call, state: OpState,
+                 prepare: Callable[[Rendezvous, OpState], Prepared]) -> Prepared | None:
+        """``prepare(self, state)``, or ``None`` with ``state.error`` set to why it failed."""
+        try:
+            return prepare(self, state)
+        except CollectiveError as exc:
+            state.error = exc
+        except Exception as exc:  # never leave the other peers waiting for it
+            state.error = CollectiveError(
+                f"{call.kind.label} #{state.seq} could not be prepared on peer "
+                f"{call.peer_id}: {type(exc).__name__}: {exc}")
+        return None
+
+    def _ran(self, call: Call, state: OpState, index: int, deadline: float) -> Array | None:
+        """Peer ``index``'s part of ``state``'s prepared operation; whatever stops it stops
+        the other peers too, at once."""
+        try:
+            if state.prepared is None:  # pragma: no cover - prepared states only come here
                 raise RuntimeError("operation was not prepared")
             return state.prepared.run(index, deadline)
         except BaseException as exc:
-            # whatever stopped this peer stops the others too, at once
             self.fail(exc if isinstance(exc, CollectiveError) else CollectiveError(
                 f"{call.kind.label} #{state.seq} failed on peer {call.peer_id}: "
                 f"{type(exc).__name__}: {exc}"))
             raise
-        finally:
-            self._leave(state)
 
     def _arrive(self, index: int, call: Call, started: float, deadline: float,
                 prepare: Callable[[Rendezvous, OpState], Prepared]) -> OpState:
@@ -198,24 +244,16 @@ class Rendezvous:
             state.calls[index] = call
             state.arrived += 1
             last = state.arrived == self.size
-            if last and self.size > 1:  # (one call agrees with itself)
+            if last:
                 mismatch = find_mismatch(state.complete_calls())
                 if mismatch is not None:
                     state.error = MismatchError(f"{call.kind.label} #{seq}: {mismatch}")
         if last:
             if state.error is None:
-                try:
-                    state.prepared = prepare(self, state)
-                except CollectiveError as exc:
-                    state.error = exc
-                except Exception as exc:  # never leave the other peers waiting for it
-                    state.error = CollectiveError(
-                        f"{call.kind.label} #{seq} could not be prepared on peer "
-                        f"{call.peer_id}: {type(exc).__name__}: {exc}")
+                state.prepared = self._prepare(call, state, prepare)
             with self._lock:
                 state.ready = True
-                if self.size > 1:  # (the other local peers wait for it)
-                    self._cond.notify_all()
+                self._cond.notify_all()  # (the other local peers wait for it)
             if state.error is not None:
                 self.fail(state.error)
                 raise copy_error(state.error)
