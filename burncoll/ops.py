@@ -100,6 +100,9 @@ def parse_reduce_op(op: ReduceOp | str) -> ReduceOp:
     """
     if isinstance(op, ReduceOp):
         return op
+    named = _REDUCE_OPS_BY_NAME.get(op) if isinstance(op, str) else None
+    if named is not None:
+        return named
     if isinstance(op, str) and op.lower() in _REDUCE_OPS_BY_NAME:
         return _REDUCE_OPS_BY_NAME[op.lower()]
     accepted = ", ".join(repr(name) for name in _REDUCE_OPS_BY_NAME)

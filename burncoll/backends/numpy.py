@@ -57,7 +57,8 @@ class NumpyBackend:
 
     def device_of(self, x: Array) -> CpuDevice:
         """Always ``cpu:0``: a NumPy array does not record which logical device it is for."""
-        _array(x)
+        if type(x) is not np.ndarray:
+            _array(x)  # (refuses what is no NumPy array)
         return _CPU0
 
     def same_device(self, a: Any, b: Any) -> bool:
@@ -76,11 +77,12 @@ class NumpyBackend:
 
     def dtype_name(self, x: Array) -> str:
         """``"float32"``, ``"bfloat16"``, ..."""
-        return dtype_name(_array(x).dtype)
+        return dtype_name((x if type(x) is np.ndarray else _array(x)).dtype)
 
     def shape(self, x: Array) -> tuple[int, ...]:
         """The shape of ``x``."""
-        return tuple(_array(x).shape)
+        arr: NDArray = x if type(x) is np.ndarray else _array(x)
+        return tuple(arr.shape)
 
     # -- creation and layout -------------------------------------------------------------
     def empty(self, count: int, dtype: str, device: Any) -> NDArray:

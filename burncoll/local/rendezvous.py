@@ -37,7 +37,7 @@ from burncoll.local.calls import Call, describe_calls, find_mismatch
 from burncoll.local.post import PostOffice
 from burncoll.local.world import World
 
-__all__ = ["SYNC_GRACE", "OpState", "Prepared", "Rendezvous"]
+__all__ = ["SYNC_GRACE", "OpState", "Plan", "Prepared", "Rendezvous"]
 
 #: Extra seconds a local peer waits at a barrier in a multi-node collective.
 SYNC_GRACE = 1.5
@@ -48,6 +48,14 @@ class Prepared(Protocol):
 
     def run(self, index: int, deadline: float) -> Array | None:
         """Local peer ``index``'s part of the operation (in its own thread); its result."""
+        ...
+
+
+class Plan(Protocol):
+    """An operation's plan (:mod:`burncoll.local.plans`), kept per signature."""
+
+    def prepare(self, rv: Rendezvous, state: OpState) -> Prepared:
+        """``state``'s operation prepared (by the last local peer to arrive)."""
         ...
 
 
@@ -120,7 +128,7 @@ class Rendezvous:
         #: Point-to-point messages between this node's peers (a timeout there fails all).
         self.post = PostOffice(self.fail)
         #: The plans of the operations seen here, by signature (``plans.choose.prepare``).
-        self.plans: dict[tuple[object, ...], object] = {}
+        self.plans: dict[tuple[object, ...], Plan] = {}
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -175,7 +183,7 @@ class Rendezvous:
     ) -> Array | None:
         state = self._arrive(index, call, started, deadline, prepare)
         try:
-            return self._ran(call, state, index, deadline)
+            return self._ran(call, state, state.prepared, index, deadline)
         finally:
             self._leave(state)
 
@@ -191,12 +199,12 @@ class Rendezvous:
                             progress=["arrived"])
             self._ops[seq] = state
             self._active += 1
-        try:
-            state.prepared = self._prepare(call, state, prepare)
+        try:  # (state.prepared stays None: nobody waits for it, and it would hold state)
+            prepared = self._prepare(call, state, prepare)
             if state.error is not None:
                 self.fail(state.error)
                 raise copy_error(state.error)
-            return self._ran(call, state, 0, deadline)
+            return self._ran(call, state, prepared, 0, deadline)
         finally:
             with self._lock:
                 state.left = 1
@@ -218,13 +226,14 @@ class Rendezvous:
                 f"{call.peer_id}: {type(exc).__name__}: {exc}")
         return None
 
-    def _ran(self, call: Call, state: OpState, index: int, deadline: float) -> Array | None:
-        """Peer ``index``'s part of ``state``'s prepared operation; whatever stops it stops
-        the other peers too, at once."""
+    def _ran(self, call: Call, state: OpState, prepared: Prepared | None, index: int,
+             deadline: float) -> Array | None:
+        """Peer ``index``'s part of ``state``'s ``prepared`` operation; whatever stops it
+        stops the other peers too, at once."""
         try:
-            if state.prepared is None:  # pragma: no cover - prepared states only come here
+            if prepared is None:  # pragma: no cover - prepared states only come here
                 raise RuntimeError("operation was not prepared")
-            return state.prepared.run(index, deadline)
+            return prepared.run(index, deadline)
         except BaseException as exc:
             self.fail(exc if isinstance(exc, CollectiveError) else CollectiveError(
                 f"{call.kind.label} #{state.seq} failed on peer {call.peer_id}: "
@@ -295,6 +304,7 @@ class Rendezvous:
             state.left += 1
             if state.left == self.size:
                 self._ops.pop(state.seq, None)
+                state.prepared = None  # (it refers to state: freed now, not by the collector)
 
     def sync(self, state: OpState, index: int, deadline: float, where: str) -> None:
         """Wait until every local peer has reached the same point of the same operation."""

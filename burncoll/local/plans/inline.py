@@ -9,7 +9,7 @@ Every peer's result is a copy of the same array, so they are bitwise identical.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -127,7 +127,7 @@ def _host_views(rv: Rendezvous, calls: list[Call]) -> list[Call] | None:
         array, out = host_memory(rv.backend, c.array), host_memory(rv.backend, c.out)
         if (array is None) != (c.array is None) or (out is None) != (c.out is None):
             return None
-        views.append(replace(c, array=array, out=out))
+        views.append(c._replace(array=array, out=out))
     return views
 
 
