@@ -76,7 +76,8 @@ def describe_calls(calls: Sequence[Call]) -> str:
 def find_mismatch(calls: Sequence[Call]) -> str | None:
     """``None`` when the calls agree, else a sentence saying what differs."""
     first = calls[0]
-    if all(c.signature() == first.signature() for c in calls[1:]):
+    agreed = first.signature()
+    if all(c.signature() == agreed for c in calls[1:]):
         if first.kind is OpKind.BROADCAST:
             return _broadcast_mismatch(calls)
         return None

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from burncoll.backends.base import Array, Backend, Device, combine
-from burncoll.backends.numpy import CpuDevice, NumpyBackend, host_memory
+from burncoll.backends.numpy import CpuDevice, NumpyBackend, host_memory, host_ufunc
 from burncoll.dtypes import dtype_name
-from burncoll.levels import GlobalPath
+from burncoll.levels import GlobalPath, HostArray
 from burncoll.local.calls import Call
 from burncoll.local.plans.phases import global_op, link_of
 from burncoll.local.rendezvous import OpState, Rendezvous
@@ -59,6 +59,12 @@ class _Where:
 
 def _reduce_all(on: _Where, calls: list[Call], op: ReduceOp) -> Array:
     backend = on.backend
+    if isinstance(backend, NumpyBackend):  # (NumPy itself: the same ufuncs, no backend calls)
+        ufunc = host_ufunc(op)
+        acc = np.array(np.asarray(calls[0].array).reshape(-1))
+        for c in calls[1:]:
+            ufunc(acc, np.asarray(c.array).reshape(-1), out=acc)
+        return acc
     device = on.devices[0]
     acc = backend.copy(backend.flatten(backend.to_device(calls[0].array, device)))
     for c in calls[1:]:
@@ -71,9 +77,19 @@ def _copies(on: _Where, x: Array, calls: list[Call] | None = None) -> list[Array
     """A copy of ``x`` per peer: into the peer's ``out=`` array when it passed one."""
     backend = on.backend
     outs = [c.out for c in calls] if calls is not None else [None] * len(on.devices)
+    if isinstance(backend, NumpyBackend):  # (NumPy itself: no backend calls per peer)
+        host = np.asarray(x)
+        return [np.array(host) if out is None else _copied(host, out) for out in outs]
     return [backend.copy(backend.reshape(backend.to_device(x, d), backend.shape(out)), out=out)
             if out is not None else backend.copy(backend.to_device(x, d))
             for d, out in zip(on.devices, outs, strict=True)]
+
+
+def _copied(x: HostArray, out: Array) -> HostArray:
+    """``x`` copied into the NumPy array ``out`` (of as many elements); ``out``."""
+    into = np.asarray(out)
+    np.copyto(into, x.reshape(into.shape))
+    return into
 
 
 def _across_nodes(rv: Rendezvous, on: _Where, state: OpState, flat: Array, path: GlobalPath
