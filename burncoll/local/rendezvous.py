@@ -74,6 +74,11 @@ class OpState:
     progress: list[str] = field(default_factory=list)
     #: Set by the last peer to arrive, before the others are let through.
     prepared: Prepared | None = None
+    #: With several local peers: held until the operation is ready or the node failed, then
+    #: released once (:meth:`Rendezvous._open`); each waiting peer takes it and gives it back,
+    #: which wakes the next one without a shared lock to take again.
+    latch: threading.Lock | None = None
+    opened: bool = False
 
     def complete_calls(self) -> list[Call]:
         return [c for c in self.calls if c is not None]
@@ -248,7 +253,10 @@ class Rendezvous:
             self._next_seq[index] += 1
             state = self._ops.get(seq)
             if state is None:
-                state = OpState(seq, [None] * self.size, progress=["arrived"] * self.size)
+                latch = threading.Lock()
+                latch.acquire()
+                state = OpState(seq, [None] * self.size, progress=["arrived"] * self.size,
+                                latch=latch)
                 self._ops[seq] = state
             state.calls[index] = call
             state.arrived += 1
@@ -262,31 +270,46 @@ class Rendezvous:
                 state.prepared = self._prepare(call, state, prepare)
             with self._lock:
                 state.ready = True
-                self._cond.notify_all()  # (the other local peers wait for it)
+                self._open(state)  # (the other local peers wait for it)
             if state.error is not None:
                 self.fail(state.error)
                 raise copy_error(state.error)
             return state
-        with self._cond:
-            extended = False
-            while not state.ready and self._failure is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 and state.arrived == self.size and not extended:
-                    # everyone is here; the last peer is still preparing (maybe talking to
-                    # other nodes, with its own deadline): wait a bounded while longer
-                    deadline += SYNC_GRACE
-                    extended = True
-                    continue
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
-            if state.ready and state.error is None:
-                return state
-            failure = state.error or self._failure
+        return self._wait_ready(call, state, started, deadline)
+
+    def _wait_ready(self, call: Call, state: OpState, started: float, deadline: float
+                    ) -> OpState:
+        """``state`` once the last peer prepared it; its error, or the node's, raised."""
+        latch = state.latch
+        if latch is None:  # pragma: no cover - made with the state of several peers
+            raise RuntimeError("no latch to wait on")
+        extended = False
+        while not state.opened:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 and state.arrived == self.size and not extended:
+                # everyone is here; the last peer is still preparing (maybe talking to
+                # other nodes, with its own deadline): wait a bounded while longer
+                deadline += SYNC_GRACE
+                extended = True
+                continue
+            if remaining <= 0:
+                break
+            if latch.acquire(timeout=remaining):
+                latch.release()  # (the next waiting peer's turn)
+        # (final once opened: error and ready are set, then the latch opened, under _lock)
+        if state.ready and state.error is None:
+            return state
+        failure = state.error or self._failure
         if failure is None:
             failure = self._arrival_timeout(call, state, started)
             self.fail(failure)
         raise copy_error(failure)
+
+    def _open(self, state: OpState) -> None:
+        """Let the peers waiting for ``state`` through, once (with ``_lock`` held)."""
+        if not state.opened and state.latch is not None:
+            state.opened = True
+            state.latch.release()
 
     def _arrival_timeout(self, call: Call, state: OpState, started: float) -> CollectiveTimeout:
         missing = [pid for pid, c in zip(self.peer_ids, state.calls, strict=True) if c is None]
@@ -350,6 +373,8 @@ class Rendezvous:
                 return
             self._failure = error
             self._cond.notify_all()
+            for state in self._ops.values():
+                self._open(state)
         self._barrier.abort()
         self.post.fail(error)
         if self.link is not None and not remote:
