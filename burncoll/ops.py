@@ -6,6 +6,7 @@ Their integer codes travel on the wire (``protocol/wire.py``); never renumber th
 from __future__ import annotations
 
 import enum
+from functools import cached_property
 
 from burncoll.errors import UsageError
 
@@ -43,12 +44,12 @@ class ReduceOp(enum.IntEnum):
     #: Bitwise XOR (``"bxor"``); integer and bool arrays only.
     BXOR = 8
 
-    @property
+    @cached_property  # (on every call's path: read once per member)
     def label(self) -> str:
         """The name users write: ``"sum"``, ``"mean"``, ..., ``"band"``."""
         return self.name.lower()
 
-    @property
+    @cached_property
     def bitwise(self) -> bool:
         """True for the bitwise ops, which take integer and bool arrays only."""
         return self in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
@@ -72,7 +73,7 @@ class OpKind(enum.IntEnum):
     #: enter the collectives' mailbox.
     P2P = 12
 
-    @property
+    @cached_property
     def label(self) -> str:
         """The method name: ``"all_reduce"``, ``"reduce"``, ..."""
         return self.name.lower()
@@ -99,6 +100,9 @@ def parse_reduce_op(op: ReduceOp | str) -> ReduceOp:
     """
     if isinstance(op, ReduceOp):
         return op
+    named = _REDUCE_OPS_BY_NAME.get(op) if isinstance(op, str) else None
+    if named is not None:
+        return named
     if isinstance(op, str) and op.lower() in _REDUCE_OPS_BY_NAME:
         return _REDUCE_OPS_BY_NAME[op.lower()]
     accepted = ", ".join(repr(name) for name in _REDUCE_OPS_BY_NAME)

@@ -5,8 +5,9 @@ steps (and the parts it combines straight out of a transport's memory), and the 
 collectives' reduce-scatter and scans combine their operands here, element-wise, **in the
 order given**: ``operands[0] op operands[1] op ... op operands[-1]``. Every node and every
 peer passes them in the same (node or rank) order, so every one computes the same bits
-(floating-point sums depend on their order). (The inline plan and the local schedules combine
-any backend's arrays with that backend's own ops.)
+(floating-point sums depend on their order). The inline plan uses it for NumPy arrays and the
+views of torch CPU tensors; on other backends it, and the local schedules, combine with the
+backend's own ops.
 
 When the result is read again after its first pass -- a third operand, a mean's division, a
 copy into other results -- the kernel works a cache-sized block (:data:`BLOCK_BYTES`) at a

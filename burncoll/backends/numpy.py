@@ -38,6 +38,9 @@ class CpuDevice:
         return f"cpu:{self.index}"
 
 
+_CPU0 = CpuDevice(0)
+
+
 class NumpyBackend:
     """:class:`~burncoll.backends.base.Backend` for ``numpy.ndarray`` (mutable: ``out=`` works)."""
 
@@ -53,8 +56,9 @@ class NumpyBackend:
 
     def device_of(self, x: Array) -> CpuDevice:
         """Always ``cpu:0``: a NumPy array does not record which logical device it is for."""
-        _array(x)
-        return CpuDevice(0)
+        if type(x) is not np.ndarray:
+            _array(x)  # (refuses what is no NumPy array)
+        return _CPU0
 
     def same_device(self, a: Any, b: Any) -> bool:
         """True when both are :class:`CpuDevice` objects (they share host memory)."""
@@ -72,10 +76,12 @@ class NumpyBackend:
 
     def dtype_name(self, x: Array) -> str:
         """``"float32"``, ``"bfloat16"``, ..."""
-        return dtype_name(_array(x).dtype)
+        return dtype_name((x if type(x) is np.ndarray else _array(x)).dtype)
 
     def shape(self, x: Array) -> tuple[int, ...]:
-        return tuple(_array(x).shape)
+        """The shape of ``x``."""
+        arr: NDArray = x if type(x) is np.ndarray else _array(x)
+        return tuple(arr.shape)
 
     # -- creation and layout -------------------------------------------------------------
     def empty(self, count: int, dtype: str, device: Any) -> NDArray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -59,17 +60,18 @@ class Communicator(RootedOps, Groups, PointToPoint):
         """
         reduce_op = parse_reduce_op(op)
         wire = self._compression(x, compression)
-        target = out  # where the result goes: x itself when out is x's memory (in place)
-        if out is not None:
-            x = self._accept(OpKind.ALL_REDUCE, x)
-            target = self._check_out(x, out, reduce_op)
+        if out is None:  # (the operation's result is the array returned)
+            return self._issue("all_reduce", functools.partial(
+                self._run, OpKind.ALL_REDUCE, x, reduce_op, None, compression=wire), async_op)
+        x = self._accept(OpKind.ALL_REDUCE, x)
+        target = self._check_out(x, out, reduce_op)  # x itself when out is x's memory
 
         def run() -> Array:
             result = _not_none(self._run(OpKind.ALL_REDUCE, x, reduce_op, None, out=target,
                                          compression=wire))
-            if target is not None and result is not target:
+            if result is not target:
                 self._backend.copy(result, out=target)
-            return result if out is None else out
+            return out
         return self._issue("all_reduce", run, async_op)
 
     def reduce(self, x: Array, root: int, op: ReduceOp | str = "sum", *,
@@ -175,6 +177,9 @@ class Communicator(RootedOps, Groups, PointToPoint):
     def _compression(self, x: Array, given: str | None) -> str | None:
         """The wire format of an all-reduce of ``x``: ``given`` (checked), else the config's
         for float32/float64 arrays; ``None`` on a single node (nothing goes on a wire)."""
+        server = self._server
+        if given is None and (server.config.compression is None or not server.world.multi_node):
+            return None  # (the common case, without looking at x)
         floats = self._is_array(x) and self._backend.dtype_name(x) in ("float32", "float64")
         if given is not None and given != "none":
             if given not in COMPRESSIONS:

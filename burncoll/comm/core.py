@@ -7,6 +7,7 @@ queue that runs its operations in program order, and the argument checks every o
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ from burncoll.backends import foreign_array
 from burncoll.backends.base import Array, Backend, Device
 from burncoll.comm import objects
 from burncoll.config import CollectiveConfig
-from burncoll.dtypes import SUPPORTED_DTYPES
+from burncoll.dtypes import SUPPORTED_DTYPES, WIRE_CODES
 from burncoll.errors import CollectiveError, ConfigError, UsageError
 from burncoll.local.calls import Call
 from burncoll.local.plans import choose
@@ -66,20 +67,29 @@ class CommunicatorCore:
     def _issue(self, label: str, fn: Callable[[], Any], async_op: bool) -> Any:
         """Run ``fn`` (one operation) in program order: now, or queued behind this peer's
         operations in flight; with ``async_op``, return its :class:`~burncoll.Work` at once."""
-        def reported() -> Any:
-            try:
-                return fn()
-            except (UsageError, ConfigError):  # (the caller's mistake: the session goes on)
-                raise
-            except CollectiveError:
-                link = self._server.link
-                if link is not None:  # (finish() then does not raise it again)
-                    link.failure_reported = True
-                raise
-
         if async_op:
-            return self._ops.submit(reported, label)
-        return self._ops.run(reported, label)
+            return self._ops.submit(functools.partial(self._reported, fn), label)
+        try:
+            return self._ops.run(fn, label)
+        except CollectiveError as exc:
+            self._report(exc)
+            raise
+
+    def _reported(self, fn: Callable[[], Any]) -> Any:
+        """``fn()``, its failure reported (:meth:`_report`)."""
+        try:
+            return fn()
+        except CollectiveError as exc:
+            self._report(exc)
+            raise
+
+    def _report(self, error: CollectiveError) -> None:
+        """Mark the link's failure reported once a call raised ``error`` (``finish()`` then
+        does not raise it again); not for the caller's own mistakes, after which the session
+        goes on."""
+        link = self._server.link
+        if link is not None and not isinstance(error, UsageError | ConfigError):
+            link.failure_reported = True
 
     # -- validation ---------------------------------------------------------------------------
     def _is_array(self, x: object) -> bool:
@@ -100,21 +110,26 @@ class CommunicatorCore:
         allow_none: bool = False, out: Array | None = None,
         counts: tuple[int, ...] | None = None, compression: str | None = None,
     ) -> Array | None:
-        self._server.check_usable(self._index)
+        server = self._server
+        server.check_usable(self._index)
         dtype: str | None = None
         shape: tuple[int, ...] | None = None
         if x is not None or not allow_none:
-            x = self._accept(kind, x)
-            dtype = self._backend.dtype_name(x)
+            x, dtype = self._typed(kind.label, x)
+            x = self._on_device(x)
             if op is not None and op.bitwise:  # refused here, before this peer joins it
                 check_reduce_dtype(op, dtype, kind.label)
             shape = tuple(self._backend.shape(x))
         call = Call(self.peer_id, kind, op, root, x, dtype, shape, out, counts, compression)
-        return self._server.run(self._index, call, choose.prepare)
+        return server.run(self._index, call, choose.prepare)
 
     def _checked(self, label: str, x: object) -> Array:
         """``x`` if it is an array of this backend in a supported dtype, in native byte order
         (a copy, as NumPy would make, when it was not: the wire carries native elements)."""
+        return self._typed(label, x)[0]
+
+    def _typed(self, label: str, x: object) -> tuple[Array, str]:
+        """:meth:`_checked`'s array and its dtype's name."""
         backend = self._backend
         if not backend.is_array(x):
             raise UsageError(f"{label}: {foreign_array(x, backend.name)}")
@@ -122,14 +137,17 @@ class CommunicatorCore:
         if isinstance(byteorder, np.dtype) and not byteorder.isnative:
             x = x.astype(byteorder.newbyteorder("="))  # type: ignore[attr-defined]
         dtype = backend.dtype_name(x)
-        if dtype not in SUPPORTED_DTYPES:
+        if dtype not in WIRE_CODES:
             raise UsageError(f"{label}: dtype {dtype} is not supported; use one of "
                              f"{', '.join(SUPPORTED_DTYPES)}")
-        return x
+        return x, dtype
 
     def _accept(self, kind: OpKind, x: Array | None) -> Array:
         """``x`` checked (:meth:`_checked`) and on this peer's device."""
-        x = self._checked(kind.label, x)
+        return self._on_device(self._checked(kind.label, x))
+
+    def _on_device(self, x: Array) -> Array:
+        """``x`` on this peer's device (moved there when it is not)."""
         backend = self._backend
         if not backend.same_device(backend.device_of(x), self.device):
             x = backend.to_device(x, self.device)

@@ -37,7 +37,7 @@ from burncoll.local.calls import Call, describe_calls, find_mismatch
 from burncoll.local.post import PostOffice
 from burncoll.local.world import World
 
-__all__ = ["SYNC_GRACE", "OpState", "Prepared", "Rendezvous"]
+__all__ = ["SYNC_GRACE", "OpState", "Plan", "Prepared", "Rendezvous"]
 
 #: Extra seconds a local peer waits at a barrier in a multi-node collective.
 SYNC_GRACE = 1.5
@@ -48,6 +48,14 @@ class Prepared(Protocol):
 
     def run(self, index: int, deadline: float) -> Array | None:
         """Local peer ``index``'s part of the operation (in its own thread); its result."""
+        ...
+
+
+class Plan(Protocol):
+    """An operation's plan (:mod:`burncoll.local.plans`), kept per signature."""
+
+    def prepare(self, rv: Rendezvous, state: OpState) -> Prepared:
+        """``state``'s operation prepared (by the last local peer to arrive)."""
         ...
 
 
@@ -66,6 +74,11 @@ class OpState:
     progress: list[str] = field(default_factory=list)
     #: Set by the last peer to arrive, before the others are let through.
     prepared: Prepared | None = None
+    #: With several local peers: held until the operation is ready or the node failed, then
+    #: released once (:meth:`Rendezvous._open`); each waiting peer takes it and gives it back,
+    #: which wakes the next one without a shared lock to take again.
+    latch: threading.Lock | None = None
+    opened: bool = False
 
     def complete_calls(self) -> list[Call]:
         return [c for c in self.calls if c is not None]
@@ -120,7 +133,7 @@ class Rendezvous:
         #: Point-to-point messages between this node's peers (a timeout there fails all).
         self.post = PostOffice(self.fail)
         #: The plans of the operations seen here, by signature (``plans.choose.prepare``).
-        self.plans: dict[tuple[object, ...], object] = {}
+        self.plans: dict[tuple[object, ...], Plan] = {}
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -153,6 +166,8 @@ class Rendezvous:
         to arrive prepared it with ``prepare``; the result or an error."""
         started = time.monotonic()  # (usable? checked on arrival)
         deadline = started + self.config.timeout
+        if self.size == 1:
+            return self._run_alone(call, started, deadline, prepare)
         with self._lock:
             self._active += 1
         try:
@@ -173,17 +188,62 @@ class Rendezvous:
     ) -> Array | None:
         state = self._arrive(index, call, started, deadline, prepare)
         try:
-            if state.prepared is None:  # pragma: no cover - _arrive returns prepared states
+            return self._ran(call, state, state.prepared, index, deadline)
+        finally:
+            self._leave(state)
+
+    def _run_alone(self, call: Call, started: float, deadline: float,
+                   prepare: Callable[[Rendezvous, OpState], Prepared]) -> Array | None:
+        """:meth:`run` for a node with one local peer, which always arrives last: no other
+        peer to compare its call with, wait for or notify, and the lock taken twice."""
+        with self._lock:
+            self.check_usable(0)
+            seq = self._next_seq[0]
+            self._next_seq[0] = seq + 1
+            state = OpState(seq, [call], arrived=1, ready=True, started=started,
+                            progress=["arrived"])
+            self._ops[seq] = state
+            self._active += 1
+        try:  # (state.prepared stays None: nobody waits for it, and it would hold state)
+            prepared = self._prepare(call, state, prepare)
+            if state.error is not None:
+                self.fail(state.error)
+                raise copy_error(state.error)
+            return self._ran(call, state, prepared, 0, deadline)
+        finally:
+            with self._lock:
+                state.left = 1
+                self._ops.pop(seq, None)
+                self._active -= 1
+                if self._closed:  # finish() waits for the peers still inside
+                    self._cond.notify_all()
+
+    def _prepare(self, call: Call, state: OpState,
+                 prepare: Callable[[Rendezvous, OpState], Prepared]) -> Prepared | None:
+        """``prepare(self, state)``, or ``None`` with ``state.error`` set to why it failed."""
+        try:
+            return prepare(self, state)
+        except CollectiveError as exc:
+            state.error = exc
+        except Exception as exc:  # never leave the other peers waiting for it
+            state.error = CollectiveError(
+                f"{call.kind.label} #{state.seq} could not be prepared on peer "
+                f"{call.peer_id}: {type(exc).__name__}: {exc}")
+        return None
+
+    def _ran(self, call: Call, state: OpState, prepared: Prepared | None, index: int,
+             deadline: float) -> Array | None:
+        """Peer ``index``'s part of ``state``'s ``prepared`` operation; whatever stops it
+        stops the other peers too, at once."""
+        try:
+            if prepared is None:  # pragma: no cover - prepared states only come here
                 raise RuntimeError("operation was not prepared")
-            return state.prepared.run(index, deadline)
+            return prepared.run(index, deadline)
         except BaseException as exc:
-            # whatever stopped this peer stops the others too, at once
             self.fail(exc if isinstance(exc, CollectiveError) else CollectiveError(
                 f"{call.kind.label} #{state.seq} failed on peer {call.peer_id}: "
                 f"{type(exc).__name__}: {exc}"))
             raise
-        finally:
-            self._leave(state)
 
     def _arrive(self, index: int, call: Call, started: float, deadline: float,
                 prepare: Callable[[Rendezvous, OpState], Prepared]) -> OpState:
@@ -193,53 +253,63 @@ class Rendezvous:
             self._next_seq[index] += 1
             state = self._ops.get(seq)
             if state is None:
-                state = OpState(seq, [None] * self.size, progress=["arrived"] * self.size)
+                latch = threading.Lock()
+                latch.acquire()
+                state = OpState(seq, [None] * self.size, progress=["arrived"] * self.size,
+                                latch=latch)
                 self._ops[seq] = state
             state.calls[index] = call
             state.arrived += 1
             last = state.arrived == self.size
-            if last and self.size > 1:  # (one call agrees with itself)
+            if last:
                 mismatch = find_mismatch(state.complete_calls())
                 if mismatch is not None:
                     state.error = MismatchError(f"{call.kind.label} #{seq}: {mismatch}")
         if last:
             if state.error is None:
-                try:
-                    state.prepared = prepare(self, state)
-                except CollectiveError as exc:
-                    state.error = exc
-                except Exception as exc:  # never leave the other peers waiting for it
-                    state.error = CollectiveError(
-                        f"{call.kind.label} #{seq} could not be prepared on peer "
-                        f"{call.peer_id}: {type(exc).__name__}: {exc}")
+                state.prepared = self._prepare(call, state, prepare)
             with self._lock:
                 state.ready = True
-                if self.size > 1:  # (the other local peers wait for it)
-                    self._cond.notify_all()
+                self._open(state)  # (the other local peers wait for it)
             if state.error is not None:
                 self.fail(state.error)
                 raise copy_error(state.error)
             return state
-        with self._cond:
-            extended = False
-            while not state.ready and self._failure is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 and state.arrived == self.size and not extended:
-                    # everyone is here; the last peer is still preparing (maybe talking to
-                    # other nodes, with its own deadline): wait a bounded while longer
-                    deadline += SYNC_GRACE
-                    extended = True
-                    continue
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
-            if state.ready and state.error is None:
-                return state
-            failure = state.error or self._failure
+        return self._wait_ready(call, state, started, deadline)
+
+    def _wait_ready(self, call: Call, state: OpState, started: float, deadline: float
+                    ) -> OpState:
+        """``state`` once the last peer prepared it; its error, or the node's, raised."""
+        latch = state.latch
+        if latch is None:  # pragma: no cover - made with the state of several peers
+            raise RuntimeError("no latch to wait on")
+        extended = False
+        while not state.opened:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 and state.arrived == self.size and not extended:
+                # everyone is here; the last peer is still preparing (maybe talking to
+                # other nodes, with its own deadline): wait a bounded while longer
+                deadline += SYNC_GRACE
+                extended = True
+                continue
+            if remaining <= 0:
+                break
+            if latch.acquire(timeout=remaining):
+                latch.release()  # (the next waiting peer's turn)
+        # (final once opened: error and ready are set, then the latch opened, under _lock)
+        if state.ready and state.error is None:
+            return state
+        failure = state.error or self._failure
         if failure is None:
             failure = self._arrival_timeout(call, state, started)
             self.fail(failure)
         raise copy_error(failure)
+
+    def _open(self, state: OpState) -> None:
+        """Let the peers waiting for ``state`` through, once (with ``_lock`` held)."""
+        if not state.opened and state.latch is not None:
+            state.opened = True
+            state.latch.release()
 
     def _arrival_timeout(self, call: Call, state: OpState, started: float) -> CollectiveTimeout:
         missing = [pid for pid, c in zip(self.peer_ids, state.calls, strict=True) if c is None]
@@ -257,6 +327,7 @@ class Rendezvous:
             state.left += 1
             if state.left == self.size:
                 self._ops.pop(state.seq, None)
+                state.prepared = None  # (it refers to state: freed now, not by the collector)
 
     def sync(self, state: OpState, index: int, deadline: float, where: str) -> None:
         """Wait until every local peer has reached the same point of the same operation."""
@@ -302,6 +373,8 @@ class Rendezvous:
                 return
             self._failure = error
             self._cond.notify_all()
+            for state in self._ops.values():
+                self._open(state)
         self._barrier.abort()
         self.post.fail(error)
         if self.link is not None and not remote:

@@ -16,7 +16,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -49,10 +48,11 @@ log = logging.getLogger("burncoll.node")
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True)
 class _JoinOp(GlobalOp):
     """The rounds that set up the host memory at join: operation number 0's rounds 1 and 2
     on the lanes, before any operation (as the first operation's were, when they ran in it)."""
+
+    __slots__ = ()
 
     @property
     def label(self) -> str:

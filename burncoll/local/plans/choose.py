@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import cast
 
 from burncoll.backends.base import Backend
 from burncoll.backends.numpy import host_memory
@@ -113,7 +112,7 @@ def prepare(rv: Rendezvous, state: OpState) -> Prepared:
     node is taken from ``rv.plans`` (the world, backend and config never change there)."""
     calls = state.complete_calls()
     key = tuple(map(_plan_key, calls))
-    plan = cast("OpPlan | None", rv.plans.get(key))
+    plan = rv.plans.get(key)
     if plan is None:
         plan = choose(calls, rv.world, rv.backend, rv.config)
         if len(rv.plans) >= _PLANS_KEPT:

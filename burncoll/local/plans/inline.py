@@ -9,18 +9,19 @@ Every peer's result is a copy of the same array, so they are bitwise identical.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from burncoll.backends.base import Array, Backend, Device, combine
 from burncoll.backends.numpy import CpuDevice, NumpyBackend, host_memory
 from burncoll.dtypes import dtype_name
-from burncoll.levels import Route
+from burncoll.levels import HostArray, Route
 from burncoll.local.calls import Call
 from burncoll.local.plans.phases import global_op, link_of
 from burncoll.local.rendezvous import OpState, Rendezvous
 from burncoll.ops import OpKind, ReduceOp
+from burncoll.reduction import reduce_into
 from burncoll.strategies.layout import block_rows, row_layout
 
 __all__ = ["Inline", "InlineResults", "inline_results"]
@@ -59,6 +60,9 @@ class _Where:
 
 def _reduce_all(on: _Where, calls: list[Call], op: ReduceOp) -> Array:
     backend = on.backend
+    if isinstance(backend, NumpyBackend):  # (the host kernel itself: no backend calls)
+        operands = [np.asarray(c.array).reshape(-1) for c in calls]
+        return reduce_into(op, operands, np.empty_like(operands[0]))
     device = on.devices[0]
     acc = backend.copy(backend.flatten(backend.to_device(calls[0].array, device)))
     for c in calls[1:]:
@@ -71,9 +75,19 @@ def _copies(on: _Where, x: Array, calls: list[Call] | None = None) -> list[Array
     """A copy of ``x`` per peer: into the peer's ``out=`` array when it passed one."""
     backend = on.backend
     outs = [c.out for c in calls] if calls is not None else [None] * len(on.devices)
+    if isinstance(backend, NumpyBackend):  # (NumPy itself: no backend calls per peer)
+        host = np.asarray(x)
+        return [np.array(host) if out is None else _copied(host, out) for out in outs]
     return [backend.copy(backend.reshape(backend.to_device(x, d), backend.shape(out)), out=out)
             if out is not None else backend.copy(backend.to_device(x, d))
             for d, out in zip(on.devices, outs, strict=True)]
+
+
+def _copied(x: HostArray, out: Array) -> HostArray:
+    """``x`` copied into the NumPy array ``out`` (of as many elements); ``out``."""
+    into = np.asarray(out)
+    np.copyto(into, x.reshape(into.shape))
+    return into
 
 
 def _across_nodes(rv: Rendezvous, on: _Where, state: OpState, flat: Array, route: Route
@@ -127,7 +141,7 @@ def _host_views(rv: Rendezvous, calls: list[Call]) -> list[Call] | None:
         array, out = host_memory(rv.backend, c.array), host_memory(rv.backend, c.out)
         if (array is None) != (c.array is None) or (out is None) != (c.out is None):
             return None
-        views.append(replace(c, array=array, out=out))
+        views.append(c._replace(array=array, out=out))
     return views
 
 

@@ -37,25 +37,32 @@ class OutOfPlace:
         return OutOfPlaceRun(self, rv, state)
 
 
-@dataclass(frozen=True, slots=True)
 class OutOfPlaceRun:
-    plan: OutOfPlace
-    rv: Rendezvous
-    state: OpState
+    """One operation of an :class:`OutOfPlace` plan (a plain class: one is made per call)."""
+
+    __slots__ = ("plan", "rv", "state")
+
+    def __init__(self, plan: OutOfPlace, rv: Rendezvous, state: OpState) -> None:
+        self.plan = plan
+        self.rv = rv
+        self.state = state
 
     def run(self, index: int, deadline: float) -> Array:
         rv, call = self.rv, peer_call(self.state, index)
         gop = global_op(self.state, deadline)
-        x_host, out_host = host_memory(rv.backend, call.array), host_memory(rv.backend, call.out)
-        if x_host is not None and out_host is not None:  # (NumPy arrays, torch CPU tensors)
-            self._into(call, gop, x_host, out_host)
-            return call.out
+        if call.out is not None:
+            x_host, out_host = host_memory(rv.backend, call.array), host_memory(rv.backend,
+                                                                                call.out)
+            if x_host is not None and out_host is not None:  # (NumPy, torch CPU tensors)
+                self._into(call, gop, x_host, out_host)
+                return call.out
         if isinstance(call.array, np.ndarray):  # host memory (NumPy): no backend round trip
             x = np.asarray(call.array)  # (a subclass's reshape may keep its dimensions)
             flat = x.reshape(-1)
             out = fresh(flat.size, flat.dtype)
             link_of(rv).all_reduce(gop, flat, out=out, route=self.plan.route)
-            return finish_reduce(rv, out.reshape(x.shape), call.reduce_op)
+            return finish_reduce(rv, out if x.ndim == 1 else out.reshape(x.shape),
+                                 call.reduce_op)
         host = rv.backend.to_host(flat_input(rv, call))
         if not host.flags.c_contiguous:  # pragma: no cover - flatten gives C order
             host = np.ascontiguousarray(host)

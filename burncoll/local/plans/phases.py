@@ -41,7 +41,8 @@ def count(shape: tuple[int, ...] | None) -> int:
 
 def first_call(state: OpState) -> Call:
     """The call every peer's call agrees with (the calls are compared before preparing)."""
-    return state.complete_calls()[0]
+    call = state.calls[0]  # (every peer has arrived once the operation is prepared)
+    return call if call is not None else state.complete_calls()[0]
 
 
 def peer_call(state: OpState, index: int) -> Call:
