@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import zlib
 from pathlib import Path
 from typing import Any
@@ -397,8 +398,9 @@ CHILD = """
 import dataclasses, json, os
 from burncoll.config.launchers import detect_launcher
 found = detect_launcher()
-print("LAUNCH " + json.dumps({"found": found and dataclasses.asdict(found),
-                              "master_port": os.environ.get("MASTER_PORT")}), flush=True)
+with open(os.path.join(os.environ["LAUNCH_REPORTS"], f"{os.getpid()}.json"), "w") as f:
+    json.dump({"found": found and dataclasses.asdict(found),
+               "master_port": os.environ.get("MASTER_PORT")}, f)
 """
 
 LAUNCHER_PREFIXES = ("BURNCOLL_", "SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "TORCHELASTIC_",
@@ -407,14 +409,16 @@ LAUNCHER_PREFIXES = ("BURNCOLL_", "SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL
 
 
 def run_two(command: list[str]) -> list[dict[str, Any]]:
-    """Run a launcher with two processes in a clean environment; what each detected."""
+    """Run a launcher with two processes in a clean environment; what each detected (each
+    writes a file of its own: a launcher may interleave the processes' output lines)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=60, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
-    reports = [json.loads(line.split("LAUNCH ", 1)[1]) for line in done.stdout.splitlines()
-               if "LAUNCH " in line]
+    with tempfile.TemporaryDirectory() as folder:
+        env["LAUNCH_REPORTS"] = folder
+        done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True,
+                              timeout=60, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        reports = [json.loads(p.read_text()) for p in Path(folder).glob("*.json")]
     assert len(reports) == 2, done.stdout + done.stderr
     return sorted(reports, key=lambda report: report["found"]["node_rank"])
 
