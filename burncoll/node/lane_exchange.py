@@ -214,7 +214,7 @@ class LaneExchange:
         mine, size = decode_data_head(memoryview(header))
         if (h.channel, h.round, h.chunk) != (mine.channel, mine.round, mine.chunk):
             return protocol_error(op, describe, h, "a part of another round, channel or "
-                                  "chunk on its caller socket")
+                                  "chunk")
         if h.offset or h.chunk_bytes != mine.chunk_bytes or payload_len != size:
             return protocol_error(op, describe, h, "a buffer of the wrong size")
         return None
