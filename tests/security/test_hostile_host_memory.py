@@ -59,16 +59,13 @@ DECLINED = ("regular_file", "pipe", "another_process_descriptor")
 AT_JOIN = {"unsealed": "could still be resized", "growable": "could still be resized",
            "wrong_size": "of another user or size", "another_nodes_segment": "offered too"}
 #: ... and the attacks in a host reduction's round that fail it (the second call), and what
-#: the errors may say. Each posts out of turn, over a slot a node still behind may not have
-#: read yet (the first call's last round): what that node finds there depends on how far it
-#: had come (it fails in the first call then).
-IN_ROUND = {
-    "past_the_mail_slot": ("a buffer of the wrong size", "malformed message in the shared mail"),
-    "another_round": ("a part of another round", "different sequences of operations"),
-    "another_operation": ("different sequences of operations",),
-    "counter_far_ahead": ("different sequences of operations", "a part of another round",
-                          "malformed message in the shared mail"),
-}
+#: the errors may say. Each posts out of turn, over the slot of the first call's last round
+#: that a node still behind may not have read yet: what that node finds there (this attack's
+#: message, or the round after it) depends on how far it had come, and it fails in the first
+#: call then.
+IN_ROUND = ("past_the_mail_slot", "another_round", "another_operation", "counter_far_ahead")
+OUT_OF_TURN = ("a buffer of the wrong size", "malformed message in the shared mail",
+               "a part of another round", "different sequences of operations")
 
 
 # -- the hostile member's test doubles (in node 1's process) ---------------------------------
@@ -237,7 +234,8 @@ def _run(kind: str) -> tuple[dict[int, dict[str, Any]], dict[int, int]]:
                                       stdout=forked.PIPE, stderr=forked.PIPE, env=env))
         for node, proc in enumerate(procs):
             stdout, stderr = proc.communicate(timeout=3 * TIMEOUT + 30)
-            codes[node] = proc.returncode if proc.returncode is not None else 0
+            assert proc.returncode is not None
+            codes[node] = proc.returncode
             for line in stdout.splitlines():
                 if line.startswith("{"):
                     records[node] = json.loads(line)
@@ -285,10 +283,10 @@ def test_writing_past_its_slot_and_result_chunk_changes_no_result() -> None:
     _completed(*_run("past_the_slots"), host_memory=True)
 
 
-@pytest.mark.parametrize("kind", list(IN_ROUND))
+@pytest.mark.parametrize("kind", IN_ROUND)
 def test_a_hostile_round_fails_every_node_naming_its_member(kind: str) -> None:
     records, codes = _run(kind)
-    _honest_nodes_name_node_1(records, codes, *IN_ROUND[kind])
+    _honest_nodes_name_node_1(records, codes, *OUT_OF_TURN)
     for node in set(range(NODES)) - {HOSTILE}:
         record = records[node]
         assert record["host_memory"] is True, records
