@@ -146,17 +146,17 @@ class HostSegments:
         check = self._lanes.executor.checker(op)
         token = secrets.token_hex(16)
         fd: int | None = None
-        seen: set[tuple[int, int]] = set()  # (every segment is a file of its own)
+        seen: dict[tuple[int, int], str] = {}  # (every segment is a file of its own)
         try:
             offer = b""
             if ORDERED_STORES or self._nodes >= SEGMENT_NODES:  # (else it would serve nothing)
                 with contextlib.suppress(OSError):  # (no memory or descriptor for it)
                     fd, self._maps[self._me] = new_ring(token, self._bytes, populate=False)
                     mine = os.fstat(fd)
-                    seen.add((mine.st_dev, mine.st_ino))
+                    seen[mine.st_dev, mine.st_ino] = "this node"
                     offer = f"{os.getpid()}/{fd}/{token}".encode()
             offers = self._round(op, check, _OFFER_ROUND, offer.ljust(_OFFER_BYTES, b"\0"))
-            mapped = [self._map(op, n, o, seen) for n, o in offers.items()]  # (all checked)
+            mapped = [self._map(op, n, offers[n], seen) for n in sorted(offers)]  # (all)
             answer = (_MAPPED if offer and all(mapped) else 0) | (_ORDERED * ORDERED_STORES)
             answers = [answer, *(a[0] for a in self._round(op, check, _ANSWER_ROUND,
                                                            bytes([answer])).values())]
@@ -173,11 +173,11 @@ class HostSegments:
             self._lanes.mail = SharedMail(self._maps, self._me, _MAIL_AT)
         return usable
 
-    def _map(self, op: GlobalOp, node: int, offer: bytes, seen: set[tuple[int, int]]
+    def _map(self, op: GlobalOp, node: int, offer: bytes, seen: dict[tuple[int, int], str]
              ) -> bool:
         """Map node ``node``'s offered segment; ``False`` when it offered none or it cannot
         be reached. A file offered as one that is not a segment, or that another node (or
-        this one) offered too, fails the session."""
+        this one) offered too, fails the session, naming both."""
         found = _OFFERED.fullmatch(offer)
         if found is None:
             if offer.strip(b"\0"):
@@ -187,7 +187,8 @@ class HostSegments:
             return False
         pid, fd, token = int(found[1]), int(found[2]), found[3].decode()
         try:
-            mapping = map_offered(pid, fd, token, self._bytes, seen, populate=False)
+            mapping = map_offered(pid, fd, token, self._bytes, seen, populate=False,
+                                  offered_by=f"node {node}")
         except ProtocolError as exc:
             self._lanes.refuse(op, ProtocolError(f"{op.label}: node {node} {exc}"))
         if mapping is None:

@@ -109,14 +109,15 @@ def _memfd_device() -> int:
 
 
 def map_offered(pid: int, fd: int, token: str, size: int,
-                seen: set[tuple[int, int]] | None = None, *, populate: bool = True
-                ) -> mmap.mmap | None:
+                seen: dict[tuple[int, int], str] | None = None, *, populate: bool = True,
+                offered_by: str = "another node") -> mmap.mmap | None:
     """The ring process ``pid`` offered as its descriptor ``fd`` named with ``token``, mapped
     read-only; ``None`` when it cannot be reached or is not that ring (its sender has ended or
     closed it, ``/proc`` is closed to this process): the receiver declines it. A file that is
     named as the ring but is not one a sender makes is :class:`ProtocolError`; so is, with
-    ``seen`` (the files already offered, as ``(st_dev, st_ino)``, to which this one is
-    added), a file offered twice. ``populate`` as :func:`new_ring`'s."""
+    ``seen`` (who offered each file already offered, by ``(st_dev, st_ino)``, to which this
+    one is added as ``offered_by``'s), a file offered twice: the error names who offered it
+    first. ``populate`` as :func:`new_ring`'s."""
     try:
         handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_PATH)
     except OSError:
@@ -133,13 +134,13 @@ def map_offered(pid: int, fd: int, token: str, size: int,
         if not stat.S_ISREG(info.st_mode) or info.st_dev != device:
             raise ProtocolError("offered a shared-memory ring that is not an ordinary "
                                 "anonymous file")
-        return _map_checked(handle, size, seen, _POPULATE if populate else 0)
+        return _map_checked(handle, size, seen, offered_by, _POPULATE if populate else 0)
     finally:
         os.close(handle)
 
 
-def _map_checked(handle: int, size: int, seen: set[tuple[int, int]] | None, populate: int
-                 ) -> mmap.mmap | None:
+def _map_checked(handle: int, size: int, seen: dict[tuple[int, int], str] | None,
+                 offered_by: str, populate: int) -> mmap.mmap | None:
     try:  # O_NONBLOCK: a file under a lease fails at once instead of blocking the loop
         fd = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_NONBLOCK)
     except BlockingIOError as exc:  # (a lease: no sender takes one)
@@ -155,10 +156,11 @@ def _map_checked(handle: int, size: int, seen: set[tuple[int, int]] | None, popu
         if info.st_uid != os.getuid() or info.st_size != size:
             raise ProtocolError("offered a shared-memory ring of another user or size")
         if seen is not None:
-            if (info.st_dev, info.st_ino) in seen:
-                raise ProtocolError("offered a shared-memory segment that another node (or "
-                                    "this one) offered too")
-            seen.add((info.st_dev, info.st_ino))
+            file = (info.st_dev, info.st_ino)
+            if file in seen:
+                raise ProtocolError(f"offered a shared-memory segment that {seen[file]} "
+                                    "offered too")
+            seen[file] = offered_by
         try:
             return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
         except OSError:  # (no memory for it now: the receiver declines)

@@ -63,7 +63,8 @@ class NodeProcess:
             # the frame faults are a test double around the member connections: the small
             # operations' frames must travel there, not on the caller sockets (whose own
             # hostile messages tests/security/test_hostile_lanes.py sends)
-            env=dict(ENV, BURNCOLL_CALLER_SOCKETS="0") if spec.get("frames") else ENV,
+            env=dict(ENV, BURNCOLL_CALLER_SOCKETS="0") if spec.get("frames") else
+            dict(ENV, BURNCOLL_SHARED_MEMORY="1") if spec.get("host_memory") else ENV,
         )
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.records: list[dict[str, Any]] = []

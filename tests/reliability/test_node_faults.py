@@ -156,6 +156,34 @@ def test_killed_node_makes_every_survivor_raise_naming_it(
     )
 
 
+def test_a_node_killed_in_a_host_reduction_is_named_by_every_survivor(
+    fault_table: FaultTable
+) -> None:
+    """Host memory on: 3 node processes of this host all-reduce 320 KB of float64 each
+    through their shared segments (``HostReduce``), and node 1 is SIGKILLed in the middle
+    of one: every survivor raises ``PeerLost`` naming it by its deadline, with right results
+    before, and no survivor crashes (its mappings of node 1's segment stay valid)."""
+    timeout = 4.0
+    with orchestrator("tcp") as address, Cluster(
+            address, 3, 1, transport="tcp", timeout=timeout, local="auto", global_="auto",
+            scenario="kill", victim=1, at=5, count=10_000, size=40_000,
+            host_memory=True) as cluster:
+        records = cluster.collect()
+        kill = cluster.procs[1].event("kill")
+    assert kill is not None, f"the victim was not killed: {summary(records)}"
+    survivors = [r for r in records if r["node"] != 1]
+    assert len(survivors) == 2, records
+    for r in survivors:
+        assert r["segments_mapped"] == 3, r  # (its own and the 2 others': HostReduce's)
+        assert r["op"] >= 5 and first_error(r) == "PeerLost", r  # (no WRONG result before)
+        assert "node 1 (peers [1]" in r["message"], r
+        assert r["elapsed"] < timeout + SLACK, r
+        assert r["finish_s"] < timeout + SLACK, r
+    fault_table.add("node SIGKILLed mid host reduction (shared memory)", "tcp",
+                    "yes: 2/2 survivors raised PeerLost",
+                    seconds([r["t"] - float(kill["t"]) for r in survivors], timeout))
+
+
 # -- a node alive but stuck ------------------------------------------------------------------
 
 

@@ -179,6 +179,17 @@ def one_op(comm: burncoll.Communicator, kind: str, k: int, n: int) -> None:
         raise AssertionError(f"WRONG RESULT: {kind} #{k} on peer {pid}")
 
 
+def segments_mapped() -> int:
+    """How many host segments (sealed files of burncoll's of 32 MiB or more, not the 20 MiB
+    rings of ``burncoll.transport.shm``) this process maps, from ``/proc/self/maps``."""
+    count = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            start, end = (int(a, 16) for a in line.split()[0].split("-"))
+            count += "memfd:burncoll-" in line and end - start >= 32 << 20
+    return count
+
+
 def op_sequence(spec: dict[str, Any]) -> Callable[[int], str]:
     kinds = KINDS if spec.get("mix") else ("all_reduce",)
     return lambda k: kinds[k % len(kinds)]
@@ -278,6 +289,8 @@ class Node:
                 time.sleep(s["stuck_s"])
                 rec["stuck"] = True
                 return self.after_failure(comm, rec, kind_of(k), k)
+            if k == 1 and s.get("host_memory"):
+                rec["segments_mapped"] = segments_mapped()
             t0 = time.monotonic()
             try:
                 # the first operation may be big: chunks of several parts (frames)
