@@ -8,7 +8,7 @@ orchestrator (``--transport``, tcp by default); mpi4jax's run under ``mpirun`` (
 gives the median of the runs' medians and the ratio burncoll / mpi4jax, and beside them
 burncoll's eager ``Communicator.all_reduce`` of NumPy arrays (the same step outside jit).
 
-    python benchmarks/jax_jit.py [--nodes 2] [--runs 3] [--sizes 8,1K,64K,1M,16M] [--iters N]
+    python benchmarks/jax_jit.py [--nodes 2] [--runs 3] [--sizes 8,1K,64K,1M,16M,64M] [--iters N]
 
 (``--iters 0``, the default: as many steps per size as reduce about 64 MiB, 20 to 1000.)
 
@@ -123,7 +123,7 @@ def mpi4jax_run(args: argparse.Namespace) -> dict[str, float] | None:
 
 def main() -> None:
     parser = node_script_parser(__doc__ or "", iters=0)
-    parser.add_argument("--sizes", default="8,1K,64K,1M,16M", help="bytes, comma-separated")
+    parser.add_argument("--sizes", default="8,1K,64K,1M,16M,64M", help="bytes, comma-separated")
     parser.add_argument("--mpi4jax-node", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]

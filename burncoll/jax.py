@@ -2,10 +2,14 @@
 
 Every function takes the :class:`~burncoll.Communicator` explicitly, as a Python object: it
 is closed over (or a static argument), never traced. Inside a jitted function each call is a
-JAX primitive lowered to an ordered host callback (the one ``jax.experimental.io_callback``
-emits with ``ordered=True``), so the collectives of one function run in program order, are
-never removed as dead code, and the callback hands the communicator NumPy arrays of XLA's
-buffers. Outside ``jit`` the same functions call the communicator directly.
+JAX primitive lowered to one host callback that carries the ordered effect of
+``jax.experimental.io_callback(..., ordered=True)``, so the collectives of one function run
+in program order and are never removed as dead code. On the CPU the callback is XLA's buffer
+callback (the FFI target of ``jax.experimental.buffer_callback``): it gets XLA's input and
+output buffers themselves, and the collective reads the one and writes into the other with no
+copy between (an all-reduce of the NumPy backend reduces straight into XLA's output buffer).
+On other platforms it is io_callback's, which hands over host copies. Outside ``jit`` the
+same functions call the communicator directly.
 
 Gradient rules (the linear collectives are their own JVPs; each transpose is the collective
 that moves cotangents back to where the inputs came from):
@@ -47,14 +51,19 @@ try:  # (as Any: jax's own hints are partial, and mypy --strict checks what it s
 except ImportError as exc:  # pragma: no cover - jax is installed where this is tested
     raise BackendUnavailable("burncoll.jax needs jax: pip install 'burncoll[jax]'") from exc
 
-#: What io_callback's lowering calls (jax's own, not public): the callback gets NumPy arrays
-#: straight from XLA's buffers, where io_callback would first make jax.Arrays of them and
-#: device_put its results (about a quarter of a small jitted step's CPU time, measured).
+#: The lowering of io_callback (jax's own, not public), for platforms other than the CPU: the
+#: callback gets NumPy copies of XLA's input buffers and its results are copied into XLA's.
 _emit_python_callback: Any = getattr(importlib.import_module("jax._src.callback"),
                                      "emit_python_callback", None)
-if _emit_python_callback is None:  # pragma: no cover - jax 0.10 has it
-    raise BackendUnavailable(f"burncoll.jax needs jax._src.callback.emit_python_callback, "
-                             f"which jax {jax.__version__} lacks (jax 0.10.2 was tested)")
+#: The token an ordered FFI call takes and returns (jax.core's is deprecated in jax 0.10).
+_abstract_token: Any = getattr(importlib.import_module("jax._src.core"), "abstract_token", None)
+if _emit_python_callback is None or _abstract_token is None:  # pragma: no cover - jax 0.10
+    raise BackendUnavailable(f"burncoll.jax needs jax._src.callback.emit_python_callback and "
+                             f"jax._src.core.abstract_token, which jax {jax.__version__} "
+                             "lacks (jax 0.10.2 was tested)")
+#: The CPU's buffer callback, called as ``callback(context, *inputs, *outputs)`` with XLA's
+#: own buffers (``jax.experimental.buffer_callback`` lowers to it, without our ordered token).
+_buffer_callback = jax.ffi.ffi_lowering("xla_buffer_python_cpu_callback", has_side_effect=True)
 
 __all__ = ["all_gather", "all_reduce", "barrier", "broadcast", "recv", "reduce_scatter",
            "send"]
@@ -157,52 +166,60 @@ def _differentiable_op(name: str, op: ReduceOp, allowed: tuple[ReduceOp, ...]) -
 
 
 # -- the host side (runs in the callback, on NumPy arrays) -----------------------------------
+#: ``host(out, *xs, **params)``: the collective of NumPy arrays ``xs``, its result written
+#: into ``out`` (an array of the traced shape and dtype; ``None`` for no result).
+Host = Callable[..., None]
+
+
 def _take(comm: Communicator, x: Any) -> Any:
     """The callback's NumPy ``x`` as the array type ``comm`` takes: itself, or a JAX array
     on the communicator's device for the jax backend."""
-    host = np.asarray(x)
     if comm._backend.name == "numpy":
-        return host
-    return comm._backend.from_host(host, dtype_name(host.dtype), host.shape, comm.device)
+        return x
+    return comm._backend.from_host(x, dtype_name(x.dtype), x.shape, comm.device)
 
 
-def _give(comm: Communicator, result: Any, want: Any, label: str
-          ) -> np.ndarray[Any, Any]:
+def _give(comm: Communicator, result: Any, out: np.ndarray[Any, Any], label: str) -> None:
+    """``result`` copied into ``out``, whose shape and dtype were traced."""
     host = np.asarray(comm._backend.to_host(result))
-    if host.shape != tuple(want.shape) or host.dtype != want.dtype:
+    if host.shape != out.shape or host.dtype != out.dtype:
         raise UsageError(
-            f"burncoll.jax.{label}: this peer expected {want.dtype}{list(want.shape)} when "
+            f"burncoll.jax.{label}: this peer expected {out.dtype}{list(out.shape)} when "
             f"traced but the collective gave {host.dtype}{list(host.shape)}; inside jit every "
             "peer must pass the same shapes and dtypes")
-    return host
+    np.copyto(out, host)
 
 
-def _all_reduce_host(x: Any, *, comm: Communicator, op: ReduceOp) -> Any:
-    return comm.all_reduce(_take(comm, x), op)
+def _all_reduce_host(out: Any, x: Any, *, comm: Communicator, op: ReduceOp) -> None:
+    if comm._backend.name == "numpy":  # reduced straight into out (XLA's buffer in jit)
+        comm.all_reduce(x, op, out=out)
+    else:
+        _give(comm, comm.all_reduce(_take(comm, x), op), out, "all_reduce")
 
 
-def _all_gather_host(x: Any, *, comm: Communicator, rows: int) -> Any:
-    return comm.all_gather(_take(comm, x))
+def _all_gather_host(out: Any, x: Any, *, comm: Communicator, rows: int) -> None:
+    _give(comm, comm.all_gather(_take(comm, x)), out, "all_gather")
 
 
-def _reduce_scatter_host(x: Any, *, comm: Communicator, op: ReduceOp) -> Any:
-    return comm.reduce_scatter(_take(comm, x), op)
+def _reduce_scatter_host(out: Any, x: Any, *, comm: Communicator, op: ReduceOp) -> None:
+    _give(comm, comm.reduce_scatter(_take(comm, x), op), out, "reduce_scatter")
 
 
-def _broadcast_host(x: Any, *, comm: Communicator, root: int) -> Any:
-    return comm.broadcast(_take(comm, x) if comm.peer_id == root else None, root)
+def _broadcast_host(out: Any, x: Any, *, comm: Communicator, root: int) -> None:
+    mine = _take(comm, x) if comm.peer_id == root else None
+    _give(comm, comm.broadcast(mine, root), out, "broadcast")
 
 
-def _send_host(x: Any, *, comm: Communicator, dst: int, tag: int) -> None:
+def _send_host(out: None, x: Any, *, comm: Communicator, dst: int, tag: int) -> None:
     comm.send(_take(comm, x), dst, tag)
 
 
-def _recv_host(*, comm: Communicator, src: int, tag: int, shape: tuple[int, ...],
-               dtype: np.dtype[Any]) -> Any:
-    return comm.recv(src, tag)
+def _recv_host(out: Any, *, comm: Communicator, src: int, tag: int, shape: tuple[int, ...],
+               dtype: np.dtype[Any]) -> None:
+    _give(comm, comm.recv(src, tag), out, "recv")
 
 
-def _barrier_host(*, comm: Communicator) -> None:
+def _barrier_host(out: None, *, comm: Communicator) -> None:
     comm.barrier()
 
 
@@ -210,31 +227,29 @@ def _barrier_host(*, comm: Communicator) -> None:
 Result = Callable[..., Any]  # -> jax.ShapeDtypeStruct | None
 
 
-def _primitive(name: str, host: Callable[..., Any], result: Result) -> Any:
-    """A primitive whose implementation and lowering are one ordered host callback:
-    ``host(*numpy_args, **params)``; ``result(*args, **params)`` is the shape and dtype of
-    its one output (from the inputs' shapes and dtypes), or ``None`` for no output."""
+def _empty(want: Any) -> np.ndarray[Any, Any] | None:
+    return None if want is None else np.empty(want.shape, want.dtype)
+
+
+def _primitive(name: str, host: Host, result: Result) -> Any:
+    """A primitive whose implementation and lowering are one ordered host callback that runs
+    ``host(out, *numpy_args, **params)``; ``result(*args, **params)`` is the shape and dtype
+    of its one output (from the inputs' shapes and dtypes), or ``None`` for no output."""
     prim = Primitive(f"burncoll_{name}")
     prim.multiple_results = True
 
-    def called(want: Any, params: dict[str, Any]) -> Callable[..., tuple[Any, ...]]:
-        def callback(*xs: Any) -> tuple[Any, ...]:
-            got = host(*xs, **params)
-            return () if want is None else (_give(params["comm"], got, want, name),)
-        return callback
-
     def run(*args: Any, **params: Any) -> list[Any]:  # outside jit: on the input's device
         where = next(iter(args[0].devices())) if args else None
-        outs = called(result(*args, **params), params)(*args)
-        return [jax.device_put(out, where) for out in outs]
+        out = _empty(result(*args, **params))
+        host(out, *map(np.asarray, args), **params)
+        return [] if out is None else [jax.device_put(out, where)]
 
-    def lower(ctx: Any, *args: Any, **params: Any) -> Any:
-        callback = called(result(*ctx.avals_in, **params), params)
-        outs, token, _ = _emit_python_callback(
-            ctx, callback, ctx.tokens_in.get(_ORDERED), list(args), ctx.avals_in,
-            ctx.avals_out, has_side_effect=True, returns_token=True)
-        ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({_ORDERED: token})))
-        return outs
+    def on_cpu(ctx: Any, *args: Any, **params: Any) -> Any:
+        return _lower_to_buffers(ctx, list(args), lambda *xs: host(*xs, **params))
+
+    def elsewhere(ctx: Any, *args: Any, **params: Any) -> Any:
+        return _lower_to_copies(ctx, list(args), lambda *xs: host(*xs, **params),
+                                result(*ctx.avals_in, **params))
 
     def abstract(*avals: Any, **params: Any) -> tuple[list[Any], set[Any]]:
         want = result(*avals, **params)
@@ -243,8 +258,47 @@ def _primitive(name: str, host: Callable[..., Any], result: Result) -> Any:
 
     prim.def_impl(run)
     prim.def_effectful_abstract_eval(abstract)
-    mlir.register_lowering(prim, lower, cacheable=False)
+    mlir.register_lowering(prim, on_cpu, platform="cpu", cacheable=False)
+    mlir.register_lowering(prim, elsewhere, cacheable=False)
     return prim
+
+
+def _lower_to_buffers(ctx: Any, args: list[Any], call: Host) -> list[Any]:
+    """``call`` as the CPU's buffer callback, the ordered token its last operand and result.
+
+    It gets ``(context, *inputs, token, *outputs, token)``: views of XLA's buffers. The
+    inputs are made read-only (XLA may still read them after the call: the collective must
+    not write into them); the output is the custom call's own result buffer, which no other
+    operation holds while it runs, so the collective writes its result there."""
+    def callback(_: Any, *buffers: Any) -> None:
+        xs = [np.asarray(b) for b in buffers[:len(args)]]
+        for x in xs:
+            x.flags.writeable = False
+        outs = buffers[len(args) + 1:-1]
+        call(np.asarray(outs[0]) if outs else None, *xs)
+
+    ctx.module_context.add_host_callback(callback)
+    index = np.uint64(len(ctx.module_context.host_callbacks) - 1)
+    tokened = ctx.replace(avals_in=[*ctx.avals_in, _abstract_token],
+                          avals_out=[*ctx.avals_out, _abstract_token])
+    outs = list(_buffer_callback(tokened, *args, ctx.tokens_in.get(_ORDERED), index=index))
+    ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({_ORDERED: outs.pop()})))
+    return outs
+
+
+def _lower_to_copies(ctx: Any, args: list[Any], call: Host, want: Any) -> Any:
+    """``call`` as io_callback's ordered callback (other platforms than the CPU): it gets
+    host copies of the inputs, and its result is copied into XLA's output buffer."""
+    def callback(*xs: Any) -> tuple[Any, ...]:
+        out = _empty(want)
+        call(out, *xs)
+        return () if out is None else (out,)
+
+    outs, token, _ = _emit_python_callback(
+        ctx, callback, ctx.tokens_in.get(_ORDERED), args, ctx.avals_in, ctx.avals_out,
+        has_side_effect=True, returns_token=True)
+    ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({_ORDERED: token})))
+    return outs
 
 
 def _like(x: Any, **_: Any) -> Any:

@@ -74,6 +74,40 @@ def test_every_collective_inside_jit_matches_numpy(backend: str) -> None:
         np.testing.assert_array_equal(got["bcast"], data(2))
 
 
+def test_results_go_into_xlas_buffers_and_the_inputs_stay_unchanged() -> None:
+    """On the CPU the callback gets XLA's buffers themselves (the buffer callback, no copies):
+    the all-reduce writes its result into the call's output buffer and never into its input,
+    which XLA reads again after the call (``x + total``), also when the input is donated; at
+    2 MiB too, past ``INLINE_BYTES``. The sums are exact in float32 (bit-identical)."""
+    elements = (1 << 19) + 3
+    devices = jax.devices()[:2]
+
+    def make(i: int) -> np.ndarray:
+        return (np.arange(elements, dtype=np.float32) % 101) * (i + 1) - 7 * i
+
+    def work(c: burncoll.Communicator, i: int) -> tuple[np.ndarray, list[np.ndarray], str]:
+        def step(x: Any) -> tuple[Any, Any, Any]:
+            total = bj.all_reduce(x, c)
+            return total, x + total, bj.all_gather(x[:2], c)
+
+        x = jax.device_put(make(i), devices[i])
+        kept = jax.jit(step)(x)
+        donated = jax.jit(step, donate_argnums=0)(jax.device_put(make(i), devices[i]))
+        lowered = jax.jit(step).lower(x).as_text()
+        return np.asarray(x), [np.asarray(a) for a in (*kept, *donated)], lowered
+
+    xs = [make(p).astype(np.float64) for p in range(2)]
+    for i, (x, got, lowered) in enumerate(ok(run_peers(config(2), work))):
+        np.testing.assert_array_equal(x, make(i))  # the caller's array is unchanged
+        for total, plus, gathered in (got[:3], got[3:]):
+            assert total.dtype == np.float32
+            np.testing.assert_array_equal(total, xs[0] + xs[1])
+            np.testing.assert_array_equal(plus, xs[i] + xs[0] + xs[1])
+            np.testing.assert_array_equal(gathered, np.concatenate([xs[0][:2], xs[1][:2]]))
+        assert "xla_buffer_python_cpu_callback" in lowered
+        assert "xla_ffi_python_cpu_callback" not in lowered  # io_callback's copying one
+
+
 def test_collectives_keep_program_order_against_peers_that_call_them_eagerly() -> None:
     """Peers 0 and 1 run one jitted function of independent collectives (one result unused,
     a send with no result); peers 2 and 3 make the same calls eagerly, in the order written.
