@@ -20,7 +20,7 @@ from typing import Any
 from burncoll.errors import TransportError
 from burncoll.protocol.wire import DEFAULT_MAX_MESSAGE_BYTES
 from burncoll.transport.admission import Admission
-from burncoll.transport.base import Handler, TlsSettings, Transport
+from burncoll.transport.base import Handler, TlsSettings, Transport, format_address
 from burncoll.transport.stream_connection import StreamConnection
 from burncoll.transport.stream_listener import StreamListener, listen_stream
 from burncoll.transport.tls import client_ssl_context, listener_binding, server_ssl_context
@@ -57,15 +57,10 @@ class WebSocketTransport(Transport):
 
     name = "websocket"
 
-    def __init__(
-        self,
-        *,
-        tls: TlsSettings | None = None,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        connect_timeout: float = 10.0,
-        close_timeout: float = 2.0,
-        admission: Callable[[], Admission] | None = None,
-    ) -> None:
+    def __init__(self, *, tls: TlsSettings | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, connect_timeout: float = 10.0,
+                 close_timeout: float = 2.0, admission: Callable[[], Admission] | None = None
+                 ) -> None:
         #: The TLS settings when ``wss`` is used, else ``None``.
         self.tls = tls if tls is not None and tls.wanted else None
         self.admission = admission or Admission
@@ -96,7 +91,7 @@ class WebSocketTransport(Transport):
 
     async def connect(self, host: str, port: int) -> WebSocketConnection:
         scheme = "ws" if self.tls is None else "wss"
-        netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        netloc = format_address((host, port))
         extra: dict[str, Any] = {}
         if self.tls is not None:
             if self._client_ssl is None:
