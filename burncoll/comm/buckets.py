@@ -22,6 +22,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Literal, Protocol, TypeVar, overload
 
 from burncoll.backends import get_backend
@@ -43,23 +44,12 @@ class TreeCommunicator(Protocol):
     def device(self) -> Device: ...
 
     def all_reduce(self, x: Array, op: ReduceOp | str = ..., *, out: Array | None = ...,
-                   async_op: bool = ...) -> Any:
-        ...
+                   async_op: bool = ...) -> Any: ...
 
     def broadcast(self, x: Array | None, root: int, *, async_op: bool = ...) -> Any: ...
 
-__all__ = [
-    "DEFAULT_BUCKET_BYTES",
-    "Bucket",
-    "LeafSpec",
-    "all_reduce_tree",
-    "broadcast_tree",
-    "flatten_tree",
-    "in_place_ok",
-    "leaf_spec",
-    "plan_buckets",
-    "unpack_bucket",
-]
+__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "LeafSpec", "all_reduce_tree", "broadcast_tree",
+           "flatten_tree", "in_place_ok", "leaf_spec", "plan_buckets", "unpack_bucket"]
 
 T = TypeVar("T")
 
@@ -182,9 +172,8 @@ def _flatten(node: Any, leaves: list[Any]) -> _Builder:
 # -- the bucket plan ----------------------------------------------------------------------------
 
 
-def plan_buckets(
-    specs: Sequence[LeafSpec], bucket_bytes: int = DEFAULT_BUCKET_BYTES
-) -> list[Bucket]:
+def plan_buckets(specs: Sequence[LeafSpec], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+                 ) -> list[Bucket]:
     """Group the leaves ``specs`` into buckets; a pure function of its arguments.
 
     Leaves are grouped by dtype (dtypes in order of first appearance); within a dtype, leaves
@@ -214,9 +203,7 @@ def plan_buckets(
 
 
 def _bucket(dtype: str, indices: list[int], specs: Sequence[LeafSpec]) -> Bucket:
-    offsets = [0]
-    for i in indices:
-        offsets.append(offsets[-1] + specs[i].size)
+    offsets = accumulate((specs[i].size for i in indices), initial=0)
     return Bucket(dtype, tuple(indices), tuple(offsets))
 
 
@@ -235,15 +222,9 @@ def all_reduce_tree(comm: TreeCommunicator, tree: T, op: ReduceOp | str = ...,
                     compression: str | None = ...) -> Work[T]: ...
 
 
-def all_reduce_tree(
-    comm: TreeCommunicator,
-    tree: T,
-    op: ReduceOp | str = "mean",
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    *,
-    async_op: bool = False,
-    compression: str | None = None,
-) -> T | Work[T]:
+def all_reduce_tree(comm: TreeCommunicator, tree: T, op: ReduceOp | str = "mean",
+                    bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, async_op: bool = False,
+                    compression: str | None = None) -> T | Work[T]:
     """``tree`` with every leaf all-reduced over every peer with ``op``; one collective per bucket.
 
     Every peer must pass a tree of the same structure, leaf dtypes and shapes (as for
@@ -301,10 +282,9 @@ def broadcast_tree(comm: TreeCommunicator, tree: T, root: int, bucket_bytes: int
                    async_op: Literal[True]) -> Work[T]: ...
 
 
-def broadcast_tree(
-    comm: TreeCommunicator, tree: T, root: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
-    async_op: bool = False,
-) -> T | Work[T]:
+def broadcast_tree(comm: TreeCommunicator, tree: T, root: int,
+                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, async_op: bool = False
+                   ) -> T | Work[T]:
     """Peer ``root``'s ``tree`` on every peer; one broadcast per bucket.
 
     Unlike ``broadcast``, every peer passes a tree: the values of non-root peers are ignored,
@@ -318,10 +298,10 @@ def broadcast_tree(
                      None, async_op, "broadcast_tree")
 
 
-def _bucketed(
-    comm: TreeCommunicator, tree: T, bucket_bytes: int, collective: Callable[[Array, bool], Any],
-    check: Callable[[int, LeafSpec], None] | None, async_op: bool, label: str,
-) -> T | Work[T]:
+def _bucketed(comm: TreeCommunicator, tree: T, bucket_bytes: int,
+              collective: Callable[[Array, bool], Any],
+              check: Callable[[int, LeafSpec], None] | None, async_op: bool, label: str
+              ) -> T | Work[T]:
     """Run ``collective(flat, packed)`` per bucket; ``packed``: ``flat`` is a new array packed
     from several leaves (the collective may overwrite it), not a view of the caller's leaf.
     ``check(index, spec)`` sees every leaf before the first bucket is sent. With
@@ -370,8 +350,7 @@ def leaf_spec(backend: Backend, leaf: Any, index: int) -> LeafSpec:
     """``leaf``'s dtype and shape; a :class:`~burncoll.UsageError` naming leaf ``index`` when
     it is not an array of ``backend``."""
     if not backend.is_array(leaf):
-        raise UsageError(
-            f"leaf {index} of the tree is a {type(leaf).__name__}, not an array of backend "
-            f"{backend.name!r}; every leaf must be an array (convert scalars first)"
-        )
+        raise UsageError(f"leaf {index} of the tree is a {type(leaf).__name__}, not an array of "
+                         f"backend {backend.name!r}; every leaf must be an array (convert "
+                         "scalars first)")
     return LeafSpec(backend.dtype_name(leaf), tuple(backend.shape(leaf)))

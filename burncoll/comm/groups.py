@@ -1,32 +1,13 @@
 """Communicator groups: :meth:`Groups.split` (MPI's ``Comm.Split``) and :meth:`Groups.group`
 (torch's ``new_group``), which :class:`~burncoll.Communicator` inherits.
 
-A group is a new collective over some of the parent's peers, on one node or several: its own
-operation numbering, mismatch detection and timeouts, usable alongside its parent and other
-groups (the data-parallel and tensor-parallel groups of a 2-D layout, say). Its peers are
-numbered 0 .. n-1: a group communicator's ``peer_id`` is its ``rank``, and the roots and peers
-of its operations are group ranks. It inherits the parent's config (backend, strategies,
-transport, timeout, token, TLS).
-
-Making one is collective over the parent; every parent peer calls it, in the same order:
-
-1. one ``all_gather_object`` over the parent (msgpack, never pickle) of every peer's input,
-   its node (the lowest parent peer id there) and a random nonce: every peer sees every input,
-   so a disagreement raises the same :class:`~burncoll.UsageError` on every peer at once;
-2. every peer works out the same groups: their members in group-rank order, their nodes
-   (ordered by their lowest group rank, as the orchestrator orders them), their key (the nonce
-   of their rank 0, which keeps their registration apart from any other's);
-3. where a group spans nodes, its rank 0 starts an orchestrator on its own node's address (a
-   free port) with the parent's transport, token and TLS settings, and a second
-   ``all_gather_object`` over the parent hands its address out; a group on one node needs none;
-4. the members register in the group's collective, their group rank as their peer id, with
-   the parent's config changed in ``num_devices``, ``num_nodes``, ``node_rank``,
-   ``global_address``, ``node_address`` (its host; any free port), ``host_orchestrator``
-   (off) and ``group`` (the key).
-
-A group's orchestrator is closed when the group's collective on its node is (the members
-there called ``finish()``), or when the parent's is, if the group then failed or was never
-built.
+A group is a new collective over some of the parent's peers (docs/operations.md, "Groups"):
+its peers are numbered 0 .. n-1 (its ``peer_id`` is its ``rank``) and it inherits the parent's
+config. Making one is collective over the parent, as docs/architecture.md ("Groups") describes:
+one ``all_gather_object`` of every peer's input, node and a nonce, so every peer computes the
+same groups and errors; a group spanning nodes gets an orchestrator from its rank 0 (announced
+by a second ``all_gather_object``), closed with the group's collective on its node, or with
+the parent's if the group failed or was never built.
 """
 
 from __future__ import annotations

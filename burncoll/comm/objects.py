@@ -1,31 +1,18 @@
 """Python objects as bytes for :meth:`~burncoll.Communicator.broadcast_object` and
 :meth:`~burncoll.Communicator.all_gather_object`: msgpack plus a NumPy ext type, never pickle.
 
-The bytes come from other nodes, so nothing here runs code they choose: there is no pickle and
-no eval, only msgpack's data model and three ext types of our own.
-
-What may be sent (these exact types, not subclasses): ``None``, ``bool``, ``int`` (from
-``-2**63`` to ``2**64 - 1``), ``float``, ``str``, ``bytes``, ``list``, ``tuple`` (it stays a
-tuple), ``dict`` (keys: ``str``, ``int``, ``float``, ``bool``, ``None`` or tuples of those;
-the order of the keys is kept), NumPy arrays and NumPy scalars of a dtype in
-:data:`burncoll.dtypes.SUPPORTED_DTYPES` (sent as the dtype's name, the shape and the raw
-C-order bytes), nested at most :data:`MAX_DEPTH` containers deep. JAX and CuPy arrays are
-copied to the host and sent as NumPy arrays. Results are always NumPy arrays on the host,
-writable, never device arrays. Anything else (a set, a custom class, a function, a
-``defaultdict``) is refused with a :class:`~burncoll.UsageError` naming its type and where
-it sits (``obj['metrics'][2]``); so is an encoding over :data:`MAX_OBJECT_BYTES`.
+The bytes come from other nodes, so nothing here runs code they choose: only msgpack's data
+model and three ext types of our own. The exact types that may be sent are in
+docs/operations.md ("Python objects"); anything else, nesting deeper than :data:`MAX_DEPTH` or
+an encoding over :data:`MAX_OBJECT_BYTES` is a :class:`~burncoll.UsageError` naming the type
+and where it sits (``obj['metrics'][2]``). Results are NumPy arrays on the host, writable.
 
 A payload is one record: a tag byte, the body's length (8 bytes, little endian) and the body.
-Tag 1: the body is the msgpack encoding of the object. Tag 2: the sending peer could not
-encode its object and the body says why (UTF-8, at most :data:`MAX_MESSAGE_BYTES`); it still
-takes part in the collective with this record so that every peer raises the same
-:class:`~burncoll.UsageError` at once instead of waiting for a timeout. An all-gather's result
-is the records of every peer one after the other, in rank order.
-
-Decoding is defensive: any bytes that this module would not have written raise
-:class:`~burncoll.ProtocolError` naming what was wrong (a truncated record, an unknown tag or
-ext type, a dtype outside the supported ones, a shape that does not match the bytes, nesting
-deeper than :data:`MAX_DEPTH`), never another exception.
+Tag 1: the msgpack encoding of the object. Tag 2: why the sending peer could not encode its
+object (UTF-8, at most :data:`MAX_MESSAGE_BYTES`), so that every peer raises the same
+:class:`~burncoll.UsageError` at once. An all-gather's result is every peer's record in rank
+order. Bytes this module would not have written raise :class:`~burncoll.ProtocolError`
+naming what was wrong, never another exception.
 """
 
 from __future__ import annotations

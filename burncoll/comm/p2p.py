@@ -1,40 +1,11 @@
 """Point-to-point messages of :class:`~burncoll.Communicator`: ``send``, ``recv``, ``isend``,
 ``irecv`` (torch.distributed's and mpi4py's names), between any two peers of the collective --
-threads of one node, or peers of different nodes.
+threads of one node (:mod:`burncoll.local.post`, which holds a copy of the sent array), or
+peers of different nodes (DATA frames checked on arrival: :mod:`burncoll.node.inbox`).
 
-Semantics (as MPI's and torch.distributed's):
-
-* **Order.** Messages from one peer to another arrive in the order sent, per tag (first in,
-  first out per ``(src, dst, tag)``); tags are independent: a recv for tag 1 never takes a
-  message of tag 0. A tag is an int from 0 to 65535.
-* **recv** returns a new array on the receiver's device, of the sender's dtype and shape. With
-  ``out=`` (mutable backends only, as all_reduce's ``out``) the message is written into ``out``,
-  which is returned; the sender's dtype and shape must equal ``out``'s, else both the receiver
-  and the sender raise :class:`~burncoll.MismatchError` (the message is consumed; the
-  collective goes on).
-* **send is synchronous** (MPI's ``Ssend``; gloo's send of a large message behaves so): it
-  returns once the receiver has taken the message (a recv matched it). A send to a peer that
-  never receives raises :class:`~burncoll.CollectiveTimeout` after ``config.timeout``, naming
-  that peer and the tag; one to a node that died, :class:`~burncoll.PeerLost`. A blocking send
-  to yourself could never complete: it is a :class:`~burncoll.UsageError` (``isend`` to
-  yourself, then ``recv``, works).
-* **isend** returns a :class:`~burncoll.Work` completed when the receiver took the message;
-  **irecv** one completed with the array when a matching message arrived. Several may be in
-  flight (the ring: every peer ``irecv`` from its left, ``isend`` to its right, waits both).
-  Keep ``x`` unchanged until an isend's Work completes (it may be read until then).
-* Point-to-point calls never wait behind this peer's collectives (``async_op=True``), and
-  an irecv in flight never blocks later operations.
-* **Deadlines.** Every wait ends ``config.timeout`` after the call at the latest. A timeout
-  fails the whole collective, as any failure does: every peer hears of it.
-* **Backpressure.** A node holds messages that no recv has taken yet (with early collective
-  frames) up to 64 MiB (:mod:`burncoll.node.held`); past that it reads nothing more from the
-  sending node (its collectives' data included) until a recv takes that message, so the
-  sender blocks until the receiver receives, as in MPI: post ``irecv`` before large exchanges.
-
-Between nodes a message travels as DATA frames (a binary header and the array's raw bytes;
-never pickle), checked on arrival before anything is allocated (:mod:`burncoll.node.inbox`);
-between the threads of one node, through the node's post office (:mod:`burncoll.local.post`),
-which holds a copy of the sent array.
+The semantics (order per ``(src, dst, tag)``, a synchronous ``send``, ``out=`` checks,
+deadlines, backpressure past the held budget) are MPI's and torch.distributed's, as
+docs/operations.md ("Point-to-point messages") states them.
 """
 
 from __future__ import annotations

@@ -72,11 +72,8 @@ class Registry:
             group = self._groups.get(config)
             if group is None or group.server is not None or group.error is not None:
                 # none yet, or a complete (possibly aborted) one: this registration starts anew
-                previous = None
-                if group is not None and group.server is not None and (
-                    group.server.failure is not None
-                ):
-                    previous = group.server
+                old = None if group is None else group.server
+                previous = old if old is not None and old.failure is not None else None
                 group = self._groups[config] = _Group(config, previous=previous)
             twice = self._add(group, peer_id, device)
             builder = len(group.devices) == config.num_devices and group.error is None
@@ -101,8 +98,7 @@ class Registry:
                         f"register timed out after {config.timeout:g} s: "
                         f"{len(group.devices)} of num_devices={config.num_devices} local peers "
                         f"registered (peer ids {sorted(group.devices)}); every local peer must "
-                        "call register() with the same config"
-                    )
+                        "call register() with the same config")
                     self._groups.pop(config, None)
                     self._cond.notify_all()
                     break
@@ -110,8 +106,7 @@ class Registry:
             if group.error is not None:
                 raise group.error
             server = group.server
-        if server is None:  # pragma: no cover - the loop exits only when set
-            raise RuntimeError("registration ended without a server")
+        assert server is not None  # (the loop ends only when it is set, or raises)
         return server, server.index_of[peer_id]
 
     def _add(self, group: _Group, peer_id: int, device: Device) -> bool:

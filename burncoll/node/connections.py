@@ -2,9 +2,7 @@
 
 Per other member, two: the one this node *sends* on (the member dialed it, this node accepted
 it) and the one this node *receives* array data on (this node dialed it). Each connection has
-one writer at a time: sends to a member go under its lock. Whether a connection offers the
-zero-copy fast path (:class:`~burncoll.transport.base.FastPath`) is asked once, when it is
-added.
+one writer at a time: sends to a member go under its lock.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ class MemberConnections:
         #: Connections this node dialed, to receive from each other node.
         self.dialed: dict[int, Connection] = {}
         self._locks: dict[int, asyncio.Lock] = {}
-        self._fast: list[FastPath] = []
         #: Set once every other member has dialed this node (see :meth:`expect`).
         self.all_out = asyncio.Event()
         self._expected = -1
@@ -48,8 +45,6 @@ class MemberConnections:
             return False
         self.out[node] = conn
         self._locks[node] = asyncio.Lock()
-        if isinstance(conn, FastPath):
-            self._fast.append(conn)
         self._check_all_out()
         return True
 
@@ -59,7 +54,6 @@ class MemberConnections:
         self.dialed[node] = conn
         if isinstance(conn, FastPath):
             conn.place_with(placer)
-            self._fast.append(conn)
 
     async def send(self, node: int, parts: Sequence[Buffer]) -> None:
         """Send one message to ``node`` (``KeyError`` without a connection to it)."""
@@ -78,8 +72,9 @@ class MemberConnections:
     def stop_placing(self) -> None:
         """Write nothing more into memory a placer chose (a failed operation's memory is its
         caller's again)."""
-        for fast in self._fast:
-            fast.stop_placing()
+        for conn in (*self.out.values(), *self.dialed.values()):
+            if isinstance(conn, FastPath):
+                conn.stop_placing()
 
     def abandon_sends(self, error: BaseException) -> None:
         """The session failed: a send waiting on a shared-memory ring (for room, or for the

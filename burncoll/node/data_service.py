@@ -1,26 +1,15 @@
 """The data service: this node's listener and its connections to every other node.
 
-Each ordered pair of nodes has one connection, opened once at session start and reused for
-every operation. The *receiving* node dials: node *b* opens a connection to *a*'s listener, and
-*a* sends to *b* only on that connection (as its server side), so each connection has one
-writer. Why the receiver dials: WebSocket clients must mask every frame (RFC 6455 section 5.3),
-servers never do, so array bytes travel unmasked from a server into their place without
-a pass over them on either side. Every connection is authenticated before any frame is read
-(:mod:`burncoll.node.dialing`), and every connection is read on both ends.
-
-:class:`DataService` composes the parts: :class:`~burncoll.node.membership.Membership` (the
-session, from the orchestrator's table), :class:`~burncoll.node.dialing.Dialing` (opening and
-accepting connections), :class:`~burncoll.node.connections.MemberConnections` (sending),
-:mod:`~burncoll.node.placement` (where a received part goes),
-:class:`~burncoll.node.reading.MemberReader` (what arrives), and the point-to-point messages
-received (:class:`~burncoll.node.inbox.Inbox`) and sent
-(:class:`~burncoll.node.p2p_outbox.Outbox`). The executor uses its
-``node_index``, ``nodes``, ``session``, ``timeout``, ``send``, ``fail`` and ``mailbox``.
-
-A member connection that breaks without ``bye``, or that sends bytes that are not a valid
-frame, fails the session with :class:`~burncoll.PeerLost` / :class:`~burncoll.ProtocolError`
-on every node; a failing node tells the others why
-(:class:`~burncoll.protocol.members.Abort`).
+Each ordered pair of nodes has one authenticated connection, opened at session start and
+reused; the *receiving* node dials, so array bytes travel from the server side (unmasked over
+WebSocket) and each connection has one writer (docs/architecture.md). :class:`DataService`
+composes :class:`~burncoll.node.membership.Membership`, :class:`~burncoll.node.dialing.Dialing`,
+:class:`~burncoll.node.connections.MemberConnections`, :mod:`~burncoll.node.placement`,
+:class:`~burncoll.node.reading.MemberReader` and the point-to-point
+:class:`~burncoll.node.inbox.Inbox` and :class:`~burncoll.node.p2p_outbox.Outbox`. A member
+connection that breaks without ``bye`` or sends an invalid frame fails the session on every
+node (:class:`~burncoll.PeerLost` / :class:`~burncoll.ProtocolError`, told to the others by
+:class:`~burncoll.protocol.members.Abort`).
 """
 
 from __future__ import annotations

@@ -70,22 +70,18 @@ class Dialing:
                         conn.pause_reading()
                     await conn.send([hello])
                 return conn
-            except AuthenticationError:
+            except (TransportError, TimeoutError, OSError) as exc:  # (AuthenticationError too)
                 if conn is not None:
                     await conn.close()
-                raise
-            except (TransportError, TimeoutError, OSError) as exc:
-                if conn is not None:
-                    await conn.close()
+                if isinstance(exc, AuthenticationError):
+                    raise
                 if time.monotonic() + delay >= deadline:
                     why = str(exc) or (
                         "the connection and its handshake did not complete in time (is that "
                         "host overloaded, or a firewall dropping its packets?)"
                         if isinstance(exc, TimeoutError) else type(exc).__name__)
-                    raise TransportError(
-                        f"could not connect to {node.describe()} within {self.timeout:g} s: "
-                        f"{why}"
-                    ) from exc
+                    raise TransportError(f"could not connect to {node.describe()} within "
+                                         f"{self.timeout:g} s: {why}") from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
 

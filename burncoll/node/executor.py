@@ -25,8 +25,8 @@ from burncoll.levels import GlobalOp, HostArray
 from burncoll.node.mailbox import PART_BYTES, Receives
 from burncoll.node.ports import Ports
 from burncoll.node.walk import PLACE_MIN_BYTES, ReceivePart, SendPart, Transfer, Walk, receives
-from burncoll.protocol.checks import Check, header_check, protocol_error, timed_out
-from burncoll.protocol.wire import DataHeader, Frame, encode_data_header
+from burncoll.protocol.checks import Check, header_check, timed_out
+from burncoll.protocol.wire import Frame, encode_data_header
 from burncoll.strategies import Schedule
 
 __all__ = ["PART_BYTES", "GlobalExecutor"]
@@ -129,23 +129,15 @@ class GlobalExecutor:
     async def _receive(self, op: GlobalOp, request: ReceivePart) -> Frame:
         """The frame ``request`` asks for, received straight into its place if it offers one
         and the part has not come yet."""
-        mailbox = self.service.mailbox
-        key, offset, place = request.key, request.offset, request.place
-        if place is None:
-            return await mailbox.get(key, op.deadline,
-                                     lambda: self.timeout_error(op, key[3], key[2]))
-        mailbox.offer_place(key, offset, place)
+        mailbox, key, place = self.service.mailbox, request.key, request.place
+        if place is not None:
+            mailbox.offer_place(key, request.offset, place)
         try:
             return await mailbox.get(key, op.deadline,
                                      lambda: self.timeout_error(op, key[3], key[2]))
         finally:  # unused if the part came before it was offered, or never came
-            mailbox.withdraw_place(key, offset)
-
-    def fail_protocol(self, op: GlobalOp, h: DataHeader, what: str) -> CollectiveError:
-        """Fail the session: node ``h.src`` sent ``what``."""
-        error = protocol_error(op, self.describe, h, what)
-        self.service.fail(error)
-        return error
+            if place is not None:
+                mailbox.withdraw_place(key, request.offset)
 
     def timeout_error(self, op: GlobalOp, src: int, r: int) -> CollectiveTimeout:
         """The error for a frame from node ``src`` that did not come in time."""

@@ -1,34 +1,15 @@
 """Point-to-point messages from other nodes: assembled from their parts, checked, held until a
-recv takes them (bounded), and waited for.
+recv takes them (bounded), and waited for (docs/architecture.md, "Point-to-point").
 
-A message (``send``/``isend`` on another node) arrives as DATA frames of op kind
-:attr:`~burncoll.ops.OpKind.P2P`; they never enter the collectives'
-:class:`~burncoll.node.mailbox.Mailbox`. Its header says: ``seq`` -- the message's number
-among those of its key ``(src rank, dst rank, tag)``, counted from 0; ``root`` -- the dst
-rank; ``chunk`` -- the src rank; ``channel`` -- the tag; ``round`` 0; the array's dtype and
-shape; the part's ``offset`` and the message's size, ``chunk_bytes``. A message travels as
-parts of at most :data:`~burncoll.node.mailbox.PART_BYTES`, in order, one message after the
-other on the connection (a sending node sends one message to a node at a time).
-
-**Every frame is checked before anything is allocated or stored** (:meth:`Inbox.put`): the src
-rank lives on the sending node and the dst rank on this one; a message's first part carries
-exactly the next ``seq`` of its key, at byte 0, of a supported dtype, with ``chunk_bytes``
-equal to what the shape and dtype give, of a size an array may have and this machine could
-hold; every next part continues the same message where the previous one ended, with the same
-header, ``PART_BYTES`` long or the rest. Anything else is a :class:`~burncoll.ProtocolError`
-(the sender's fault: the reader names it and fails the session). Only then is the message's
-buffer allocated, once, and each part copied into it.
-
-**Messages no recv has taken yet are bounded**: each counts (one item, its bytes) against the
-data service's :class:`~burncoll.node.held.HeldBudget`, shared with the mailbox. Past it, the
-reader that completed a held message stops reading, at a message boundary, until there is room
-or a recv takes that message (:meth:`Inbox.holds`); TCP's flow control then slows the sender.
-So a sender may block until its receiver receives, as in MPI; while a reader waits, nothing
-else of that node is read either (collectives included).
-
-A recv (:meth:`Inbox.take`) gets its key's messages in order; several receives of one key
-waiting at once get the messages in the order they started waiting. Every wait has a deadline;
-a failure wakes every waiter with the session's error.
+A message arrives as DATA frames of op kind :attr:`~burncoll.ops.OpKind.P2P`, outside the
+collectives' mailbox. Its header says: ``seq`` -- the message's number per key ``(src rank, dst
+rank, tag)``, from 0; ``root`` -- the dst rank; ``chunk`` -- the src rank; ``channel`` -- the
+tag; ``round`` 0; dtype, shape, the part's ``offset`` and the message's size ``chunk_bytes``.
+Parts of at most :data:`~burncoll.node.mailbox.PART_BYTES` come in order, one message at a
+time per connection. :meth:`Inbox.put` checks every frame before anything is allocated (a
+:class:`~burncoll.ProtocolError` names the sender otherwise); held messages count against the
+data service's :class:`~burncoll.node.held.HeldBudget` (:meth:`Inbox.holds`). A recv
+(:meth:`Inbox.take`) gets its key's messages in order, waiters in the order they started.
 """
 
 from __future__ import annotations

@@ -33,16 +33,13 @@ class Inbox(Protocol):
 
     def offer_place(self, key: FrameKey, offset: int, place: Place) -> None:
         """The part ``(key, offset)`` may be received straight into ``place``."""
-        ...
 
     def withdraw_place(self, key: FrameKey, offset: int) -> None:
         """Withdraw the memory offered for ``(key, offset)`` if it was not used."""
-        ...
 
     async def get(self, key: FrameKey, deadline: float,
                   on_timeout: Callable[[], BaseException]) -> Frame:
         """The next frame for ``key``; raises the session's failure, or ``on_timeout()``."""
-        ...
 
 
 class Ports(Protocol):
@@ -65,8 +62,6 @@ class Ports(Protocol):
 
     async def send(self, node: int, parts: Sequence[Buffer]) -> None:
         """Send one frame to ``node``; a broken connection fails the session."""
-        ...
 
     def fail(self, error: BaseException) -> None:
         """End the session on every node with ``error``."""
-        ...

@@ -79,6 +79,12 @@ def _one(tensors: list[T], label: str) -> T:
     return tensors[0]
 
 
+def _one_array(tensors: list[torch.Tensor], label: str) -> tuple[torch.Tensor, Any]:
+    """The one tensor of ``tensors`` and its array view (:func:`as_array`)."""
+    t = _one(tensors, label)
+    return t, as_array(t, label)
+
+
 class BurncollProcessGroup(dist.ProcessGroup):
     """A ``torch.distributed.ProcessGroup`` whose collectives run on a burncoll
     :class:`~burncoll.Communicator` (one per device type: ``"cpu"``, and ``"cuda"`` where
@@ -131,15 +137,13 @@ class BurncollProcessGroup(dist.ProcessGroup):
     # -- collectives ------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:  # type: ignore[override]
         op = _reduce_op((opts or dist.AllreduceOptions()).reduceOp, "all_reduce")
-        t = _one(tensors, "all_reduce")
-        a = as_array(t, "all_reduce")
+        t, a = _one_array(tensors, "all_reduce")
         return self._issue(opts, "all_reduce", [t], lambda c, s: c.all_reduce(
             a, op, out=a, async_op=s))
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:  # type: ignore[override]
         root = (opts or dist.BroadcastOptions()).rootRank
-        t = _one(tensors, "broadcast")
-        a = as_array(t, "broadcast")
+        t, a = _one_array(tensors, "broadcast")
         if root == self._rank:
             return self._issue(opts, "broadcast", [t], lambda c, s: c.broadcast(
                 a, root, async_op=s))
@@ -149,8 +153,7 @@ class BurncollProcessGroup(dist.ProcessGroup):
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:  # type: ignore[override]
         opts = opts or dist.ReduceOptions()
         op, root = _reduce_op(opts.reduceOp, "reduce"), opts.rootRank
-        t = _one(tensors, "reduce")
-        a = as_array(t, "reduce")
+        t, a = _one_array(tensors, "reduce")
         return self._issue(opts, "reduce", [t], lambda c, s: c.reduce(
             a, root, op, out=a if root == self._rank else None, async_op=s))
 
@@ -175,9 +178,7 @@ class BurncollProcessGroup(dist.ProcessGroup):
                        input_tensors: list[list[torch.Tensor]], opts: Any = None) -> TorchWork:
         op = _reduce_op((opts or dist.ReduceScatterOptions()).reduceOp, "reduce_scatter")
         out, ins = _one(output_tensors, "reduce_scatter"), _one(input_tensors, "reduce_scatter")
-        self._check_count(ins, "reduce_scatter")
-        whole = np.concatenate([flat(x, "reduce_scatter") for x in ins])
-        counts = [x.numel() for x in ins]
+        whole, counts = self._joined(ins, "reduce_scatter")
         target = flat(out, "reduce_scatter")
         return self._issue(opts, "reduce_scatter", [out], lambda c, s: c.reduce_scatter(
             whole, op, counts, out=target, async_op=s))
@@ -208,10 +209,8 @@ class BurncollProcessGroup(dist.ProcessGroup):
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> TorchWork:
-        self._check_count(input_tensors, "all_to_all")
         self._check_count(output_tensors, "all_to_all")
-        whole = np.concatenate([flat(x, "all_to_all") for x in input_tensors])
-        counts = [x.numel() for x in input_tensors]
+        whole, counts = self._joined(input_tensors, "all_to_all")
         return self._issue(opts, "all_to_all", output_tensors, lambda c, s: c.all_to_all(
             whole, counts, async_op=s),
             lambda got: split_into(got, output_tensors, "all_to_all"))
@@ -237,9 +236,7 @@ class BurncollProcessGroup(dist.ProcessGroup):
             return self._issue(opts, "scatter", [out], lambda c, s: c.scatter(
                 None, root, out=target, async_op=s))
         ins = _one(input_tensors, "scatter")
-        self._check_count(ins, "scatter")
-        whole = np.concatenate([flat(x, "scatter") for x in ins])
-        counts = [x.numel() for x in ins]
+        whole, counts = self._joined(ins, "scatter")
         return self._issue(opts, "scatter", [out], lambda c, s: c.scatter(
             whole, root, counts, out=target, async_op=s))
 
@@ -247,13 +244,11 @@ class BurncollProcessGroup(dist.ProcessGroup):
         return self._issue(opts, "barrier", [], lambda c, s: c.barrier(async_op=s))
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> TorchWork:
-        t = _one(tensors, "send")
-        a = as_array(t, "send")
+        t, a = _one_array(tensors, "send")
         return self._issue(None, "send", [t], lambda c, s: c.isend(a, dst, tag))
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> TorchWork:
-        t = _one(tensors, "recv")
-        a = as_array(t, "recv")
+        t, a = _one_array(tensors, "recv")
         return self._issue(None, "recv", [t], lambda c, s: c.irecv(src, tag, out=a))
 
     # -- life -------------------------------------------------------------------------------
@@ -270,6 +265,11 @@ class BurncollProcessGroup(dist.ProcessGroup):
         if len(tensors) != self.size():
             raise UsageError(f"{label}: expected a list of {self.size()} tensors (one per "
                              f"rank of the group), got {len(tensors)}")
+
+    def _joined(self, tensors: list[torch.Tensor], label: str) -> tuple[np.ndarray, list[int]]:
+        """One tensor per rank, checked, as one flat array and the ranks' element counts."""
+        self._check_count(tensors, label)
+        return np.concatenate([flat(x, label) for x in tensors]), [x.numel() for x in tensors]
 
     def _check_numel(self, whole: torch.Tensor, part: torch.Tensor, label: str) -> None:
         if whole.numel() != part.numel() * self.size():

@@ -1,23 +1,13 @@
 """The burncoll session behind one torch process group, met through torch's store.
 
-torch calls a backend's creator with a ``store`` every rank of the group shares (whatever the
-``init_method``: ``env://``, ``tcp://``, ``file://`` or an explicit store) and the group's
-rank, size and timeout. :func:`open_session` turns that into a burncoll collective of one node
-per rank and one peer per node (peer id = rank):
-
-1. every rank counts itself in at the store (``add``), which numbers the sessions a store has
-   seen, so a process group created again on the same store never reads an old address;
-2. rank 0 starts an orchestrator on a free port of its own address (``node_address`` from the
-   ``BURNCOLL_*`` variables; loopback for a job on one host; else the address toward the
-   TCPStore's or ``MASTER_ADDR``'s host) and writes ``ok <nonce> <host:port>`` to the
-   store, or ``error <why>`` when it cannot, so the others fail at once rather than wait out
-   the timeout;
-3. every rank registers with ``num_nodes=size``, ``node_rank=rank``, that address, the group's
-   timeout as ``timeout``, and the rest of the config from the ``BURNCOLL_*`` variables
-   (transport, token, TLS, compression).
-
-Each process group (the default group, every ``new_group``) is a session of its own, with its
-own orchestrator on its rank 0, closed when the group's communicator finishes.
+:func:`open_session` turns the ``store`` torch hands a backend (whatever the ``init_method``)
+into a burncoll collective of one node per rank and one peer per node (peer id = rank), as
+docs/pytorch.md ("Rendezvous through torch's store", "Where rank 0 listens") describes: every
+rank counts itself in at the store (``add``, which numbers the sessions a store has seen, so a
+group created again never reads an old address); rank 0 starts an orchestrator and writes
+``ok <nonce> <host:port>``, or ``error <why>`` so the others fail at once; every rank then
+registers with the group's timeout and the rest of the config from the ``BURNCOLL_*``
+variables. Each process group is a session of its own.
 """
 
 from __future__ import annotations

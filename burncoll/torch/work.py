@@ -1,21 +1,10 @@
-"""What :mod:`burncoll.torch` hands torch: tensors as arrays without a copy, a
-``torch.distributed`` ``Work`` around a :class:`burncoll.Work`, and burncoll's errors as
-torch's distributed errors.
-
-* :func:`as_array` checks what torch.distributed requires (contiguous tensors) and takes the
-  torch backend's view (:func:`burncoll.backends.torch.as_array`): a CPU tensor is a NumPy view of
-  its memory (``bfloat16`` through ``ml_dtypes``), a CUDA tensor a CuPy view (DLPack). Results
-  are written into the caller's tensors through these views.
-* :class:`TorchWork` completes its ``torch.futures.Future`` with the operation's tensors (the
-  list torch's Gloo backend completes it with), after any copy into the caller's tensors, so
-  DDP's communication hooks can chain on it (``get_future().then(...)``).
-* :func:`torch_error`: a :class:`~burncoll.CollectiveTimeout`, :class:`~burncoll.PeerLost`,
-  :class:`~burncoll.MismatchError` or :class:`~burncoll.CollectiveAborted` becomes
-  ``torch.distributed.DistBackendError``, a :class:`~burncoll.TransportError`
-  ``torch.distributed.DistNetworkError``; burncoll's message (which names the peers) is kept
-  and the original is the ``__cause__``. :class:`~burncoll.UsageError` and
-  :class:`~burncoll.ConfigError` (``ValueError`` s: the caller's mistake on this rank) pass
-  unchanged.
+"""What :mod:`burncoll.torch` hands torch: tensors as arrays without a copy (:func:`as_array`,
+the torch backend's view: NumPy for CPU, CuPy through DLPack for CUDA), a
+``torch.distributed`` ``Work`` around a :class:`burncoll.Work` (:class:`TorchWork`, whose
+future completes with the operation's tensors, as Gloo's, so DDP's communication hooks can
+chain on it), and burncoll's errors as torch's distributed errors (:func:`torch_error`; the
+table is in docs/pytorch.md: the message is kept, the original is the ``__cause__``, and
+:class:`~burncoll.UsageError` / :class:`~burncoll.ConfigError` pass unchanged).
 """
 
 from __future__ import annotations

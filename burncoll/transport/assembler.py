@@ -38,9 +38,8 @@ class MessageAssembler:
       word.
     """
 
-    def __init__(
-        self, max_message_bytes: int, preamble: bytes = b"", *, preauth_bytes: int | None = None
-    ) -> None:
+    def __init__(self, max_message_bytes: int, preamble: bytes = b"", *,
+                 preauth_bytes: int | None = None) -> None:
         self.max_message_bytes = max_message_bytes
         self._preamble = preamble
         self._head = bytearray()  # preamble or length bytes collected so far

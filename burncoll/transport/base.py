@@ -150,11 +150,9 @@ class FastPath(Protocol):
 
     def place_with(self, placer: Placer) -> None:
         """Let ``placer`` choose where each large incoming payload is received."""
-        ...
 
     def stop_placing(self) -> None:
         """Undo :meth:`place_with`, and write nothing more into memory the placer chose."""
-        ...
 
 
 #: Called once per accepted connection; the connection is closed when it returns.

@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 from burncoll.errors import ConfigError, TransportError
 from burncoll.protocol.wire import DEFAULT_MAX_MESSAGE_BYTES
 from burncoll.transport.admission import Admission
-from burncoll.transport.base import PREAUTH_SECONDS, Handler, TlsSettings, Transport
+from burncoll.transport.base import PREAUTH_SECONDS, Handler, TlsSettings, Transport, format_address
 from burncoll.transport.quic_connection import PREAMBLE, QuicProtocol, QuicStreamConnection
 from burncoll.transport.quic_credit import PREAUTH_WINDOW, GatedConnection
 from burncoll.transport.quic_server import (
@@ -157,7 +157,7 @@ class QuicTransport(Transport):
         return listener
 
     async def connect(self, host: str, port: int) -> QuicStreamConnection:
-        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        where = format_address((host, port))
         configuration = self._configuration(is_client=True)
         configuration.server_name = host
         configure_quic_client(configuration, self.tls)

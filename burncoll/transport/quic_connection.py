@@ -28,7 +28,7 @@ from burncoll.errors import ProtocolError, TransportError
 from burncoll.protocol.wire import LENGTH_PREFIX_BYTES
 from burncoll.transport.admission import Ticket
 from burncoll.transport.assembler import MessageAssembler, MessageTooBig
-from burncoll.transport.base import PREAUTH_BYTES, Buffer, Connection
+from burncoll.transport.base import PREAUTH_BYTES, Buffer, Connection, format_address
 from burncoll.transport.quic_credit import GatedConnection, working_window
 
 __all__ = ["PREAMBLE", "QuicProtocol", "QuicStreamConnection"]
@@ -335,11 +335,8 @@ class QuicProtocol(QuicConnectionProtocol):
             self._keepalive_timer = self._loop.call_later(self._keepalive, self._ping)
 
     def _remote(self) -> str:
-        address = self._quic.get_peer_address()
-        if address is None:
-            return "?"
-        host = str(address[0]).removeprefix("::ffff:")
-        return f"[{host}]:{address[1]}" if ":" in host else f"{host}:{address[1]}"
+        address = self._quic.get_peer_address()  # (None: "?")
+        return format_address(address and (str(address[0]).removeprefix("::ffff:"), address[1]))
 
     def transmit(self) -> None:
         # A closed listener socket must not be written to by connections still closing.

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from burncoll.errors import ProtocolError, TransportError
 from burncoll.protocol.wire import DEFAULT_MAX_MESSAGE_BYTES, LENGTH_PREFIX_BYTES
 from burncoll.transport.admission import Admission, stranger_log
-from burncoll.transport.base import Handler, Transport
+from burncoll.transport.base import Handler, Transport, format_address
 from burncoll.transport.stream import StreamProtocol
 from burncoll.transport.stream_connection import StreamConnection
 from burncoll.transport.stream_listener import StreamListener, listen_stream
@@ -147,7 +147,7 @@ class TcpTransport(Transport):
         return listener
 
     async def connect(self, host: str, port: int) -> StreamConnection:
-        netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        netloc = format_address((host, port))
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):

@@ -1,49 +1,13 @@
 """WebSocket transport (RFC 6455): the ``websockets`` library's handshake, burncoll's framing.
 
-One burncoll message is one binary WebSocket message. The opening handshake is the
-``websockets`` library's (its sans-I/O :class:`~websockets.server.ServerProtocol` and
-:class:`~websockets.client.ClientProtocol` parse, validate and answer the HTTP Upgrade,
-refusals included); the frames after it are read and written by
-:class:`~burncoll.transport.ws_protocol.WebSocketProtocol` on burncoll's zero-copy stream core
-(:mod:`burncoll.transport.stream`; the framing rules, sans I/O, in
-:mod:`burncoll.transport.ws_frames`), because the library's own connection copies every
-message several times and reaches a third of what the socket carries for array-sized messages
-(``benchmarks/transport_throughput.py``).
-
-The framing follows RFC 6455 section 5:
-
-* One message is sent as one binary frame (FIN set, 16- or 64-bit length). Fragmented messages,
-  as other clients send them, are received and joined; text messages are refused (1003).
-* **Masking** (section 5.3): a client masks every frame with a fresh random key, as required;
-  a server never does. burncoll's nodes send array data as the *server* of the connection (the
-  receiving node dials the sending one: :mod:`burncoll.node.data_service`), so array bytes
-  travel unmasked and the socket reads them straight into their buffer.
-* Control frames: a ping is answered with a pong; a close frame is answered with a close and
-  ends the connection; ``close`` sends one (1000) first.
-* ``max_message_bytes``: a larger incoming message is refused with close code 1009
-  (section 7.4.1); the receiver raises :class:`~burncoll.ProtocolError`, the sender's next
-  ``recv`` a :class:`~burncoll.TransportError`. Reserved bits (no extension is negotiated),
-  unknown opcodes, and a wrong masking direction close with 1002.
-* No compression (permessage-deflate costs far more CPU than array bytes save) and no
-  keepalive pings: liveness is the collective's business (every operation has a deadline,
-  and a dead peer's kernel resets the TCP connection).
-* ``wss``: the same over TLS (:mod:`burncoll.transport.tls`), used whenever the TLS settings
-  ask for it (``TlsSettings.wanted``: certificate paths, or ``ephemeral=True`` for an ephemeral
-  self-signed certificate that clients do not verify; the token authentication, bound to the
-  certificate by :meth:`~burncoll.transport.base.Connection.channel_binding`, then
-  authenticates both ends).
-* Before authentication (:meth:`~burncoll.transport.base.Connection.authenticated`): the
-  pre-authentication byte budget of :mod:`burncoll.transport.stream` covers the opening handshake
-  and every frame (an HTTP head that does not end within it is refused), and a message may come
-  in at most :data:`~burncoll.transport.ws_protocol.PREAUTH_FRAGMENTS` frames.
-
-A stranger that fails the opening handshake gets the library's HTTP refusal (400/426) and is
-dropped with a WARNING naming its address (bounded:
-:class:`~burncoll.transport.admission.BoundedLog`); one that says nothing is dropped after
-``connect_timeout`` (sooner by its listener's :class:`~burncoll.transport.admission.Admission`
-deadline). Over wss a connection is admitted when it is accepted, before its TLS handshake
-(:class:`~burncoll.transport.stream_listener.TlsGate`): the admission's caps and deadline
-cover the handshake, which must also end within ``connect_timeout``.
+One burncoll message is one binary WebSocket message. The library's sans-I/O
+:class:`~websockets.server.ServerProtocol` and :class:`~websockets.client.ClientProtocol`
+answer the HTTP Upgrade (refusals included); the frames after it are read and written by
+:class:`~burncoll.transport.ws_protocol.WebSocketProtocol` on the zero-copy stream core
+(:mod:`burncoll.transport.stream`; framing rules in :mod:`burncoll.transport.ws_frames`).
+Array bytes travel from the server side, unmasked (the receiving node dials the sending one);
+``wss`` is the same over :mod:`burncoll.transport.tls`. The rules, close codes and limits are in
+docs/multi-node.md ("Transports") and docs/security.md.
 """
 
 from __future__ import annotations
@@ -56,7 +20,7 @@ from typing import Any
 from burncoll.errors import TransportError
 from burncoll.protocol.wire import DEFAULT_MAX_MESSAGE_BYTES
 from burncoll.transport.admission import Admission
-from burncoll.transport.base import Handler, TlsSettings, Transport
+from burncoll.transport.base import Handler, TlsSettings, Transport, format_address
 from burncoll.transport.stream_connection import StreamConnection
 from burncoll.transport.stream_listener import StreamListener, listen_stream
 from burncoll.transport.tls import client_ssl_context, listener_binding, server_ssl_context
@@ -93,15 +57,10 @@ class WebSocketTransport(Transport):
 
     name = "websocket"
 
-    def __init__(
-        self,
-        *,
-        tls: TlsSettings | None = None,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        connect_timeout: float = 10.0,
-        close_timeout: float = 2.0,
-        admission: Callable[[], Admission] | None = None,
-    ) -> None:
+    def __init__(self, *, tls: TlsSettings | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, connect_timeout: float = 10.0,
+                 close_timeout: float = 2.0, admission: Callable[[], Admission] | None = None
+                 ) -> None:
         #: The TLS settings when ``wss`` is used, else ``None``.
         self.tls = tls if tls is not None and tls.wanted else None
         self.admission = admission or Admission
@@ -132,7 +91,7 @@ class WebSocketTransport(Transport):
 
     async def connect(self, host: str, port: int) -> WebSocketConnection:
         scheme = "ws" if self.tls is None else "wss"
-        netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        netloc = format_address((host, port))
         extra: dict[str, Any] = {}
         if self.tls is not None:
             if self._client_ssl is None:
