@@ -24,6 +24,7 @@ member connections (:mod:`burncoll.node.exchange`) -- and ask the core what they
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,6 +36,8 @@ from burncoll.levels import GlobalOp, HostArray
 from burncoll.ops import ReduceOp
 from burncoll.protocol.checks import Check, order_mismatch, protocol_error
 from burncoll.protocol.wire import (
+    SRC_AT,
+    SRC_END,
     DataHeader,
     decode_data_head,
     encode_data_header,
@@ -59,6 +62,8 @@ class ExchangeCore:
         self.me, self.nodes, self.session, self.channel = me, nodes, session, channel
         self.describe = describe
         self.others = tuple(n for n in range(nodes) if n != me)
+        #: Each node's sender field, as its header carries it.
+        self._srcs = {n: struct.pack("<i", n) for n in range(nodes)}
         self.dtype: np.dtype[Any] = dtype_from_name(op.dtype or "uint8")
         self._template = self.round_header(op, 0, nbytes)
         #: This node's header length, and the length of every node's whole message.
@@ -98,8 +103,10 @@ class ExchangeCore:
         ``check`` is this node's call's (:func:`~burncoll.protocol.checks.header_check`)."""
         mine = self.header(op.seq) if mine is None else mine
         view = memoryview(data)
-        expected = restamped(mine, op.seq, node)
-        if len(view) == self.expected_bytes and view[:len(expected)] == expected:
+        # (``mine`` but for the sender, compared around it: no header is built per node)
+        if (len(view) == self.expected_bytes and view[:SRC_AT] == mine[:SRC_AT]
+                and view[SRC_AT:SRC_END] == self._srcs.get(node, b"")
+                and view[SRC_END:len(mine)] == mine[SRC_END:]):
             return None
         return self.wrong(op, check, node, view, mine, where)
 
