@@ -54,7 +54,7 @@ class LaneExchange:
     """The exchange of one node on its lanes; ``call`` is the link's way onto the loop."""
 
     def __init__(self, service: DataService, executor: GlobalExecutor, call: Call,
-                 fail_soon: Callable[[BaseException], object]) -> None:
+                 fail_soon: Callable[[BaseException], object], cores: ExchangeCores) -> None:
         self.service = service
         self.executor = executor
         self.call = call
@@ -64,8 +64,8 @@ class LaneExchange:
         #: Shared mail among node processes of one host, set up at join with their host
         #: memory (:mod:`burncoll.node.shared_mail`), for the routes that take it.
         self.mail: Mail | None = None
-        #: The exchange's protocol, by operation signature.
-        self.cores = ExchangeCores(executor)
+        #: The exchange's protocol, by operation signature (the link's one cache).
+        self.cores = cores
         #: This node and the others (the session's table does not change).
         self._me = service.node_index
         self._others = tuple(n.index for n in service.nodes if n.index != self._me)
