@@ -41,7 +41,7 @@ import mmap
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -148,6 +148,17 @@ class SharedMail:
     def posted(self, node: int, k: int) -> bool:
         """Whether ``node`` posted its message number ``k``."""
         return int(self._counters[node][0]) >= k
+
+    def missing(self, nodes: Iterable[int], k: int) -> list[int]:
+        """Those of ``nodes`` that have not posted their message number ``k``."""
+        counters = self._counters
+        return [n for n in nodes if int(counters[n][0]) < k]
+
+    def read_all(self, nodes: Iterable[int], k: int, size: int) -> dict[int, memoryview]:
+        """:meth:`read` of every node of ``nodes``, by node."""
+        at = self._slots[k & 1]
+        end, maps = at + min(size, SLOT_BYTES), self._maps
+        return {n: memoryview(maps[n])[at:end] for n in nodes}
 
     def read(self, node: int, k: int, size: int) -> memoryview:
         """The first ``size`` bytes of ``node``'s message number ``k``: a view of its slot,
