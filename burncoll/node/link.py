@@ -245,8 +245,8 @@ class NodeLink:
             self._executor, core, op, buf, out)))
 
     def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0,
-                   out: HostArray | None = None, *, route: Route) -> None:
-        if out is not None:
+                   out: HostArray | None = None, *, route: Route, fresh: bool = False) -> None:
+        if out is not None and not fresh:
             require_separate_out(buf, out)
         match route:
             case Exchange(medium=medium):
