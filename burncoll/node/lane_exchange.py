@@ -85,7 +85,7 @@ class LaneExchange:
         """The exchange of ``buf`` into ``out`` (separate arrays) inside :meth:`run`."""
         core = self.cores.of(op, buf.nbytes)
         received = self.trade(op, check, core.header(op.seq), payload_bytes(buf), mail, core)
-        core.reduce(op, buf, core.payloads(received), out)
+        core.reduce_messages(op, buf, received, out)
 
     def run(self, op: GlobalOp, nbytes: int, body: Callable[[Check], T]) -> T:
         """Run ``body`` -- operation ``op``'s rounds on the lanes (:meth:`trade`) -- with the
