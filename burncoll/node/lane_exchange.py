@@ -27,7 +27,7 @@ from burncoll.node.exchange import ExchangeCores
 from burncoll.node.lanes import LaneClosed, LaneOdd, LaneTimeout, LaneWoken, Mail
 from burncoll.node.receives import Receives
 from burncoll.node.spinning import usable_cpus
-from burncoll.protocol.checks import Check, order_mismatch
+from burncoll.protocol.checks import Check, header_check, order_mismatch
 from burncoll.protocol.exchange import ExchangeCore, payload_bytes
 from burncoll.protocol.wire import FIXED_HEADER_BYTES, MAX_NDIM, decode_data_head
 from burncoll.transport.base import Buffer
@@ -93,7 +93,7 @@ class LaneExchange:
         there, so that a frame of ``op`` arriving on a member connection (another node's
         different call) is checked against it and reported."""
         service, mailbox = self.service, self.service.mailbox
-        check = self.executor.checker(op)
+        check = header_check(op, self._me, self.executor.describe)  # (executor.checker's)
         seq = op.seq  # what exchange_receives says, from the nodes kept
         receives = Receives(seq, 0, {(seq, 0, 0, n, 0): nbytes for n in self._others},
                             part_bytes=max(nbytes, 1))

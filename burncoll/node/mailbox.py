@@ -174,7 +174,8 @@ class Mailbox:
         if lane in self._started:  # pragma: no cover - one expect per lane
             return
         self._started[lane] = receives
-        self._release(lane)
+        if self._held:
+            self._release(lane)
         keys = [k for k in self._frames if (k[0], k[1]) == lane] if self._frames else ()
         for key in keys:  # held frames were only checked for order: check them in full now
             self._streams.pop(key, None)
