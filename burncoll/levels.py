@@ -134,7 +134,7 @@ class GlobalLink(Protocol):
     failure_reported: bool
 
     def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0,
-                   out: HostArray | None = None, *, route: Route) -> None:
+                   out: HostArray | None = None, *, route: Route, fresh: bool = False) -> None:
         """Reduce the flat ``buf`` over all nodes, bitwise identical everywhere.
 
         ``route``: the one-round :class:`Exchange` on its medium (every node sends ``buf`` to
@@ -145,7 +145,8 @@ class GlobalLink(Protocol):
         In place by default. With ``out`` (same dtype and size as ``buf``, C-contiguous,
         writable, not overlapping it) ``buf`` is only read -- it may be read-only, e.g. the
         caller's own input -- and the result is written to ``out``: no copy of the input is
-        needed to keep it intact.
+        needed to keep it intact. ``fresh``: ``out`` is a new array made for this call like
+        ``buf`` (the pool's ``fresh``), so it is not checked.
         """
         ...
 

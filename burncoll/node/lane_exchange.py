@@ -27,7 +27,7 @@ from burncoll.node.exchange import ExchangeCores
 from burncoll.node.lanes import LaneClosed, LaneOdd, LaneTimeout, LaneWoken, Mail
 from burncoll.node.receives import Receives
 from burncoll.node.spinning import usable_cpus
-from burncoll.protocol.checks import Check, order_mismatch
+from burncoll.protocol.checks import Check, header_check, order_mismatch
 from burncoll.protocol.exchange import ExchangeCore, payload_bytes
 from burncoll.protocol.wire import FIXED_HEADER_BYTES, MAX_NDIM, decode_data_head
 from burncoll.transport.base import Buffer
@@ -54,7 +54,7 @@ class LaneExchange:
     """The exchange of one node on its lanes; ``call`` is the link's way onto the loop."""
 
     def __init__(self, service: DataService, executor: GlobalExecutor, call: Call,
-                 fail_soon: Callable[[BaseException], object]) -> None:
+                 fail_soon: Callable[[BaseException], object], cores: ExchangeCores) -> None:
         self.service = service
         self.executor = executor
         self.call = call
@@ -64,8 +64,8 @@ class LaneExchange:
         #: Shared mail among node processes of one host, set up at join with their host
         #: memory (:mod:`burncoll.node.shared_mail`), for the routes that take it.
         self.mail: Mail | None = None
-        #: The exchange's protocol, by operation signature.
-        self.cores = ExchangeCores(executor)
+        #: The exchange's protocol, by operation signature (the link's one cache).
+        self.cores = cores
         #: This node and the others (the session's table does not change).
         self._me = service.node_index
         self._others = tuple(n.index for n in service.nodes if n.index != self._me)
@@ -85,7 +85,7 @@ class LaneExchange:
         """The exchange of ``buf`` into ``out`` (separate arrays) inside :meth:`run`."""
         core = self.cores.of(op, buf.nbytes)
         received = self.trade(op, check, core.header(op.seq), payload_bytes(buf), mail, core)
-        core.reduce(op, buf, core.payloads(received), out)
+        core.reduce_messages(op, buf, received, out)
 
     def run(self, op: GlobalOp, nbytes: int, body: Callable[[Check], T]) -> T:
         """Run ``body`` -- operation ``op``'s rounds on the lanes (:meth:`trade`) -- with the
@@ -93,7 +93,7 @@ class LaneExchange:
         there, so that a frame of ``op`` arriving on a member connection (another node's
         different call) is checked against it and reported."""
         service, mailbox = self.service, self.service.mailbox
-        check = self.executor.checker(op)
+        check = header_check(op, self._me, self.executor.describe)  # (executor.checker's)
         seq = op.seq  # what exchange_receives says, from the nodes kept
         receives = Receives(seq, 0, {(seq, 0, 0, n, 0): nbytes for n in self._others},
                             part_bytes=max(nbytes, 1))

@@ -56,7 +56,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, TypeVar
 
 from burncoll.node.spinning import Spinning, Yielding
@@ -86,6 +86,10 @@ class Mail(Protocol):
     def post(self, parts: Sequence[Buffer]) -> int: ...
 
     def posted(self, node: int, k: int) -> bool: ...
+
+    def missing(self, nodes: Iterable[int], k: int) -> list[int]: ...
+
+    def read_all(self, nodes: Iterable[int], k: int, size: int) -> dict[int, memoryview]: ...
 
     def read(self, node: int, k: int, size: int) -> memoryview: ...
 
@@ -271,7 +275,7 @@ class Lanes:
         awaited posts (woken by it; :data:`MAIL_NAP` at most); every 16 looks and before every
         sleep, at the deadline, the wake-up pipe and the lanes too (:meth:`_watch`)."""
         k = mail.post(parts)
-        waiting = [n for n in self.socks if not mail.posted(n, k)]
+        waiting = mail.missing(self.socks, k)
         now = time.perf_counter()
         yield_until, looks = now + self.yielding.budget(), 0
         while waiting:
@@ -288,8 +292,8 @@ class Lanes:
                 mail.sleep(waiting[0], k, min(MAIL_NAP, max(deadline - time.monotonic(), 0)))
             if self._woken:
                 raise LaneWoken()
-            waiting = [n for n in waiting if not mail.posted(n, k)]
-        return {n: mail.read(n, k, expected) for n in self.socks}
+            waiting = mail.missing(waiting, k)
+        return mail.read_all(self.socks, k, expected)
 
     def _watch(self, waiting: list[int], deadline: float, mail: Mail, k: int) -> None:
         """Whether anything ends a wait for ``waiting``'s mail number ``k``: the deadline,

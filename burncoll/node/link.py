@@ -67,7 +67,7 @@ class NodeLink:
         self._service = service
         self._orch = orchestrator
         self._executor = GlobalExecutor(service)
-        #: The exchange's protocol on the member connections, by operation signature.
+        #: The exchange's protocol, by operation signature (on every medium).
         self._cores = ExchangeCores(self._executor)
         self.node_index = orchestrator.index
         self.nodes = orchestrator.nodes
@@ -87,7 +87,8 @@ class NodeLink:
         self._p2p = NodePointToPoint(io, service, self.peer_ids, self.node_of)
         #: The exchange on caller sockets, when every node offers them.
         self._lanes = LaneExchange(service, self._executor, self._call, lambda error: (
-            io.loop.call_soon_threadsafe(service.fail, error))) if service.uses_lanes else None
+            io.loop.call_soon_threadsafe(service.fail, error)), self._cores
+        ) if service.uses_lanes else None
         self.lanes = self._lanes is not None
         #: The host memory of one host's node processes, once set up at join (with it, the
         #: host mail where every processor allows it: ``self._lanes.mail``).
@@ -244,8 +245,8 @@ class NodeLink:
             self._executor, core, op, buf, out)))
 
     def all_reduce(self, op: GlobalOp, buf: HostArray, channel: int = 0,
-                   out: HostArray | None = None, *, route: Route) -> None:
-        if out is not None:
+                   out: HostArray | None = None, *, route: Route, fresh: bool = False) -> None:
+        if out is not None and not fresh:
             require_separate_out(buf, out)
         match route:
             case Exchange(medium=medium):

@@ -174,8 +174,9 @@ class Mailbox:
         if lane in self._started:  # pragma: no cover - one expect per lane
             return
         self._started[lane] = receives
-        self._release(lane)
-        keys = [k for k in self._frames if (k[0], k[1]) == lane]
+        if self._held:
+            self._release(lane)
+        keys = [k for k in self._frames if (k[0], k[1]) == lane] if self._frames else ()
         for key in keys:  # held frames were only checked for order: check them in full now
             self._streams.pop(key, None)
             for frame in self._frames[key]:
@@ -194,7 +195,7 @@ class Mailbox:
 
     def _forget_before(self, seq: int) -> None:
         """Every operation before ``seq`` is over here: drop what is left of it."""
-        for lane in [lane for lane in self._held if lane[0] < seq]:
+        for lane in [lane for lane in self._held if lane[0] < seq] if self._held else ():
             self._release(lane)
         tables: tuple[dict[Any, Any], ...] = (self._started, self._streams, self._frames)
         for table in tables:  # (the frames no lane took too)
@@ -216,18 +217,18 @@ class Mailbox:
         """Whether operation ``current`` is still running here."""
         return self._active.get(self.current, 0) > 0
 
-    @_locked
     def done(self, seq: int) -> None:
         """One channel of operation ``seq`` is over on this node (``expect`` was called once
         per channel; the operation is over when every channel is)."""
-        left = self._active.get(seq, 1) - 1
-        if left > 0:
-            self._active[seq] = left
-            return
-        self._active.pop(seq, None)
-        self._checks.pop(seq, None)
-        for stale in [k for k in self._places if k[0][0] <= seq]:
-            del self._places[stale]
+        with self._lock:  # (not ``_locked``: one call fewer on every operation's path)
+            left = self._active.get(seq, 1) - 1
+            if left > 0:
+                self._active[seq] = left
+                return
+            self._active.pop(seq, None)
+            self._checks.pop(seq, None)
+            for stale in [k for k in self._places if k[0][0] <= seq] if self._places else ():
+                del self._places[stale]
 
     def _check(self, frame: Frame) -> None:
         header = frame.header
@@ -309,16 +310,17 @@ class Mailbox:
             del self._frames[key]
         return frame
 
-    @_locked
     def expect_now(self, check: _Check, receives: Receives) -> bool:
         """:meth:`expect` from a calling thread, when that needs nothing of the event loop:
         no failure yet, and every frame held for the lane passes its checks (a failure to
         report is the loop's: it fails the session there, and the budget wakes a paused
         reader through its loop). ``False``, with nothing done, otherwise."""
-        if self._error is not None or not self._would_pass(check, receives):
-            return False
-        self._expect(check, receives)
-        return True
+        with self._lock:  # (not ``_locked``: one call fewer on every operation's path)
+            if self._error is not None or (self._frames and not self._would_pass(
+                    check, receives)):
+                return False
+            self._expect(check, receives)
+            return True
 
     def _would_pass(self, check: _Check, receives: Receives) -> bool:
         """Whether :meth:`expect` would find every frame held for the lane right (keep it

@@ -8,7 +8,8 @@ node writes its message (the exchange's header and payload, exactly what it woul
 its own segment and then raises a counter there; the others, polling the counters, read it.
 
 **Layout** (at the start of every node's segment): a counter (the number of messages the
-node has posted this session, a 64-bit word on a cache line of its own), then two slots of
+node has posted this session, a 64-bit word on a cache line of its own; the next word of the
+line says which node's counter this node sleeps on, see below), then two slots of
 :data:`SLOT_BYTES`. Message ``k`` goes into slot ``k % 2``. A node posts message ``k + 1``
 only after it has read every other node's message ``k``, and every node read message
 ``k - 1`` (the slot's last content) before it posted ``k``: a slot is never written while a
@@ -21,9 +22,16 @@ cannot issue: there :data:`ORDERED_STORES` is false and the exchange stays on th
 
 **Waiting** (:meth:`burncoll.node.lanes.Lanes.exchange`): a reader looks at the counters,
 giving its CPU away between looks for a while (the nodes it waits for may need it), then
-sleeps on the first awaited node's counter (:class:`Futex`): every post wakes whoever sleeps
-on the poster's counter. Linux's futex compares the counter and sleeps in one step, so a post
-between the reader's look and its sleep is never missed.
+sleeps on the first awaited node's counter (:class:`Futex`). Linux's futex compares the
+counter and sleeps in one step, so a post between the reader's look and its sleep is never
+missed. A post wakes only where a sleeper is (the system call costs the poster microseconds,
+and a woken process takes its CPU): a reader first writes, in its own counter line, the node
+it sleeps on (its index + 1, 0 when awake), then sleeps (the kernel's futex orders that store
+before it compares the counter); a poster raises its counter, passes a full barrier (a locked
+instruction: an uncontended lock's acquire), then reads the other nodes' words and wakes its
+counter's sleepers if one names it. Of a reader that sleeps and a poster that skips the wake,
+one of the two would have seen the other's store (the two stores precede the two loads), so no
+wake-up is lost; a word a node leaves set costs only a wake.
 
 **Trust.** What a node reads is checked as a socket's message is (the header byte for byte,
 :meth:`burncoll.node.lane_exchange.LaneExchange.trade`), and only as many bytes as this
@@ -40,8 +48,9 @@ import errno
 import mmap
 import platform
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -113,10 +122,14 @@ class SharedMail:
     def __init__(self, maps: dict[int, mmap.mmap], me: int, at: int) -> None:
         self._maps = maps
         self._me = me
-        self._counters = {n: np.frombuffer(m, np.uint64, 1, at) for n, m in maps.items()}
+        #: Every node's counter and the word that says whom it sleeps on (see the module).
+        self._counters = {n: np.frombuffer(m, np.uint64, 2, at) for n, m in maps.items()}
         #: Every counter's address in this process (its low 32 bits are the futex word).
         self._addresses = {n: int(c.ctypes.data) for n, c in self._counters.items()}
         self._futex = Futex()
+        self._others = tuple(c for n, c in self._counters.items() if n != me)
+        #: Acquired and released after a post: its locked instruction is the barrier.
+        self._barrier = threading.Lock()
         self._slots = (at + _LINE, at + _LINE + SLOT_BYTES)
         #: Messages this node has posted (all of them read by every other node but the last).
         self.posted_count = 0
@@ -134,7 +147,13 @@ class SharedMail:
             mine[at:at + size] = part
             at += size
         self._counters[self._me][0] = k  # (after the message: x86-64 keeps stores in order)
-        self._futex.wake(self._addresses[self._me])
+        with self._barrier:  # (the counter is out before the sleepers' words are read)
+            pass
+        named = self._me + 1
+        for line in self._others:
+            if line[1] == named:
+                self._futex.wake(self._addresses[self._me])
+                break
         self.posted_count = k
         return k
 
@@ -143,11 +162,27 @@ class SharedMail:
         ``seconds`` at most."""
         seen = int(self._counters[node][0])
         if seen < k:
-            self._futex.wait(self._addresses[node], seen & 0xFFFFFFFF, seconds)
+            mine = self._counters[self._me]
+            mine[1] = node + 1  # (before the kernel compares the counter: see the module)
+            try:
+                self._futex.wait(self._addresses[node], seen & 0xFFFFFFFF, seconds)
+            finally:
+                mine[1] = 0
 
     def posted(self, node: int, k: int) -> bool:
         """Whether ``node`` posted its message number ``k``."""
         return int(self._counters[node][0]) >= k
+
+    def missing(self, nodes: Iterable[int], k: int) -> list[int]:
+        """Those of ``nodes`` that have not posted their message number ``k``."""
+        counters = self._counters
+        return [n for n in nodes if int(counters[n][0]) < k]
+
+    def read_all(self, nodes: Iterable[int], k: int, size: int) -> dict[int, memoryview]:
+        """:meth:`read` of every node of ``nodes``, by node."""
+        at = self._slots[k & 1]
+        end, maps = at + min(size, SLOT_BYTES), self._maps
+        return {n: memoryview(maps[n])[at:end] for n in nodes}
 
     def read(self, node: int, k: int, size: int) -> memoryview:
         """The first ``size`` bytes of ``node``'s message number ``k``: a view of its slot,

@@ -13,7 +13,8 @@ signature on one node, built once and used by every operation of that signature:
   decoded header): ``None``, or the error naming the sender -- a mismatch for another call or
   another operation's number, a protocol error for another session, round, channel, chunk or
   size, or for bytes that are no frame;
-- :meth:`~ExchangeCore.reduce`: the node-order reduction of the payloads;
+- :meth:`~ExchangeCore.reduce` and :meth:`~ExchangeCore.reduce_messages`: the node-order
+  reduction of the payloads (or of the whole messages);
 - :meth:`~ExchangeCore.round_header`: the header of a round of the shared segments (empty or
   small messages that only say "done", checked the same way).
 
@@ -24,6 +25,7 @@ member connections (:mod:`burncoll.node.exchange`) -- and ask the core what they
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,6 +37,8 @@ from burncoll.levels import GlobalOp, HostArray
 from burncoll.ops import ReduceOp
 from burncoll.protocol.checks import Check, order_mismatch, protocol_error
 from burncoll.protocol.wire import (
+    SRC_AT,
+    SRC_END,
     DataHeader,
     decode_data_head,
     encode_data_header,
@@ -42,7 +46,7 @@ from burncoll.protocol.wire import (
 )
 from burncoll.reduction import reduce_into
 
-__all__ = ["ExchangeCore", "payload_bytes", "reduce_in_node_order"]
+__all__ = ["ExchangeCore", "payload_bytes"]
 
 _Bytes = bytes | bytearray | memoryview
 #: Where a message was read, in the words of errors (the driver's medium).
@@ -59,6 +63,8 @@ class ExchangeCore:
         self.me, self.nodes, self.session, self.channel = me, nodes, session, channel
         self.describe = describe
         self.others = tuple(n for n in range(nodes) if n != me)
+        #: Each node's sender field, as its header carries it.
+        self._srcs = {n: struct.pack("<i", n) for n in range(nodes)}
         self.dtype: np.dtype[Any] = dtype_from_name(op.dtype or "uint8")
         self._template = self.round_header(op, 0, nbytes)
         #: This node's header length, and the length of every node's whole message.
@@ -98,8 +104,10 @@ class ExchangeCore:
         ``check`` is this node's call's (:func:`~burncoll.protocol.checks.header_check`)."""
         mine = self.header(op.seq) if mine is None else mine
         view = memoryview(data)
-        expected = restamped(mine, op.seq, node)
-        if len(view) == self.expected_bytes and view[:len(expected)] == expected:
+        # (``mine`` but for the sender, compared around it: no header is built per node)
+        if (len(view) == self.expected_bytes and view[:SRC_AT] == mine[:SRC_AT]
+                and view[SRC_AT:SRC_END] == self._srcs.get(node, b"")
+                and view[SRC_END:len(mine)] == mine[SRC_END:]):
             return None
         return self.wrong(op, check, node, view, mine, where)
 
@@ -142,27 +150,25 @@ class ExchangeCore:
             return protocol_error(op, describe, h, "a buffer of the wrong size")
         return None
 
-    def payloads(self, received: Mapping[int, _Bytes]) -> dict[int, HostArray]:
-        """Every other node's array in its whole message (header, then payload)."""
-        return {node: np.frombuffer(data, self.dtype, offset=self.header_bytes)
-                for node, data in received.items()}
-
     def reduce(self, op: GlobalOp, buf: HostArray, received: Mapping[int, HostArray],
                out: HostArray) -> None:
         """``out = x0 op x1 op ...`` in node order, ``buf`` being this node's ``x`` and
-        ``received`` every other node's (:meth:`payloads`, or payloads as frames carry
-        them): every node computes the same bits."""
-        reduce_in_node_order(op, self.me, self.nodes, buf, received, out)
+        ``received`` every other node's (payloads as frames carry them): every node computes
+        the same bits."""
+        me = self.me
+        reduce_into(op.reduce_op or ReduceOp.SUM,
+                    [buf if i == me else received[i] for i in range(self.nodes)], out)
+
+    def reduce_messages(self, op: GlobalOp, buf: HostArray, received: Mapping[int, _Bytes],
+                        out: HostArray) -> None:
+        """:meth:`reduce` of every other node's whole message (header, then payload)."""
+        me, dtype, at = self.me, self.dtype, self.header_bytes
+        reduce_into(op.reduce_op or ReduceOp.SUM, [
+            buf if i == me else np.frombuffer(received[i], dtype, offset=at)
+            for i in range(self.nodes)], out)
 
 
 def payload_bytes(buf: HostArray) -> memoryview:
     """``buf``'s bytes as a flat view (a copy only when ``buf`` is not contiguous)."""
     return memoryview(np.ascontiguousarray(buf).view(np.uint8))  # type: ignore[arg-type]
 
-
-def reduce_in_node_order(op: GlobalOp, me: int, nodes: int, buf: HostArray,
-                         received: Mapping[int, HostArray], out: HostArray) -> None:
-    """``out = x0 op x1 op ...`` over the ``nodes`` nodes in node order, ``buf`` being this
-    node's ``x`` and ``received`` every other node's: every node computes the same bits."""
-    operands = [buf if i == me else received[i] for i in range(nodes)]
-    reduce_into(op.reduce_op or ReduceOp.SUM, operands, out)

@@ -47,7 +47,7 @@ from burncoll.ops import OpKind, ReduceOp
 __all__ = ["CONTROL_LIMIT", "DEFAULT_MAX_MESSAGE_BYTES", "DataHeader", "FrameType",
            "LENGTH_PREFIX_BYTES", "MAX_NDIM", "WIRE_VERSION", "announced_lengths", "decode",
            "decode_control", "decode_data_head", "encode_control", "encode_data_header",
-           "restamped"]
+           "SRC_AT", "SRC_END", "restamped"]
 
 MAGIC = b"BC"
 WIRE_VERSION = 1
@@ -175,7 +175,9 @@ def encode_data_header(h: DataHeader, payload_len: int) -> bytes:
     return fixed + struct.pack(f"<{len(h.shape)}Q", *h.shape)
 
 
-_SEQ_AT, _SRC_AT = 12, 32  # where a header's seq (u64) and src (i32) sit (see above)
+_SEQ_AT = 12  # where a header's seq (u64) sits (see above)
+#: Where a header's sender (an i32) sits: ``header[SRC_AT:SRC_END]``.
+SRC_AT, SRC_END = 32, 36
 
 
 def restamped(header: bytes, seq: int, src: int) -> bytes:
@@ -183,7 +185,7 @@ def restamped(header: bytes, seq: int, src: int) -> bytes:
     ``src``: every other byte stays."""
     out = bytearray(header)
     struct.pack_into("<Q", out, _SEQ_AT, seq)
-    struct.pack_into("<i", out, _SRC_AT, src)
+    struct.pack_into("<i", out, SRC_AT, src)
     return bytes(out)
 
 

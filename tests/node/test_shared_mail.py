@@ -328,5 +328,76 @@ def test_a_sleeper_on_a_counter_is_woken_by_its_writer_and_never_misses_a_change
     assert 0.25 <= time.monotonic() - started < 3.0
 
 
+# -- a post wakes only a sleeper: no wake-up is lost ---------------------------------------
+
+_NAP = 60.0  # a reader's longest sleep here: far longer than any test waits for it
+
+
+class _PostsFirst(Futex):
+    """The futex of a reader that, between its look at the counter and its sleep, lets a
+    poster post (``post``): forces that interleaving."""
+
+    def __init__(self, post: Any) -> None:
+        super().__init__()
+        self.post = post
+
+    def wait(self, address: int, value: int, seconds: float) -> None:
+        self.post()
+        super().wait(address, value, seconds)
+
+
+def _pair() -> tuple[SharedMail, SharedMail]:
+    maps = {n: mmap.mmap(-1, 2 << 20) for n in (0, 1)}
+    return SharedMail(maps, 0, 0), SharedMail(maps, 1, 0)
+
+
+@pytest.mark.parametrize("poster_saw", ["no sleeper", "the sleeper"])
+def test_a_post_between_a_readers_look_and_its_sleep_is_never_missed(poster_saw: str) -> None:
+    """The race the sleeping word must not lose: the reader has looked at the counter (not
+    posted yet), the poster posts before the reader sleeps -- having read the reader's word
+    before the reader wrote it (no wake: the poster skips the system call) or after it (a
+    wake with nobody asleep yet). Either way the reader, sleeping on the counter it saw, must
+    return at once: the kernel compares the counter first."""
+    poster, reader = _pair()
+
+    def post() -> None:
+        if poster_saw == "no sleeper":  # (as if read before the reader's store)
+            word, reader._counters[1][1] = int(reader._counters[1][1]), 0
+            poster.post((b"m" * 64,))
+            reader._counters[1][1] = word
+        else:
+            assert int(reader._counters[1][1]) == 1  # (the reader names node 0 already)
+            poster.post((b"m" * 64,))
+
+    reader._futex = _PostsFirst(post)
+    started = time.monotonic()
+    reader.sleep(0, 1, _NAP)
+    assert time.monotonic() - started < _NAP / 2 and reader.posted(0, 1)
+    assert int(reader._counters[1][1]) == 0  # (awake again: the word is cleared)
+
+
+def test_a_post_wakes_a_reader_asleep_on_its_counter() -> None:
+    """A reader asleep on node 0's counter (real threads, a real shared mapping) is woken by
+    node 0's post long before its sleep would end; a reader that is not asleep is not named."""
+    poster, reader = _pair()
+    assert int(poster._counters[1][1]) == 0
+    done: list[float] = []
+
+    def sleep() -> None:
+        started = time.monotonic()
+        reader.sleep(0, 1, _NAP)
+        done.append(time.monotonic() - started)
+
+    sleeper = threading.Thread(target=sleep)
+    sleeper.start()
+    started = time.monotonic()
+    while int(poster._counters[1][1]) != 1 and time.monotonic() - started < _NAP / 2:
+        time.sleep(0.001)  # until the reader names node 0 (then it is asleep, or about to be)
+    poster.post((b"m" * 64,))
+    sleeper.join(_NAP / 2)
+    assert not sleeper.is_alive() and done and done[0] < _NAP / 2
+    assert int(poster._counters[1][1]) == 0
+
+
 if __name__ == "__main__":
     _node_main(sys.argv[1:])

@@ -74,7 +74,7 @@ def _world(bufs: list[np.ndarray], name: str) -> list[np.ndarray]:
         for node, data in received.items():
             assert core.check(_op(name, bufs[me]), check, node, data) is None, (me, node)
         out = np.full_like(bufs[me], 77)
-        core.reduce(_op(name, bufs[me]), bufs[me], core.payloads(received), out)
+        core.reduce_messages(_op(name, bufs[me]), bufs[me], received, out)
         outs.append(out)
     return outs
 

@@ -60,14 +60,14 @@ class OutOfPlaceRun:
             x = np.asarray(call.array)  # (a subclass's reshape may keep its dimensions)
             flat = x.reshape(-1)
             out = fresh(flat.size, flat.dtype)
-            link_of(rv).all_reduce(gop, flat, out=out, route=self.plan.route)
+            link_of(rv).all_reduce(gop, flat, out=out, route=self.plan.route, fresh=True)
             return finish_reduce(rv, out if x.ndim == 1 else out.reshape(x.shape),
                                  call.reduce_op)
         host = rv.backend.to_host(flat_input(rv, call))
         if not host.flags.c_contiguous:  # pragma: no cover - flatten gives C order
             host = np.ascontiguousarray(host)
         out = fresh(host.size, host.dtype)  # (no page faults when the last result is gone)
-        link_of(rv).all_reduce(gop, host, out=out, route=self.plan.route)
+        link_of(rv).all_reduce(gop, host, out=out, route=self.plan.route, fresh=True)
         result = rv.backend.from_host(out, call.dtype or "float32", call.shape or (),
                                       rv.devices[0])
         return finish_reduce(rv, result, call.reduce_op)
