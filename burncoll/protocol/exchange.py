@@ -145,7 +145,7 @@ class ExchangeCore:
             self.header(op.seq) if mine is None else mine))
         if (h.channel, h.round, h.chunk) != (own.channel, own.round, own.chunk):
             return protocol_error(op, describe, h, "a part of another round, channel or "
-                                  "chunk")
+                                  f"chunk {where}")
         if h.offset or h.chunk_bytes != own.chunk_bytes or payload_len != size:
             return protocol_error(op, describe, h, "a buffer of the wrong size")
         return None

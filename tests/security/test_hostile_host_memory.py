@@ -117,7 +117,7 @@ def _segment_of(pid: int) -> tuple[int, str]:
 def _header(self: Any, op: Any, round_: int, size: int = 0, **fields: Any) -> bytes:
     """A round's message header as :meth:`HostSegments._round` writes it (announcing ``size``
     bytes), with ``fields`` changed."""
-    header = DataHeader(session=self._session, seq=op.seq, op_kind=op.kind,
+    header = DataHeader(session=self._lanes.service.session or 0, seq=op.seq, op_kind=op.kind,
                         reduce_op=op.reduce_op, dtype=op.dtype, shape=op.shape, root=op.root,
                         src=self._me, round=round_, channel=0, chunk=0, offset=0,
                         chunk_bytes=size)
