@@ -112,16 +112,8 @@ def launch_nodes(command: Sequence[str], nodes: int, devices: int, transport: st
     master = ("127.0.0.1", free_port())
     with start_orchestrator(transport=transport, auth_token=token, integrity=integrity,
                             tls=tls, expected_nodes=nodes) as orchestrator:
-
-        def envs_for(restart: int) -> dict[int, dict[str, str]]:
-            envs = {}
-            for rank in range(nodes):
-                env = node_environment(rank, nodes, devices, orchestrator.address, transport,
-                                       extra, restart=restart)
-                env.update(torchrun_environment(rank, nodes, (rank, nodes), 0, master))
-                envs[rank] = _node_env(env, token)
-            return envs
-
+        envs_for = _host_envs(orchestrator.address, master, (0, 1, nodes), devices, transport,
+                              extra, "127.0.0.1", token)
         return run_rounds(command, envs_for, max_restarts, grace,
                           lambda line: orchestrator.node_failed(_failed_reason(line)))
 
@@ -154,8 +146,10 @@ def launch_host(command: Sequence[str], nnodes: int, node_rank: int, master_addr
     extra = dict(extra_env or {})
     extra.update(_security_environment(auth_token, integrity, tls))
     per_host = nproc_per_node
-    envs_for = _host_envs(host, master_port, (node_rank, nnodes, per_host), devices, transport,
-                          extra, node_address or route_address(host), auth_token)
+    orchestrator = f"[{host}]:{master_port}" if ":" in host else f"{host}:{master_port}"
+    master = (host, master_port + 1 if master_port < 65535 else master_port - 1)
+    envs_for = _host_envs(orchestrator, master, (node_rank, nnodes, per_host), devices,
+                          transport, extra, node_address or route_address(host), auth_token)
     if node_rank != 0:
         return run_rounds(command, envs_for, max_restarts, grace)
     with start_orchestrator(host, master_port, transport, auth_token, integrity=integrity,
@@ -166,13 +160,13 @@ def launch_host(command: Sequence[str], nnodes: int, node_rank: int, master_addr
                           lambda line: orch.node_failed(_failed_reason(line)))
 
 
-def _host_envs(host: str, port: int, ranks: tuple[int, int, int], devices: int, transport: str,
-               extra: dict[str, str], address: str, token: str | None) -> EnvsFor:
+def _host_envs(orchestrator: str, master: tuple[str, int], ranks: tuple[int, int, int],
+               devices: int, transport: str, extra: dict[str, str], address: str,
+               token: str | None) -> EnvsFor:
     """The environments of the node processes of host ``ranks[0]`` of ``ranks[1]``, each
-    running ``ranks[2]``, around the orchestrator on ``host:port``."""
+    running ``ranks[2]``, around the orchestrator at ``orchestrator`` (``"host:port"``);
+    ``master``: their torchrun ``MASTER_ADDR`` and ``MASTER_PORT``."""
     host_rank, hosts, per_host = ranks
-    orchestrator = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    master = (host, port + 1 if port < 65535 else port - 1)
 
     def envs_for(restart: int) -> dict[int, dict[str, str]]:
         envs = {}
