@@ -34,6 +34,7 @@ from burncoll.orchestration.launch_rounds import (
     run_rounds,
 )
 from burncoll.orchestration.orchestrator import start_orchestrator
+from burncoll.protocol.fields import is_int
 
 __all__ = ["FAILURE_GRACE", "RESTART_COUNT_ENV", "STOP_SECONDS", "exit_code", "free_port",
            "launch_host", "launch_nodes", "new_token", "node_environment", "torchrun_environment"]
@@ -192,32 +193,28 @@ def missing_token_message(master_addr: str) -> str:
             "print(secrets.token_urlsafe(32))'")
 
 
-def _is_count(value: object, low: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
 def _check_restarts(max_restarts: int) -> None:
-    if not _is_count(max_restarts, 0):
+    if not is_int(max_restarts, 0):
         raise ConfigError(f"max_restarts={max_restarts!r}: expected an int >= 0")
 
 
 def _check_host(nnodes: int, node_rank: int, master_addr: str, master_port: int,
                 devices: int, nproc_per_node: int) -> None:
     """:class:`ConfigError` for arguments of :func:`launch_host` that cannot work."""
-    if not _is_count(nnodes, 1):
+    if not is_int(nnodes, 1):
         raise ConfigError(f"nnodes={nnodes!r}: expected an int >= 1 (the number of hosts)")
-    if not _is_count(node_rank, 0) or node_rank >= nnodes:
+    if not is_int(node_rank, 0) or node_rank >= nnodes:
         raise ConfigError(f"node_rank={node_rank!r}: expected an int in [0, {nnodes}) "
                           f"(nnodes={nnodes}); give each host its own rank")
     if not isinstance(master_addr, str) or not master_addr.strip().strip("[]"):
         raise ConfigError(f"master_addr={master_addr!r}: expected the host name or address "
                           "of the node-rank-0 host")
-    if not _is_count(master_port, 1) or master_port > 65535:
+    if not is_int(master_port, 1) or master_port > 65535:
         raise ConfigError(f"master_port={master_port!r}: expected a port in [1, 65535], the "
                           "same on every host")
-    if not _is_count(devices, 1):
+    if not is_int(devices, 1):
         raise ConfigError(f"devices={devices!r}: expected an int >= 1")
-    if not _is_count(nproc_per_node, 1):
+    if not is_int(nproc_per_node, 1):
         raise ConfigError(f"nproc_per_node={nproc_per_node!r}: expected an int >= 1")
 
 
