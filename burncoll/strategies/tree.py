@@ -120,11 +120,10 @@ class Tree(Strategy):
             held[o].add(c)
         for v in range(world - 1, 0, -1):  # children have larger ranks than their parent
             held[_parent(arity, v)] |= held[v]
-        rounds: list[Round] = []
-        for level in reversed(levels[1:]):  # gather: forward the subtree's chunks to the parent
-            rounds.append(tuple(Step(v, _parent(arity, v), c, Action.COPY) for v in level
-                                for c in sorted(held[v])))
-        for level in levels[1:]:  # spread: send each node what its subtree did not own
-            rounds.append(tuple(Step(_parent(arity, v), v, c, Action.COPY) for v in level
-                                for c in range(n) if c not in held[v]))
-        return Schedule(world, n, drop_empty(rounds))
+        # gather: forward the subtree's chunks to the parent; spread: send each node what its
+        # subtree did not own
+        gather = [tuple(Step(v, _parent(arity, v), c, Action.COPY) for v in level
+                        for c in sorted(held[v])) for level in reversed(levels[1:])]
+        spread = [tuple(Step(_parent(arity, v), v, c, Action.COPY) for v in level
+                        for c in range(n) if c not in held[v]) for level in levels[1:]]
+        return Schedule(world, n, drop_empty(gather + spread))
