@@ -117,8 +117,8 @@ def run(fn: Callable[..., R], *args: Any, num_nodes: int, devices_per_node: int 
     Raises :class:`~burncoll.UsageError` for a bad argument, :class:`~burncoll.BackendUnavailable`
     without Ray.
     """
-    extra = _check(fn, num_nodes, devices_per_node, transport, timeout, num_cpus_per_node, env)
-    _check_gpus(num_gpus_per_node)
+    extra = _check(fn, num_nodes, devices_per_node, transport, timeout, num_cpus_per_node,
+                   num_gpus_per_node, env)
     job = _Job(_import_ray(), num_nodes, num_cpus_per_node, timeout, num_gpus_per_node)
     try:
         hosts = job.start()
@@ -135,13 +135,8 @@ def run(fn: Callable[..., R], *args: Any, num_nodes: int, devices_per_node: int 
         job.tear_down()
 
 
-def _check_gpus(gpus: Any) -> None:
-    if isinstance(gpus, bool) or not isinstance(gpus, int | float) or gpus < 0:
-        raise UsageError(f"burncoll.ray.run: num_gpus_per_node={gpus!r}: expected a number >= 0")
-
-
 def _check(fn: Any, num_nodes: Any, devices_per_node: Any, transport: Any, timeout: Any,
-           num_cpus_per_node: Any, env: Mapping[str, str] | None) -> dict[str, str]:
+           num_cpus_per_node: Any, gpus: Any, env: Mapping[str, str] | None) -> dict[str, str]:
     """Validate run's arguments; ``env`` as a dict."""
     if not callable(fn):
         raise UsageError(f"burncoll.ray.run: fn={fn!r} is not callable")
@@ -154,6 +149,8 @@ def _check(fn: Any, num_nodes: Any, devices_per_node: Any, transport: Any, timeo
     for name, value in (("timeout", timeout), ("num_cpus_per_node", num_cpus_per_node)):
         if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
             raise UsageError(f"burncoll.ray.run: {name}={value!r}: expected a number > 0")
+    if isinstance(gpus, bool) or not isinstance(gpus, int | float) or gpus < 0:
+        raise UsageError(f"burncoll.ray.run: num_gpus_per_node={gpus!r}: expected a number >= 0")
     extra = dict(env or {})
     for key, value in extra.items():
         if not isinstance(key, str) or not isinstance(value, str):

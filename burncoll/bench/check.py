@@ -27,6 +27,7 @@ import numpy as np
 
 from burncoll.compression import error_bound
 from burncoll.dtypes import dtype_from_name
+from burncoll.strategies.layout import even_layout
 
 __all__ = ["Expected", "ReferenceCache", "count_wrong", "element_counts", "peer_input"]
 
@@ -122,7 +123,7 @@ class ReferenceCache:
                 full = self._entries[key] = self._compute(op, count, dtype, redop, root)
         if op != "reduce_scatter":
             return full
-        start, stop = _block(count, self.world, rank)
+        start, stop = even_layout(count, self.world)[rank]  # numpy.array_split's block
         tolerance = None if full.tolerance is None else full.tolerance[start:stop]
         return Expected(full.values[start:stop], tolerance, full.dtype)
 
@@ -173,10 +174,3 @@ class ReferenceCache:
             return Expected(wrapped, None, np_dtype)
         mean = wrapped.astype(np.float64) / self.world
         return Expected(mean, np.abs(mean) * (4 * _EPS["float64"]), np.dtype(np.float64))
-
-
-def _block(count: int, world: int, rank: int) -> tuple[int, int]:
-    """Rank ``rank``'s ``[start, stop)`` as ``numpy.array_split(range(count), world)``."""
-    base, extra = divmod(count, world)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)

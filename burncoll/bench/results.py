@@ -121,10 +121,7 @@ class PeerResult:
 
     def time_at(self, requested: int) -> float | None:
         """This peer's time at sweep size ``requested``, if measured."""
-        for row in self.rows:
-            if row.requested == requested:
-                return row.time_us
-        return None
+        return next((row.time_us for row in self.rows if row.requested == requested), None)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description, "op": self.op,

@@ -24,10 +24,10 @@ from burncoll.backends.base import Array, Backend
 from burncoll.bench.check import ReferenceCache, count_wrong, element_counts, peer_input
 from burncoll.bench.options import REDUCING_OPS, ROOTED_OPS
 from burncoll.bench.results import Row, busbw_factor, median
-from burncoll.comm.communicator import Communicator, register
+from burncoll.comm.communicator import Communicator
 from burncoll.config import CollectiveConfig
 from burncoll.dtypes import dtype_from_name, is_inexact
-from burncoll.errors import CollectiveError
+from burncoll.train.ddp import DataParallel
 
 __all__ = ["BenchSpec", "run_node"]
 
@@ -61,7 +61,8 @@ def run_node(spec: BenchSpec, config: CollectiveConfig, node_rank: int = 0,
     """Run this node's ``config.num_devices`` peers through the sweep; block until done. Peer ids
     are ``node_rank * num_devices + d`` for local device ``d``. Returns the rows on the node that
     holds rank 0 (``on_row`` is called with each as soon as it is known) and ``[]`` on the other
-    nodes. The first peer's error is raised after every thread ended."""
+    nodes. One thread per peer (:meth:`burncoll.train.DataParallel.run`): a failing peer aborts
+    the others, and its error is raised after every thread ended."""
     devices = config.num_devices
     world = devices * (config.num_nodes or 1)
     rows: list[Row] = []
@@ -77,18 +78,7 @@ def run_node(spec: BenchSpec, config: CollectiveConfig, node_rank: int = 0,
         _give_jax_cpu_devices(devices)
     cache = ReferenceCache(world, config.compression, config.num_nodes or 1)
     context = _Context(spec, config, get_backend(config.backend), cache, emit)
-    errors: list[BaseException] = []
-    threads = [
-        threading.Thread(target=_peer_thread, args=(context, node_rank * devices + d, d, errors),
-                         name=f"burncoll-bench-peer-{node_rank * devices + d}", daemon=True)
-        for d in range(devices)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
+    DataParallel(range(devices), config, node_rank).run(lambda comm: _sweep(context, comm))
     return rows
 
 
@@ -98,24 +88,6 @@ def _give_jax_cpu_devices(devices: int) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
-
-
-def _peer_thread(context: _Context, peer_id: int, device: int, errors: list[BaseException]) -> None:
-    try:
-        comm = register(peer_id, device, context.config)
-    except BaseException as exc:
-        errors.append(exc)
-        return
-    try:
-        _sweep(context, comm)
-    except BaseException as exc:
-        errors.append(exc)
-    finally:
-        try:
-            comm.finish()
-        except CollectiveError as exc:
-            if not errors:
-                errors.append(exc)
 
 
 def _sweep(context: _Context, comm: Communicator) -> None:

@@ -48,8 +48,9 @@ class TreeCommunicator(Protocol):
 
     def broadcast(self, x: Array | None, root: int, *, async_op: bool = ...) -> Any: ...
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "LeafSpec", "all_reduce_tree", "broadcast_tree",
-           "flatten_tree", "in_place_ok", "leaf_spec", "plan_buckets", "unpack_bucket"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "LeafSpec", "all_reduce_flat", "all_reduce_tree",
+           "broadcast_tree", "flatten_tree", "in_place_ok", "leaf_spec", "leaf_specs", "pack",
+           "plan_buckets", "unpack_bucket"]
 
 T = TypeVar("T")
 
@@ -91,6 +92,12 @@ class Bucket:
     def size(self) -> int:
         """Number of elements in the bucket."""
         return self.offsets[-1]
+
+    @classmethod
+    def of(cls, dtype: str, leaves: Sequence[int], specs: Sequence[LeafSpec]) -> Bucket:
+        """The bucket of ``leaves`` (indices into ``specs``), in that order."""
+        offsets = accumulate((specs[i].size for i in leaves), initial=0)
+        return cls(dtype, tuple(leaves), tuple(offsets))
 
 
 # -- trees --------------------------------------------------------------------------------------
@@ -193,18 +200,13 @@ def plan_buckets(specs: Sequence[LeafSpec], bucket_bytes: int = DEFAULT_BUCKET_B
         for i in indices:
             nbytes = specs[i].nbytes
             if current and current_bytes + nbytes > bucket_bytes:
-                buckets.append(_bucket(dtype, current, specs))
+                buckets.append(Bucket.of(dtype, current, specs))
                 current, current_bytes = [], 0
             current.append(i)
             current_bytes += nbytes
         if current:
-            buckets.append(_bucket(dtype, current, specs))
+            buckets.append(Bucket.of(dtype, current, specs))
     return buckets
-
-
-def _bucket(dtype: str, indices: list[int], specs: Sequence[LeafSpec]) -> Bucket:
-    offsets = accumulate((specs[i].size for i in indices), initial=0)
-    return Bucket(dtype, tuple(indices), tuple(offsets))
 
 
 # -- the collectives ----------------------------------------------------------------------------
@@ -244,26 +246,23 @@ def all_reduce_tree(comm: TreeCommunicator, tree: T, op: ReduceOp | str = "mean"
     which applies to float32/float64 buckets only).
     """
     reduce_op = parse_reduce_op(op)
-    backend = get_backend(comm.config.backend)
-
     # blocking calls leave async_op out, for communicators that predate it
     kw: dict[str, Any] = {"async_op": True} if async_op else {}
     if compression is not None:
         kw["compression"] = compression
+    return _bucketed(comm, tree, bucket_bytes,
+                     lambda flat, packed: all_reduce_flat(comm, reduce_op, flat, packed, **kw),
+                     reduce_op, async_op, "all_reduce_tree")
 
-    def reduce(flat: Array, packed: bool) -> Any:
-        # a bucket packed from several leaves is ours: reduce it in place (no new result)
-        if packed and in_place_ok(backend, reduce_op, backend.dtype_name(flat)):
-            return comm.all_reduce(flat, reduce_op, out=flat, **kw)
-        return comm.all_reduce(flat, reduce_op, **kw)
 
-    def check(index: int, spec: LeafSpec) -> None:  # every leaf, before anything is sent
-        try:
-            check_reduce_dtype(reduce_op, spec.dtype, "all_reduce_tree")
-        except UsageError as exc:
-            raise UsageError(f"leaf {index} of the tree: {exc}") from None
-
-    return _bucketed(comm, tree, bucket_bytes, reduce, check, async_op, "all_reduce_tree")
+def all_reduce_flat(comm: TreeCommunicator, op: ReduceOp, flat: Array, packed: bool,
+                    **kw: Any) -> Any:
+    """``comm.all_reduce`` of a bucket's ``flat`` array; one ``packed`` from several leaves
+    is ours, and reduced in place where its dtype allows (no new result)."""
+    backend = get_backend(comm.config.backend)
+    if packed and in_place_ok(backend, op, backend.dtype_name(flat)):
+        return comm.all_reduce(flat, op, out=flat, **kw)
+    return comm.all_reduce(flat, op, **kw)
 
 
 def in_place_ok(backend: Backend, op: ReduceOp, dtype: str) -> bool:
@@ -299,19 +298,14 @@ def broadcast_tree(comm: TreeCommunicator, tree: T, root: int,
 
 
 def _bucketed(comm: TreeCommunicator, tree: T, bucket_bytes: int,
-              collective: Callable[[Array, bool], Any],
-              check: Callable[[int, LeafSpec], None] | None, async_op: bool, label: str
-              ) -> T | Work[T]:
-    """Run ``collective(flat, packed)`` per bucket; ``packed``: ``flat`` is a new array packed
-    from several leaves (the collective may overwrite it), not a view of the caller's leaf.
-    ``check(index, spec)`` sees every leaf before the first bucket is sent. With
+              collective: Callable[[Array, bool], Any], op: ReduceOp | None, async_op: bool,
+              label: str) -> T | Work[T]:
+    """Run ``collective(flat, packed)`` per bucket (:func:`pack`); every leaf is checked
+    (:func:`leaf_specs`, for ``op`` when given) before the first bucket is sent. With
     ``async_op``, ``collective`` returns Works and so does this."""
     backend = get_backend(comm.config.backend)
     leaves, unflatten = flatten_tree(tree)
-    specs = [leaf_spec(backend, leaf, i) for i, leaf in enumerate(leaves)]
-    if check is not None:
-        for i, spec in enumerate(specs):
-            check(i, spec)
+    specs = leaf_specs(backend, leaves, op, label)
     out: list[Any] = [None] * len(leaves)
     sent: list[tuple[Bucket, Any]] = []
     for bucket in plan_buckets(specs, bucket_bytes):
@@ -319,9 +313,7 @@ def _bucketed(comm: TreeCommunicator, tree: T, bucket_bytes: int,
             for i in bucket.leaves:
                 out[i] = backend.to_device(backend.copy(leaves[i]), comm.device)
             continue
-        flats = [backend.flatten(leaves[i]) for i in bucket.leaves]
-        packed = flats[0] if len(flats) == 1 else backend.concat(flats)
-        sent.append((bucket, collective(packed, len(flats) > 1)))
+        sent.append((bucket, collective(*pack(backend, bucket, leaves))))
 
     def assemble(results: list[Array]) -> T:
         for (bucket, _), result in zip(sent, results, strict=True):
@@ -334,6 +326,13 @@ def _bucketed(comm: TreeCommunicator, tree: T, bucket_bytes: int,
     return assemble([result for _, result in sent])
 
 
+def pack(backend: Backend, bucket: Bucket, leaves: Sequence[Any]) -> tuple[Array, bool]:
+    """``bucket``'s leaves as one flat array, and whether it is packed: a new array of
+    several leaves (which a collective may overwrite), not a view of the caller's one leaf."""
+    flats = [backend.flatten(leaves[i]) for i in bucket.leaves]
+    return (flats[0], False) if len(flats) == 1 else (backend.concat(flats), True)
+
+
 def unpack_bucket(backend: Backend, bucket: Bucket, specs: Sequence[LeafSpec], result: Array,
                   out: list[Any]) -> None:
     """Cut a bucket's flat ``result`` into its leaves' shapes: ``out[i]`` for its leaves
@@ -344,6 +343,20 @@ def unpack_bucket(backend: Backend, bucket: Bucket, specs: Sequence[LeafSpec], r
     for k, i in enumerate(bucket.leaves):
         piece = backend.slice(result, bucket.offsets[k], bucket.offsets[k + 1])
         out[i] = backend.reshape(piece, specs[i].shape)
+
+
+def leaf_specs(backend: Backend, leaves: Sequence[Any], op: ReduceOp | None = None,
+               label: str = "") -> list[LeafSpec]:
+    """Every leaf's :func:`leaf_spec`; with ``op``, each dtype checked for it (a
+    :class:`~burncoll.UsageError` naming the leaf, ``label`` the operation)."""
+    specs = [leaf_spec(backend, leaf, i) for i, leaf in enumerate(leaves)]
+    for i, spec in enumerate(specs):
+        try:
+            if op is not None:
+                check_reduce_dtype(op, spec.dtype, label)
+        except UsageError as exc:
+            raise UsageError(f"leaf {i} of the tree: {exc}") from None
+    return specs
 
 
 def leaf_spec(backend: Backend, leaf: Any, index: int) -> LeafSpec:

@@ -191,9 +191,7 @@ class CollectiveConfig:
     def global_fingerprint(self) -> dict[str, Any]:
         """The fields every node must agree on; the orchestrator compares them."""
         return {"num_nodes": self.num_nodes,
-                "global_all_reduce_strategy": self.strategy("global_all_reduce_strategy").spec,
-                "global_reduce_strategy": self.strategy("global_reduce_strategy").spec,
-                "global_broadcast_strategy": self.strategy("global_broadcast_strategy").spec,
+                **{name: self.strategy(name).spec for name in _STRATEGY_FIELDS[3:]},  # global
                 "transport": self.transport, "integrity": self.integrity, "tls": self.uses_tls}
 
     def to_dict(self, *, reveal_token: bool = False) -> dict[str, Any]:

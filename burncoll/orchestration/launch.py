@@ -34,6 +34,7 @@ from burncoll.orchestration.launch_rounds import (
     run_rounds,
 )
 from burncoll.orchestration.orchestrator import start_orchestrator
+from burncoll.protocol.fields import is_int
 
 __all__ = ["FAILURE_GRACE", "RESTART_COUNT_ENV", "STOP_SECONDS", "exit_code", "free_port",
            "launch_host", "launch_nodes", "new_token", "node_environment", "torchrun_environment"]
@@ -112,16 +113,8 @@ def launch_nodes(command: Sequence[str], nodes: int, devices: int, transport: st
     master = ("127.0.0.1", free_port())
     with start_orchestrator(transport=transport, auth_token=token, integrity=integrity,
                             tls=tls, expected_nodes=nodes) as orchestrator:
-
-        def envs_for(restart: int) -> dict[int, dict[str, str]]:
-            envs = {}
-            for rank in range(nodes):
-                env = node_environment(rank, nodes, devices, orchestrator.address, transport,
-                                       extra, restart=restart)
-                env.update(torchrun_environment(rank, nodes, (rank, nodes), 0, master))
-                envs[rank] = _node_env(env, token)
-            return envs
-
+        envs_for = _host_envs(orchestrator.address, master, (0, 1, nodes), devices, transport,
+                              extra, "127.0.0.1", token)
         return run_rounds(command, envs_for, max_restarts, grace,
                           lambda line: orchestrator.node_failed(_failed_reason(line)))
 
@@ -154,8 +147,10 @@ def launch_host(command: Sequence[str], nnodes: int, node_rank: int, master_addr
     extra = dict(extra_env or {})
     extra.update(_security_environment(auth_token, integrity, tls))
     per_host = nproc_per_node
-    envs_for = _host_envs(host, master_port, (node_rank, nnodes, per_host), devices, transport,
-                          extra, node_address or route_address(host), auth_token)
+    orchestrator = f"[{host}]:{master_port}" if ":" in host else f"{host}:{master_port}"
+    master = (host, master_port + 1 if master_port < 65535 else master_port - 1)
+    envs_for = _host_envs(orchestrator, master, (node_rank, nnodes, per_host), devices,
+                          transport, extra, node_address or route_address(host), auth_token)
     if node_rank != 0:
         return run_rounds(command, envs_for, max_restarts, grace)
     with start_orchestrator(host, master_port, transport, auth_token, integrity=integrity,
@@ -166,13 +161,13 @@ def launch_host(command: Sequence[str], nnodes: int, node_rank: int, master_addr
                           lambda line: orch.node_failed(_failed_reason(line)))
 
 
-def _host_envs(host: str, port: int, ranks: tuple[int, int, int], devices: int, transport: str,
-               extra: dict[str, str], address: str, token: str | None) -> EnvsFor:
+def _host_envs(orchestrator: str, master: tuple[str, int], ranks: tuple[int, int, int],
+               devices: int, transport: str, extra: dict[str, str], address: str,
+               token: str | None) -> EnvsFor:
     """The environments of the node processes of host ``ranks[0]`` of ``ranks[1]``, each
-    running ``ranks[2]``, around the orchestrator on ``host:port``."""
+    running ``ranks[2]``, around the orchestrator at ``orchestrator`` (``"host:port"``);
+    ``master``: their torchrun ``MASTER_ADDR`` and ``MASTER_PORT``."""
     host_rank, hosts, per_host = ranks
-    orchestrator = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    master = (host, port + 1 if port < 65535 else port - 1)
 
     def envs_for(restart: int) -> dict[int, dict[str, str]]:
         envs = {}
@@ -198,32 +193,28 @@ def missing_token_message(master_addr: str) -> str:
             "print(secrets.token_urlsafe(32))'")
 
 
-def _is_count(value: object, low: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
 def _check_restarts(max_restarts: int) -> None:
-    if not _is_count(max_restarts, 0):
+    if not is_int(max_restarts, 0):
         raise ConfigError(f"max_restarts={max_restarts!r}: expected an int >= 0")
 
 
 def _check_host(nnodes: int, node_rank: int, master_addr: str, master_port: int,
                 devices: int, nproc_per_node: int) -> None:
     """:class:`ConfigError` for arguments of :func:`launch_host` that cannot work."""
-    if not _is_count(nnodes, 1):
+    if not is_int(nnodes, 1):
         raise ConfigError(f"nnodes={nnodes!r}: expected an int >= 1 (the number of hosts)")
-    if not _is_count(node_rank, 0) or node_rank >= nnodes:
+    if not is_int(node_rank, 0) or node_rank >= nnodes:
         raise ConfigError(f"node_rank={node_rank!r}: expected an int in [0, {nnodes}) "
                           f"(nnodes={nnodes}); give each host its own rank")
     if not isinstance(master_addr, str) or not master_addr.strip().strip("[]"):
         raise ConfigError(f"master_addr={master_addr!r}: expected the host name or address "
                           "of the node-rank-0 host")
-    if not _is_count(master_port, 1) or master_port > 65535:
+    if not is_int(master_port, 1) or master_port > 65535:
         raise ConfigError(f"master_port={master_port!r}: expected a port in [1, 65535], the "
                           "same on every host")
-    if not _is_count(devices, 1):
+    if not is_int(devices, 1):
         raise ConfigError(f"devices={devices!r}: expected an int >= 1")
-    if not _is_count(nproc_per_node, 1):
+    if not is_int(nproc_per_node, 1):
         raise ConfigError(f"nproc_per_node={nproc_per_node!r}: expected an int >= 1")
 
 

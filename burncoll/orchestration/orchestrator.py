@@ -45,7 +45,7 @@ from burncoll.protocol.control import (
     encode,
     kind_of,
 )
-from burncoll.protocol.fields import MalformedMessage, canonical
+from burncoll.protocol.fields import MalformedMessage, canonical, is_int
 from burncoll.protocol.wire import CONTROL_LIMIT, decode
 from burncoll.transport import TRANSPORT_NAMES, TlsSettings, get_transport
 from burncoll.transport.admission import BoundedLog
@@ -351,14 +351,10 @@ def start_orchestrator(host: str = "127.0.0.1", port: int = 0, transport: str = 
     """
     if transport not in TRANSPORT_NAMES:
         raise ConfigError(f"transport={transport!r}: expected one of {', '.join(TRANSPORT_NAMES)}")
-    if expected_nodes is not None and not (
-            isinstance(expected_nodes, int) and not isinstance(expected_nodes, bool)
-            and 1 <= expected_nodes <= MAX_WAITING):
+    if expected_nodes is not None and not is_int(expected_nodes, 1, MAX_WAITING):
         raise ConfigError(f"expected_nodes={expected_nodes!r}: expected an int in "
                           f"[1, {MAX_WAITING}] or None")
-    if min_nodes is not None and not (
-            isinstance(min_nodes, int) and not isinstance(min_nodes, bool)
-            and 1 <= min_nodes <= (expected_nodes or MAX_WAITING)):
+    if min_nodes is not None and not is_int(min_nodes, 1, expected_nodes or MAX_WAITING):
         raise ConfigError(f"min_nodes={min_nodes!r}: expected an int in [1, expected_nodes] "
                           "or None")
     if isinstance(min_nodes_wait, bool) or not (

@@ -320,15 +320,9 @@ class Leave(_Bare):
 FromNode: TypeAlias = "Join | Abandon | Finish | Leave"
 FromOrchestrator: TypeAlias = "Table | Refused | Abandoned | Notice | Finished | NodeLost"
 _FROM_NODE: dict[str, Callable[[Mapping[str, object]], FromNode]] = {
-    Join.KIND: Join.from_json, Abandon.KIND: Abandon.from_json, Finish.KIND: Finish.from_json,
-    Leave.KIND: Leave.from_json,
-}
+    m.KIND: m.from_json for m in (Join, Abandon, Finish, Leave)}
 _FROM_ORCHESTRATOR: dict[str, Callable[[Mapping[str, object]], FromOrchestrator]] = {
-    Table.KIND: Table.from_json, Refused.KIND: Refused.from_json,
-    Abandoned.KIND: Abandoned.from_json,
-    Notice.KIND: Notice.from_json, Finished.KIND: Finished.from_json,
-    NodeLost.KIND: NodeLost.from_json,
-}
+    m.KIND: m.from_json for m in (Table, Refused, Abandoned, Notice, Finished, NodeLost)}
 
 
 def decode_by_type(frame: Frame, parsers: Mapping[str, Callable[[Mapping[str, object]], M]]

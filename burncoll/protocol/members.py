@@ -191,10 +191,7 @@ class P2PAck:
 
 MemberMessage: TypeAlias = "Hello | Bye | Abort | StatusQuery | Status | P2PAck"
 _MEMBER: dict[str, Callable[[Mapping[str, object]], MemberMessage]] = {
-    Hello.KIND: Hello.from_json, Bye.KIND: Bye.from_json, Abort.KIND: Abort.from_json,
-    StatusQuery.KIND: StatusQuery.from_json, Status.KIND: Status.from_json,
-    P2PAck.KIND: P2PAck.from_json,
-}
+    m.KIND: m.from_json for m in (Hello, Bye, Abort, StatusQuery, Status, P2PAck)}
 
 
 def decode_member(frame: Frame) -> MemberMessage | None:

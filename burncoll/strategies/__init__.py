@@ -20,6 +20,9 @@ __all__ = ["Action", "Auto", "ByHost", "Centralized", "Ring", "Schedule", "Step"
            "Tree", "parse_strategy", "resolve"]
 
 _ACCEPTED = "'centralized', 'tree', 'tree:K' (K >= 1), 'ring', 'auto'"
+#: The spellings without an argument (strategies are immutable values: one of each serves all).
+_NAMED: dict[str, Strategy] = {"centralized": Centralized(), "ring": Ring(), "auto": Auto(),
+                               "tree": Tree(2)}
 
 
 def parse_strategy(value: Strategy | str) -> Strategy:
@@ -44,14 +47,9 @@ def parse_strategy(value: Strategy | str) -> Strategy:
             f"accepted: {_ACCEPTED}"
         )
     text = value.strip().lower()
-    if text == "centralized":
-        return Centralized()
-    if text == "ring":
-        return Ring()
-    if text == "auto":
-        return Auto()
-    if text == "tree":
-        return Tree(2)
+    named = _NAMED.get(text)
+    if named is not None:
+        return named
     name, colon, arg = text.partition(":")
     if colon and name.strip() == "tree":
         arg = arg.strip()

@@ -87,10 +87,8 @@ class Auto(Strategy):
 
     def choose(self, level: str, nbytes: int, world: int) -> Strategy:
         """The concrete strategy for an operation of ``nbytes`` among ``world`` participants."""
-        for limit, strategy in CROSSOVERS[level]:
-            if limit is None or nbytes <= limit:
-                return strategy
-        return Ring()  # pragma: no cover - the last row has no limit
+        return next(strategy for limit, strategy in CROSSOVERS[level]  # the last row: no limit
+                    if limit is None or nbytes <= limit)
 
     def reduce(self, world: int, root: int) -> Schedule:
         return Tree(2).reduce(world, root)

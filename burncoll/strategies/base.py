@@ -7,10 +7,16 @@ Strategies import no threading, asyncio, transport or array library; the local e
 from __future__ import annotations
 
 import abc
+import functools
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
 
 from burncoll.strategies.schedule import Schedule
 
-__all__ = ["Strategy", "default_owners"]
+__all__ = ["Strategy", "cached_schedules", "default_owners"]
+
+S = TypeVar("S", bound="Strategy")
+_CACHE_SIZE = 1024
 
 
 def default_owners(world: int) -> tuple[int, ...]:
@@ -55,3 +61,20 @@ class Strategy(abc.ABC):
     def all_gather(self, world: int, owners: tuple[int, ...]) -> Schedule:
         """``len(owners)`` chunks; at the start only participant ``owners[c]`` holds chunk
         ``c``; after it, every participant holds every chunk (copied, never reduced)."""
+
+
+def cached_schedules(cls: type[S]) -> type[S]:
+    """Cache the five schedules of ``cls`` by strategy and arguments (strategies are
+    immutable, hashable values; ``owners`` is cached as a tuple)."""
+    for name in ("reduce", "broadcast", "all_reduce", "reduce_scatter", "all_gather"):
+        setattr(cls, name, _cached(getattr(cls, name)))
+    return cls
+
+
+def _cached(method: Callable[..., Schedule]) -> Callable[..., Schedule]:
+    cached = functools.lru_cache(maxsize=_CACHE_SIZE)(method)
+
+    @functools.wraps(method)
+    def schedule(self: Strategy, *args: Any) -> Schedule:
+        return cached(self, *(a if isinstance(a, Hashable) else tuple(a) for a in args))
+    return schedule

@@ -16,18 +16,15 @@ hosts ordered by their first participant. Pure and stdlib-only.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from burncoll.strategies._checks import check_owners, check_root, check_world, drop_empty
-from burncoll.strategies.base import Strategy
+from burncoll.strategies.base import Strategy, cached_schedules
 from burncoll.strategies.ring import Ring
 from burncoll.strategies.schedule import Action, Round, Schedule, Step
 
 __all__ = ["ByHost", "host_groups"]
-
-_CACHE_SIZE = 256
 
 Groups = tuple[tuple[int, ...], ...]
 
@@ -84,32 +81,6 @@ def _host_of(groups: Groups) -> dict[int, int]:
     return {p: h for h, g in enumerate(groups) for p in g}
 
 
-def _checked(hosts: tuple[int, ...], world: int) -> Groups:
-    check_world(world)
-    if len(hosts) != world:
-        raise ValueError(f"ByHost knows the hosts of {len(hosts)} participants, not {world}")
-    return host_groups(hosts)
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _all_reduce(hosts: tuple[int, ...], world: int, inner: Strategy) -> Schedule:
-    groups = _checked(hosts, world)
-    k = len(groups[0])
-    if k < 2 or any(len(g) != k for g in groups):
-        return _all_reduce_by_leaders(groups, world, inner)
-    among = inner.all_reduce(len(groups))
-    width = among.num_chunks
-    # node j of every host ends with its host's sum of shard j (chunks j * width ...): a ring
-    # inside each host, so a node reduces one other node's part at a time
-    inside = Ring().reduce_scatter(k, tuple(j for j in range(k) for _ in range(width)))
-    scatter = _side_by_side([_embed(inside, g) for g in groups])
-    shards = _side_by_side([_embed(among, [g[j] for g in groups], j * width)
-                            for j in range(k)])
-    gather = tuple(Step(g[j], g[i], j * width + c, Action.COPY) for g in groups
-                   for j in range(k) for i in range(k) if i != j for c in range(width))
-    return Schedule(world, k * width, drop_empty([*scatter, *shards, gather]))
-
-
 def _all_reduce_by_leaders(groups: Groups, world: int, inner: Strategy) -> Schedule:
     leaders = _leaders(groups)
     among = inner.all_reduce(len(groups))
@@ -119,57 +90,7 @@ def _all_reduce_by_leaders(groups: Groups, world: int, inner: Strategy) -> Sched
         _from_leaders(groups, leaders, chunks)]))
 
 
-def _rooted(hosts: tuple[int, ...], world: int, root: int
-            ) -> tuple[Groups, tuple[int, ...], int]:
-    """The groups, the leaders (``root`` on its host) and the root's host."""
-    groups = _checked(hosts, world)
-    check_root(world, root)
-    return groups, _leaders(groups, root), _host_of(groups)[root]
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _reduce(hosts: tuple[int, ...], world: int, root: int, inner: Strategy) -> Schedule:
-    groups, leaders, host = _rooted(hosts, world, root)
-    among = inner.reduce(len(groups), host)
-    return Schedule(world, among.num_chunks, drop_empty([
-        *_to_leaders(groups, leaders, among.num_chunks), *_embed(among, leaders)]))
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _broadcast(hosts: tuple[int, ...], world: int, root: int, inner: Strategy) -> Schedule:
-    groups, leaders, host = _rooted(hosts, world, root)
-    among = inner.broadcast(len(groups), host)
-    return Schedule(world, among.num_chunks, drop_empty([
-        *_embed(among, leaders), _from_leaders(groups, leaders, among.num_chunks)]))
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _reduce_scatter(hosts: tuple[int, ...], world: int, owners: tuple[int, ...],
-                    inner: Strategy) -> Schedule:
-    groups = _checked(hosts, world)
-    owners = check_owners(world, owners)
-    leaders, host_of = _leaders(groups), _host_of(groups)
-    among = inner.reduce_scatter(len(groups), tuple(host_of[o] for o in owners))
-    # each owner's host leader ends with the chunk; the owner takes it from there
-    handed = tuple(Step(leaders[host_of[o]], o, c, Action.COPY) for c, o in enumerate(owners)
-                   if o != leaders[host_of[o]])
-    return Schedule(world, len(owners), drop_empty([
-        *_to_leaders(groups, leaders, len(owners)), *_embed(among, leaders), handed]))
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _all_gather(hosts: tuple[int, ...], world: int, owners: tuple[int, ...],
-                inner: Strategy) -> Schedule:
-    groups = _checked(hosts, world)
-    owners = check_owners(world, owners)
-    leaders, host_of = _leaders(groups), _host_of(groups)
-    among = inner.all_gather(len(groups), tuple(host_of[o] for o in owners))
-    collected = tuple(Step(o, leaders[host_of[o]], c, Action.COPY)
-                      for c, o in enumerate(owners) if o != leaders[host_of[o]])
-    return Schedule(world, len(owners), drop_empty([
-        collected, *_embed(among, leaders), _from_leaders(groups, leaders, len(owners), owners)]))
-
-
+@cached_schedules
 @dataclass(frozen=True)
 class ByHost(Strategy):
     """``inner`` among the hosts, rounds inside each host before and after it (see the
@@ -183,17 +104,66 @@ class ByHost(Strategy):
     def spec(self) -> str:
         return f"by-host({self.inner.spec})"
 
+    def _groups(self, world: int) -> Groups:
+        check_world(world)
+        if len(self.hosts) != world:
+            raise ValueError(f"ByHost knows the hosts of {len(self.hosts)} participants, "
+                             f"not {world}")
+        return host_groups(self.hosts)
+
+    def _rooted(self, world: int, root: int) -> tuple[Groups, tuple[int, ...], int]:
+        """The groups, the leaders (``root`` on its host) and the root's host."""
+        groups = self._groups(world)
+        check_root(world, root)
+        return groups, _leaders(groups, root), _host_of(groups)[root]
+
     def reduce(self, world: int, root: int) -> Schedule:
-        return _reduce(self.hosts, world, root, self.inner)
+        groups, leaders, host = self._rooted(world, root)
+        among = self.inner.reduce(len(groups), host)
+        return Schedule(world, among.num_chunks, drop_empty([
+            *_to_leaders(groups, leaders, among.num_chunks), *_embed(among, leaders)]))
 
     def broadcast(self, world: int, root: int) -> Schedule:
-        return _broadcast(self.hosts, world, root, self.inner)
+        groups, leaders, host = self._rooted(world, root)
+        among = self.inner.broadcast(len(groups), host)
+        return Schedule(world, among.num_chunks, drop_empty([
+            *_embed(among, leaders), _from_leaders(groups, leaders, among.num_chunks)]))
 
     def all_reduce(self, world: int) -> Schedule:
-        return _all_reduce(self.hosts, world, self.inner)
+        groups = self._groups(world)
+        k = len(groups[0])
+        if k < 2 or any(len(g) != k for g in groups):
+            return _all_reduce_by_leaders(groups, world, self.inner)
+        among = self.inner.all_reduce(len(groups))
+        width = among.num_chunks
+        # node j of every host ends with its host's sum of shard j (chunks j * width ...): a
+        # ring inside each host, so a node reduces one other node's part at a time
+        inside = Ring().reduce_scatter(k, tuple(j for j in range(k) for _ in range(width)))
+        scatter = _side_by_side([_embed(inside, g) for g in groups])
+        shards = _side_by_side([_embed(among, [g[j] for g in groups], j * width)
+                                for j in range(k)])
+        gather = tuple(Step(g[j], g[i], j * width + c, Action.COPY) for g in groups
+                       for j in range(k) for i in range(k) if i != j for c in range(width))
+        return Schedule(world, k * width, drop_empty([*scatter, *shards, gather]))
 
     def reduce_scatter(self, world: int, owners: tuple[int, ...]) -> Schedule:
-        return _reduce_scatter(self.hosts, world, tuple(owners), self.inner)
+        groups = self._groups(world)
+        owners = check_owners(world, owners)
+        leaders, host_of = _leaders(groups), _host_of(groups)
+        among = self.inner.reduce_scatter(len(groups), tuple(host_of[o] for o in owners))
+        # each owner's host leader ends with the chunk; the owner takes it from there
+        handed = tuple(Step(leaders[host_of[o]], o, c, Action.COPY)
+                       for c, o in enumerate(owners) if o != leaders[host_of[o]])
+        return Schedule(world, len(owners), drop_empty([
+            *_to_leaders(groups, leaders, len(owners)), *_embed(among, leaders), handed]))
 
     def all_gather(self, world: int, owners: tuple[int, ...]) -> Schedule:
-        return _all_gather(self.hosts, world, tuple(owners), self.inner)
+        groups = self._groups(world)
+        owners = check_owners(world, owners)
+        leaders, host_of = _leaders(groups), _host_of(groups)
+        among = self.inner.all_gather(len(groups), tuple(host_of[o] for o in owners))
+        collected = tuple(Step(o, leaders[host_of[o]], c, Action.COPY)
+                          for c, o in enumerate(owners) if o != leaders[host_of[o]])
+        return Schedule(world, len(owners), drop_empty([
+            collected, *_embed(among, leaders),
+            _from_leaders(groups, leaders, len(owners), owners)]))

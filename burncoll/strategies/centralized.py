@@ -7,16 +7,13 @@ threads of one node), where latency, not bandwidth, dominates.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from burncoll.strategies._checks import check_owners, check_root, check_world, drop_empty
-from burncoll.strategies.base import Strategy
+from burncoll.strategies.base import Strategy, cached_schedules
 from burncoll.strategies.schedule import Action, Round, Schedule, Step
 
 __all__ = ["Centralized"]
-
-_CACHE_SIZE = 1024
 
 
 def _reduce_round(world: int, root: int, num_chunks: int) -> Round:
@@ -31,42 +28,7 @@ def _broadcast_round(world: int, root: int, num_chunks: int) -> Round:
                  for c in range(num_chunks))
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _reduce(world: int, root: int) -> Schedule:
-    check_root(world, root)
-    return Schedule(world, 1, drop_empty([_reduce_round(world, root, 1)]))
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _broadcast(world: int, root: int) -> Schedule:
-    check_root(world, root)
-    return Schedule(world, 1, drop_empty([_broadcast_round(world, root, 1)]))
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _all_reduce(world: int) -> Schedule:
-    check_world(world)
-    return _reduce(world, 0).then(_broadcast(world, 0))
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _reduce_scatter(world: int, owners: tuple[int, ...]) -> Schedule:
-    owners = check_owners(world, owners)
-    n = len(owners)
-    scatter: Round = tuple(Step(0, o, c, Action.COPY) for c, o in enumerate(owners) if o != 0)
-    return Schedule(world, n, drop_empty([_reduce_round(world, 0, n), scatter]))
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _all_gather(world: int, owners: tuple[int, ...]) -> Schedule:
-    owners = check_owners(world, owners)
-    n = len(owners)
-    gather: Round = tuple(Step(o, 0, c, Action.COPY) for c, o in enumerate(owners) if o != 0)
-    spread: Round = tuple(Step(0, dst, c, Action.COPY) for dst in range(1, world) for c in range(n)
-                          if owners[c] != dst)
-    return Schedule(world, n, drop_empty([gather, spread]))
-
-
+@cached_schedules
 @dataclass(frozen=True)
 class Centralized(Strategy):
     """Every operation goes through one participant (the root, or participant 0).
@@ -89,16 +51,27 @@ class Centralized(Strategy):
         return "centralized"
 
     def reduce(self, world: int, root: int) -> Schedule:
-        return _reduce(world, root)
+        check_root(world, root)
+        return Schedule(world, 1, drop_empty([_reduce_round(world, root, 1)]))
 
     def broadcast(self, world: int, root: int) -> Schedule:
-        return _broadcast(world, root)
+        check_root(world, root)
+        return Schedule(world, 1, drop_empty([_broadcast_round(world, root, 1)]))
 
     def all_reduce(self, world: int) -> Schedule:
-        return _all_reduce(world)
+        check_world(world)
+        return self.reduce(world, 0).then(self.broadcast(world, 0))
 
     def reduce_scatter(self, world: int, owners: tuple[int, ...]) -> Schedule:
-        return _reduce_scatter(world, tuple(owners))
+        owners = check_owners(world, owners)
+        n = len(owners)
+        scatter: Round = tuple(Step(0, o, c, Action.COPY) for c, o in enumerate(owners) if o != 0)
+        return Schedule(world, n, drop_empty([_reduce_round(world, 0, n), scatter]))
 
     def all_gather(self, world: int, owners: tuple[int, ...]) -> Schedule:
-        return _all_gather(world, tuple(owners))
+        owners = check_owners(world, owners)
+        n = len(owners)
+        gather: Round = tuple(Step(o, 0, c, Action.COPY) for c, o in enumerate(owners) if o != 0)
+        spread: Round = tuple(Step(0, dst, c, Action.COPY) for dst in range(1, world)
+                              for c in range(n) if owners[c] != dst)
+        return Schedule(world, n, drop_empty([gather, spread]))

@@ -19,17 +19,13 @@ Within a round participant ``i`` reads chunk ``k`` and writes chunk ``k - 1``, s
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from burncoll.strategies._checks import check_owners, check_root, check_world, drop_empty
-from burncoll.strategies.base import Strategy
+from burncoll.strategies.base import Strategy, cached_schedules
 from burncoll.strategies.schedule import Action, Round, Schedule, Step
 
 __all__ = ["Ring"]
-
-_CACHE_SIZE = 1024
-
 
 def _groups(world: int, owners: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     """``groups[p]``: the chunks owned by participant ``p``, ascending."""
@@ -59,44 +55,7 @@ def _all_gather_rounds(world: int, groups: tuple[tuple[int, ...], ...],
     ]
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _reduce(world: int, root: int) -> Schedule:
-    check_root(world, root)
-    rounds = _reduce_scatter_rounds(world, _groups(world, tuple(range(world))))
-    rounds.append(tuple(Step(i, root, i, Action.COPY) for i in range(world) if i != root))
-    return Schedule(world, world, drop_empty(rounds))
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _broadcast(world: int, root: int) -> Schedule:
-    check_root(world, root)
-    rounds: list[Round] = [tuple(Step(root, i, i, Action.COPY) for i in range(world) if i != root)]
-    rounds += _all_gather_rounds(world, _groups(world, tuple(range(world))), skip_dst=root)
-    return Schedule(world, world, drop_empty(rounds))
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _all_reduce(world: int) -> Schedule:
-    check_world(world)
-    groups = _groups(world, tuple(range(world)))
-    rounds = _reduce_scatter_rounds(world, groups) + _all_gather_rounds(world, groups)
-    return Schedule(world, world, drop_empty(rounds))
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _reduce_scatter(world: int, owners: tuple[int, ...]) -> Schedule:
-    owners = check_owners(world, owners)
-    rounds = _reduce_scatter_rounds(world, _groups(world, owners))
-    return Schedule(world, len(owners), drop_empty(rounds))
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _all_gather(world: int, owners: tuple[int, ...]) -> Schedule:
-    owners = check_owners(world, owners)
-    rounds = _all_gather_rounds(world, _groups(world, owners))
-    return Schedule(world, len(owners), drop_empty(rounds))
-
-
+@cached_schedules
 @dataclass(frozen=True)
 class Ring(Strategy):
     """Ring reduce-scatter and all-gather (Patarasuk & Yuan 2009); see the module docstring
@@ -122,16 +81,30 @@ class Ring(Strategy):
         return "ring"
 
     def reduce(self, world: int, root: int) -> Schedule:
-        return _reduce(world, root)
+        check_root(world, root)
+        rounds = _reduce_scatter_rounds(world, _groups(world, tuple(range(world))))
+        rounds.append(tuple(Step(i, root, i, Action.COPY) for i in range(world) if i != root))
+        return Schedule(world, world, drop_empty(rounds))
 
     def broadcast(self, world: int, root: int) -> Schedule:
-        return _broadcast(world, root)
+        check_root(world, root)
+        rounds: list[Round] = [tuple(Step(root, i, i, Action.COPY) for i in range(world)
+                                     if i != root)]
+        rounds += _all_gather_rounds(world, _groups(world, tuple(range(world))), skip_dst=root)
+        return Schedule(world, world, drop_empty(rounds))
 
     def all_reduce(self, world: int) -> Schedule:
-        return _all_reduce(world)
+        check_world(world)
+        groups = _groups(world, tuple(range(world)))
+        rounds = _reduce_scatter_rounds(world, groups) + _all_gather_rounds(world, groups)
+        return Schedule(world, world, drop_empty(rounds))
 
     def reduce_scatter(self, world: int, owners: tuple[int, ...]) -> Schedule:
-        return _reduce_scatter(world, tuple(owners))
+        owners = check_owners(world, owners)
+        rounds = _reduce_scatter_rounds(world, _groups(world, owners))
+        return Schedule(world, len(owners), drop_empty(rounds))
 
     def all_gather(self, world: int, owners: tuple[int, ...]) -> Schedule:
-        return _all_gather(world, tuple(owners))
+        owners = check_owners(world, owners)
+        rounds = _all_gather_rounds(world, _groups(world, owners))
+        return Schedule(world, len(owners), drop_empty(rounds))

@@ -19,7 +19,7 @@ import functools
 from dataclasses import dataclass
 
 from burncoll.strategies._checks import check_owners, check_root, check_world, drop_empty
-from burncoll.strategies.base import Strategy
+from burncoll.strategies.base import Strategy, cached_schedules
 from burncoll.strategies.schedule import Action, Round, Schedule, Step
 
 __all__ = ["Tree"]
@@ -47,79 +47,19 @@ def _parent(arity: int, v: int) -> int:
 def _up_rounds(arity: int, world: int, root: int, num_chunks: int) -> list[Round]:
     """Deepest level first: every node of the level sends each chunk to its parent (REDUCE). Steps
     are listed in virtual-rank order, so a parent reduces its children in heap order."""
-    rounds: list[Round] = []
-    for level in reversed(_levels(arity, world)[1:]):
-        rounds.append(
-            tuple(Step((v + root) % world, (_parent(arity, v) + root) % world, c, Action.REDUCE)
+    return [tuple(Step((v + root) % world, (_parent(arity, v) + root) % world, c, Action.REDUCE)
                   for v in level for c in range(num_chunks))
-        )
-    return rounds
+            for level in reversed(_levels(arity, world)[1:])]
 
 
 def _down_rounds(arity: int, world: int, root: int, num_chunks: int) -> list[Round]:
     """Level 1 first: every node of the level receives each chunk from its parent (COPY)."""
-    rounds: list[Round] = []
-    for level in _levels(arity, world)[1:]:
-        rounds.append(
-            tuple(Step((_parent(arity, v) + root) % world, (v + root) % world, c, Action.COPY)
+    return [tuple(Step((_parent(arity, v) + root) % world, (v + root) % world, c, Action.COPY)
                   for v in level for c in range(num_chunks))
-        )
-    return rounds
+            for level in _levels(arity, world)[1:]]
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _reduce(arity: int, world: int, root: int) -> Schedule:
-    check_root(world, root)
-    return Schedule(world, 1, drop_empty(_up_rounds(arity, world, root, 1)))
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _broadcast(arity: int, world: int, root: int) -> Schedule:
-    check_root(world, root)
-    return Schedule(world, 1, drop_empty(_down_rounds(arity, world, root, 1)))
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _all_reduce(arity: int, world: int) -> Schedule:
-    check_world(world)
-    return _reduce(arity, world, 0).then(_broadcast(arity, world, 0))
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _reduce_scatter(arity: int, world: int, owners: tuple[int, ...]) -> Schedule:
-    owners = check_owners(world, owners)
-    n = len(owners)
-    rounds = _up_rounds(arity, world, 0, n)
-    rounds.append(tuple(Step(0, o, c, Action.COPY) for c, o in enumerate(owners) if o != 0))
-    return Schedule(world, n, drop_empty(rounds))
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _all_gather(arity: int, world: int, owners: tuple[int, ...]) -> Schedule:
-    owners = check_owners(world, owners)
-    n = len(owners)
-    levels = _levels(arity, world)
-    # held[v]: the chunks owned inside the subtree of v (root 0, so virtual rank == rank).
-    held: list[set[int]] = [set() for _ in range(world)]
-    for c, o in enumerate(owners):
-        held[o].add(c)
-    for v in range(world - 1, 0, -1):  # children have larger ranks than their parent
-        held[_parent(arity, v)] |= held[v]
-    rounds: list[Round] = []
-    for level in reversed(levels[1:]):  # gather: forward the subtree's chunks to the parent
-        rounds.append(
-            tuple(
-                Step(v, _parent(arity, v), c, Action.COPY) for v in level for c in sorted(held[v])
-            )
-        )
-    for level in levels[1:]:  # spread: send each node what its subtree did not own
-        rounds.append(
-            tuple(Step(_parent(arity, v), v, c, Action.COPY) for v in level for c in range(n)
-                  if c not in held[v])
-        )
-    return Schedule(world, n, drop_empty(rounds))
-
-
+@cached_schedules
 @dataclass(frozen=True)
 class Tree(Strategy):
     """Reduce up and broadcast down a b-ary heap (``b = arity``) rooted at the root.
@@ -152,16 +92,38 @@ class Tree(Strategy):
         return f"tree:{self.arity}"
 
     def reduce(self, world: int, root: int) -> Schedule:
-        return _reduce(self.arity, world, root)
+        check_root(world, root)
+        return Schedule(world, 1, drop_empty(_up_rounds(self.arity, world, root, 1)))
 
     def broadcast(self, world: int, root: int) -> Schedule:
-        return _broadcast(self.arity, world, root)
+        check_root(world, root)
+        return Schedule(world, 1, drop_empty(_down_rounds(self.arity, world, root, 1)))
 
     def all_reduce(self, world: int) -> Schedule:
-        return _all_reduce(self.arity, world)
+        check_world(world)
+        return self.reduce(world, 0).then(self.broadcast(world, 0))
 
     def reduce_scatter(self, world: int, owners: tuple[int, ...]) -> Schedule:
-        return _reduce_scatter(self.arity, world, tuple(owners))
+        owners = check_owners(world, owners)
+        n = len(owners)
+        rounds = _up_rounds(self.arity, world, 0, n)
+        rounds.append(tuple(Step(0, o, c, Action.COPY) for c, o in enumerate(owners) if o != 0))
+        return Schedule(world, n, drop_empty(rounds))
 
     def all_gather(self, world: int, owners: tuple[int, ...]) -> Schedule:
-        return _all_gather(self.arity, world, tuple(owners))
+        owners = check_owners(world, owners)
+        n, arity = len(owners), self.arity
+        levels = _levels(arity, world)
+        # held[v]: the chunks owned inside the subtree of v (root 0, so virtual rank == rank).
+        held: list[set[int]] = [set() for _ in range(world)]
+        for c, o in enumerate(owners):
+            held[o].add(c)
+        for v in range(world - 1, 0, -1):  # children have larger ranks than their parent
+            held[_parent(arity, v)] |= held[v]
+        # gather: forward the subtree's chunks to the parent; spread: send each node what its
+        # subtree did not own
+        gather = [tuple(Step(v, _parent(arity, v), c, Action.COPY) for v in level
+                        for c in sorted(held[v])) for level in reversed(levels[1:])]
+        spread = [tuple(Step(_parent(arity, v), v, c, Action.COPY) for v in level
+                        for c in range(n) if c not in held[v]) for level in levels[1:]]
+        return Schedule(world, n, drop_empty(gather + spread))

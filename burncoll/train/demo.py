@@ -113,13 +113,11 @@ def _run_multi_node(nodes: int, devices: int, steps: int) -> int:
     launch`` machinery starts an orchestrator on 127.0.0.1 and ``nodes`` processes of ``python -m
     burncoll.train.demo``, each with its ``BURNCOLL_*`` settings and a fresh shared auth token; 0
     when every process exits 0."""
-    import secrets
-
     from burncoll.orchestration.launch import launch_nodes
 
     command = [sys.executable, "-m", "burncoll.train.demo", "--devices", str(devices),
                "--steps", str(steps)]
-    return launch_nodes(command, nodes, devices, auth_token=secrets.token_hex(16))
+    return launch_nodes(command, nodes, devices)  # a fresh token of its own
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -29,15 +29,17 @@ from burncoll.comm.buckets import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
     LeafSpec,
+    all_reduce_flat,
     flatten_tree,
-    in_place_ok,
     leaf_spec,
+    leaf_specs,
+    pack,
     plan_buckets,
     unpack_bucket,
 )
 from burncoll.comm.communicator import Communicator
 from burncoll.errors import UsageError
-from burncoll.ops import ReduceOp, check_reduce_dtype, parse_reduce_op
+from burncoll.ops import ReduceOp, parse_reduce_op
 from burncoll.work import Work
 
 __all__ = ["GradientBuckets", "leaf_paths", "plan_stream_buckets"]
@@ -112,13 +114,8 @@ def plan_stream_buckets(specs: Sequence[LeafSpec], order: Sequence[int],
         open_[dtype] = ([*leaves, i], size + nbytes)
         last[dtype] = position
     done += [(last[dtype], dtype, leaves) for dtype, (leaves, _) in open_.items()]
-    buckets = []
-    for _, dtype, leaves in sorted(done, key=lambda entry: entry[0]):
-        offsets = [0]
-        for i in leaves:
-            offsets.append(offsets[-1] + specs[i].size)
-        buckets.append(Bucket(dtype, tuple(leaves), tuple(offsets)))
-    return buckets
+    return [Bucket.of(dtype, leaves, specs)
+            for _, dtype, leaves in sorted(done, key=lambda entry: entry[0])]
 
 
 class GradientBuckets(Generic[T]):
@@ -148,12 +145,7 @@ class GradientBuckets(Generic[T]):
         self._op = parse_reduce_op(op)
         self._backend = get_backend(comm.config.backend)
         leaves, self._unflatten = flatten_tree(like)
-        self._specs = [leaf_spec(self._backend, leaf, i) for i, leaf in enumerate(leaves)]
-        for i, spec in enumerate(self._specs):
-            try:
-                check_reduce_dtype(self._op, spec.dtype, "GradientBuckets")
-            except UsageError as exc:
-                raise UsageError(f"leaf {i} of the tree: {exc}") from None
+        self._specs = leaf_specs(self._backend, leaves, self._op, "GradientBuckets")
         self._paths = {path: i for i, path in enumerate(leaf_paths(like))}
         self._under = tuple(keys_under)
         n = len(self._specs)
@@ -206,16 +198,11 @@ class GradientBuckets(Generic[T]):
             self._works.append(self._issue(self.buckets[len(self._works)]))
 
     def _issue(self, bucket: Bucket) -> Work[Array] | None:
-        backend = self._backend
         if bucket.size == 0:  # nothing to exchange; every peer skips it alike
             return None
-        flats = [backend.flatten(self._grads[i]) for i in bucket.leaves]
-        if len(flats) == 1:
-            work: Work[Array] = self._comm.all_reduce(flats[0], self._op, async_op=True)
-            return work
-        packed = backend.concat(flats)  # ours: reduced in place where the dtype allows
-        out = packed if in_place_ok(backend, self._op, bucket.dtype) else None
-        work = self._comm.all_reduce(packed, self._op, out=out, async_op=True)
+        work: Work[Array] = all_reduce_flat(self._comm, self._op,
+                                            *pack(self._backend, bucket, self._grads),
+                                            async_op=True)
         return work
 
     def wait(self, timeout: float | None = None) -> T:

@@ -19,6 +19,7 @@ import contextlib
 import errno
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 from aioquic.quic.configuration import QuicConfiguration
@@ -55,6 +56,7 @@ MAX_DATAGRAM_SIZE = 16384
 _SOCKET_BUFFER = 8 * 1024 * 1024
 
 
+@dataclass(kw_only=True, eq=False)
 class QuicTransport(Transport):
     """Listen and connect with QUIC.
 
@@ -76,43 +78,35 @@ class QuicTransport(Transport):
     """
 
     name = "quic"
+    tls: TlsSettings | None = None
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_datagram_size: int = MAX_DATAGRAM_SIZE
+    congestion_control: str = "reno"
+    connect_timeout: float = 10.0
+    close_timeout: float = 2.0
+    idle_timeout: float = 30.0
+    preauth_seconds: float = PREAUTH_SECONDS
+    max_handshakes: int = MAX_HANDSHAKES
+    retry_handshakes: int = RETRY_HANDSHAKES
+    max_handshakes_per_source: int = MAX_HANDSHAKES_PER_SOURCE
+    max_connections: int = 1024
+    max_pending: int = 64
+    max_pending_per_source: int = 16
 
-    def __init__(self, *, tls: TlsSettings | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_datagram_size: int = 16384,
-                 congestion_control: str = "reno", connect_timeout: float = 10.0,
-                 close_timeout: float = 2.0, idle_timeout: float = 30.0,
-                 preauth_seconds: float = PREAUTH_SECONDS, max_handshakes: int = MAX_HANDSHAKES,
-                 retry_handshakes: int = RETRY_HANDSHAKES,
-                 max_handshakes_per_source: int = MAX_HANDSHAKES_PER_SOURCE,
-                 max_connections: int = 1024, max_pending: int = 64,
-                 max_pending_per_source: int = 16) -> None:
-        if not 1200 <= max_datagram_size <= MAX_DATAGRAM_SIZE:
-            raise ConfigError(
-                f"max_datagram_size must be in [1200, {MAX_DATAGRAM_SIZE}], not {max_datagram_size}"
-            )
+    def __post_init__(self) -> None:
+        max_handshakes, retry_handshakes = self.max_handshakes, self.retry_handshakes
+        if not 1200 <= self.max_datagram_size <= MAX_DATAGRAM_SIZE:
+            raise ConfigError(f"max_datagram_size must be in [1200, {MAX_DATAGRAM_SIZE}], not "
+                              f"{self.max_datagram_size}")
         if not 0 <= retry_handshakes <= max_handshakes or max_handshakes < 1:
             raise ConfigError(
                 "QUIC needs 0 <= retry_handshakes <= max_handshakes and max_handshakes >= 1, "
                 f"not retry_handshakes={retry_handshakes}, max_handshakes={max_handshakes}"
             )
-        if not 1 <= max_handshakes_per_source <= max_handshakes:
+        if not 1 <= self.max_handshakes_per_source <= max_handshakes:
             raise ConfigError("QUIC needs 1 <= max_handshakes_per_source <= max_handshakes, not "
-                              f"max_handshakes_per_source={max_handshakes_per_source}, "
+                              f"max_handshakes_per_source={self.max_handshakes_per_source}, "
                               f"max_handshakes={max_handshakes}")
-        self.tls = tls
-        self.max_message_bytes = max_message_bytes
-        self.max_datagram_size = max_datagram_size
-        self.congestion_control = congestion_control
-        self.connect_timeout = connect_timeout
-        self.close_timeout = close_timeout
-        self.idle_timeout = idle_timeout
-        self.preauth_seconds = preauth_seconds
-        self.max_handshakes = max_handshakes
-        self.retry_handshakes = retry_handshakes
-        self.max_handshakes_per_source = max_handshakes_per_source
-        self.max_connections = max_connections
-        self.max_pending = max_pending
-        self.max_pending_per_source = max_pending_per_source
 
     def _configuration(self, is_client: bool) -> QuicConfiguration:
         # The initial credit is the pre-authentication one; authenticated() opens the window.
