@@ -265,6 +265,10 @@ class Rendezvous:
                 mismatch = find_mismatch(state.complete_calls())
                 if mismatch is not None:
                     state.error = MismatchError(f"{call.kind.label} #{seq}: {mismatch}")
+            early = self._finished_before(state) if self._finished else None
+        if early:  # a local peer finished without calling it: it never will
+            self.fail(early)
+            raise copy_error(early)
         if last:
             if state.error is None:
                 state.prepared = self._prepare(call, state, prepare)
@@ -380,6 +384,20 @@ class Rendezvous:
         if self.link is not None and not remote:
             self.link.abort(error)
 
+    def _finished_before(self, state: OpState) -> MismatchError | None:
+        """The error when a peer that has finished never called ``state``'s operation (with
+        ``_lock`` held): it names that peer and the peers waiting in the operation."""
+        early = [pid for i, pid in enumerate(self.peer_ids)
+                 if i in self._finished and self._next_seq[i] <= state.seq]
+        calls = state.complete_calls()
+        if not early or not calls:
+            return None
+        return MismatchError(
+            f"{calls[0].kind.label} #{state.seq}: local peer(s) {early} called finish() "
+            f"after {min(self._next_seq[self.index_of[p]] for p in early)} operation(s), "
+            f"without calling it; waiting in it: {describe_calls(calls)}. Hint: every peer "
+            "must call the same operations in the same order.")
+
     # -- finish -----------------------------------------------------------------------------
     def finish(self, index: int) -> bool:
         """Mark peer ``index`` finished; True for the peer that must close the node.
@@ -394,6 +412,11 @@ class Rendezvous:
             if index in self._finished:
                 return False
             self._finished.add(index)
+            skipped = [s for seq, s in self._ops.items() if seq >= self._next_seq[index]]
+            early = self._finished_before(min(skipped, key=lambda s: s.seq)) if skipped else None
+        if early:  # other local peers wait in an operation this peer never called
+            self.fail(early)
+        with self._cond:
             self._cond.notify_all()
             while len(self._finished) < self.size and self._failure is None:
                 remaining = deadline - time.monotonic()

@@ -279,7 +279,10 @@ def _np_dtype(name: str) -> Any:
     return np.dtype(name)
 
 
-def test_peers_that_called_correctly_time_out_naming_the_refused_one() -> None:
+def test_peers_that_called_correctly_fail_naming_the_refused_one() -> None:
+    """The refused peer then finishes (``run_peers``) without the operation: the others fail
+    at once, naming it (a MismatchError, or the abort that carries it for a peer that came
+    after it)."""
     n, refused = 3, 1
 
     def work(comm: burncoll.Communicator, i: int) -> Any:
@@ -294,8 +297,8 @@ def test_peers_that_called_correctly_time_out_naming_the_refused_one() -> None:
     assert f"band {REFUSED} float32" in str(results[refused])
     for i, got in enumerate(results):
         if i != refused:
-            assert isinstance(got, burncoll.CollectiveTimeout), got
-            assert f"[{refused}]" in str(got), got
+            assert isinstance(got, burncoll.MismatchError | burncoll.CollectiveAborted), got
+            assert f"local peer(s) [{refused}] called finish()" in str(got), got
 
 
 # -- several nodes (threads of this process, an in-process orchestrator) ----------------------

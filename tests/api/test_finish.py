@@ -87,3 +87,84 @@ def test_a_node_whose_peers_never_called_finish_warns_once_at_exit(finish: bool)
     for node, line in enumerate(sorted(warned)):
         assert f"peer(s) [{node}] of node {node} of a multi-node collective did not call " \
                "finish()" in line
+
+
+def _registered(config: burncoll.CollectiveConfig, ids: list[int]) -> list[burncoll.Communicator]:
+    comms: dict[int, burncoll.Communicator] = {}
+    threads = [threading.Thread(target=lambda i=i, d=d: comms.__setitem__(
+        i, burncoll.register(i, d, config)), daemon=True) for d, i in enumerate(ids)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return [comms[i] for i in ids]
+
+
+@pytest.mark.parametrize("first", ["finish", "all_reduce"])
+def test_a_peer_that_finishes_without_an_operation_the_others_wait_in_is_named(
+        first: str) -> None:
+    """Peer 1 skips the second all-reduce and finishes: peer 0, waiting in it (whichever
+    comes first), gets a MismatchError naming peer 1 at once, not a timeout of finish()."""
+    config = burncoll.CollectiveConfig(num_devices=2, timeout=30.0)
+    comms = _registered(config, [0, 1])
+    xs = np.arange(6.0).reshape(2, 3)
+    errors: list[BaseException] = []
+
+    def peer(i: int) -> None:
+        try:
+            np.testing.assert_array_equal(comms[i].all_reduce(xs[i]),
+                                          reduced_float64(xs, "sum"))
+            if i == 0:
+                if first == "finish":
+                    time.sleep(0.3)  # (peer 1 finishes first)
+                comms[0].all_reduce(xs[0])
+            else:
+                if first == "all_reduce":
+                    time.sleep(0.3)  # (peer 0 waits in all_reduce #1 first)
+                comms[1].finish()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=peer, args=(i,), daemon=True) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)  # well before the 30 s timeout: nobody waits for it
+    assert not any(t.is_alive() for t in threads)
+    assert len(errors) == 1 and isinstance(errors[0], burncoll.MismatchError), errors
+    assert "all_reduce #1: local peer(s) [1] called finish() after 1 operation(s)" in str(
+        errors[0])
+
+
+_EARLY = """
+import threading
+import numpy as np, burncoll
+with burncoll.start_orchestrator(transport="websocket", expected_nodes=2) as orch:
+    errors = []
+    def peer(n, d):
+        cfg = burncoll.CollectiveConfig(num_nodes=2, node_rank=n, num_devices=2,
+                                        global_address=orch.address, timeout=30.0)
+        comm = burncoll.register(2 * n + d, d, cfg)
+        try:
+            comm.all_reduce(np.ones(3))
+            if 2 * n + d != 3:
+                comm.all_reduce(np.ones(3))
+            comm.finish()
+        except burncoll.CollectiveError as exc:
+            errors.append(f"{2 * n + d} {type(exc).__name__}: {exc}")
+    threads = [threading.Thread(target=peer, args=(n, d)) for n in range(2) for d in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    print("\\n".join(sorted(errors)))
+"""
+
+
+def test_across_nodes_the_peer_that_finished_early_is_named_on_every_node() -> None:
+    """Peer 3 (node 1) skips the second all-reduce and finishes: the peers of both nodes fail
+    with the MismatchError that names it, long before their 30 s timeout."""
+    done = subprocess.run([sys.executable, "-c", _EARLY], capture_output=True, text=True,
+                          timeout=25, cwd=_REPO)
+    lines = done.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["0", "1", "2"], (done.stdout, done.stderr)
+    for line in lines:
+        assert "MismatchError: all_reduce #1: local peer(s) [3] called finish()" in line, line
