@@ -9,6 +9,7 @@ the token.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Mapping
@@ -230,7 +231,10 @@ class CollectiveConfig:
             data = {}
         if not isinstance(data, Mapping):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of field: value")
-        return cls.from_mapping(file_values(data), source=str(path))
+        try:
+            return cls.from_mapping(file_values(data), source=str(path))
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}{_text_for_number(data, str(exc))}") from None
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "mapping") -> CollectiveConfig:
@@ -372,3 +376,22 @@ def _validate(cfg: CollectiveConfig) -> None:
                 " (found: this machine's address toward the rendezvous host)" if found else "")
             check_bind_address(host, cfg.auth_token, cfg.insecure, what,
                                "insecure: true (BURNCOLL_INSECURE=1)")
+
+
+def _text_for_number(data: Mapping[Any, Any], error: str) -> str:
+    """A hint for a refused YAML value that is a number written as text (``"30"`` quoted,
+    or ``1e2``, which YAML 1.1 reads as a string), or ``""``."""
+    for key, value in data.items():
+        if isinstance(value, str) and error.startswith(f"{key}="):
+            try:
+                number = float(value)
+            except ValueError:
+                return ""
+            if not math.isfinite(number) or "expected a" not in error:
+                return ""
+            plain = int(number) if number.is_integer() else number
+            return (f". The YAML file gives {key} as the text {value!r}, not a number (YAML "
+                    f"reads quoted values and exponents without a dot, such as 1e2, as text): "
+                    f"write {key}: {plain}")
+    return ""
+

@@ -27,6 +27,17 @@ _warned: set[str] = set()
 _warned_lock = threading.Lock()
 
 
+#: Names that other libraries use for what burncoll configures otherwise.
+_OTHER_NAMES = {
+    "strategy": "a strategy is chosen per level and operation: local_all_reduce_strategy, "
+                "global_all_reduce_strategy, and the reduce and broadcast ones",
+    "world_size": "the world is num_nodes x num_devices: set those",
+    "rank": "a peer's rank is the peer_id given to register(); a node's is node_rank",
+    "backend_name": "backend",
+    "master_addr": "global_address ('host:port' of the orchestrator)",
+}
+
+
 def nearest(name: str, choices: Iterable[str]) -> str:
     """`` (did you mean 'timeout'?)`` for the choice nearest ``name``, or ``""``."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
@@ -40,7 +51,8 @@ def refuse_unknown_names(given: Iterable[object], fields: Iterable[str], where: 
     unknown = sorted(str(k) for k in given if k not in names)
     if not unknown:
         return
-    hints = [nearest(k, names) for k in unknown]
+    hints = [f" ({_OTHER_NAMES[k]})" if k in _OTHER_NAMES else nearest(k, names)
+             for k in unknown]
     shown = ", ".join(repr(k) + hint for k, hint in zip(unknown, hints, strict=True))
     listed = "" if all(hints) else f"; the fields are: {', '.join(names)}"
     raise ConfigError(f"unknown config field(s) {shown} in {where}{listed}")

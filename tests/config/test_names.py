@@ -133,3 +133,34 @@ def test_a_misspelt_choice_names_the_nearest(kwargs: dict[str, object], message:
     with pytest.raises(ConfigError) as info:
         CollectiveConfig(**kwargs)  # type: ignore[arg-type]
     assert str(info.value) == message
+
+
+@pytest.mark.parametrize(("name", "hint"), [
+    ("strategy", "local_all_reduce_strategy, global_all_reduce_strategy"),
+    ("world_size", "num_nodes x num_devices"),
+    ("rank", "node_rank"),
+])
+def test_names_of_other_libraries_point_at_burncolls_fields(name: str, hint: str) -> None:
+    with pytest.raises(ConfigError, match=rf"unknown config field\(s\) '{name}' \(.*{hint}"):
+        CollectiveConfig(**{name: 4})
+
+
+@pytest.mark.parametrize(("line", "fix"), [
+    ("timeout: 1e2", "write timeout: 100"),  # YAML 1.1: no dot, so text
+    ('timeout: "2.5"', "write timeout: 2.5"),
+    ('num_devices: "4"', "write num_devices: 4"),
+])
+def test_a_number_the_yaml_file_gives_as_text_says_how_to_write_it(
+        tmp_path: Path, line: str, fix: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(line + "\n")
+    with pytest.raises(ConfigError, match=re.escape(fix)):
+        CollectiveConfig.from_yaml(path)
+
+
+def test_text_that_is_no_number_gets_no_such_hint(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("timeout: soon\n")
+    with pytest.raises(ConfigError) as caught:
+        CollectiveConfig.from_yaml(path)
+    assert "timeout='soon'" in str(caught.value) and "write" not in str(caught.value)
