@@ -98,7 +98,8 @@ def _add_measurement(parser: argparse.ArgumentParser) -> None:
     add("-w", "--warmup", type=int_at_least(0), default=5,
         help="untimed iterations per size before them (default 5)")
     add("--vs", type=argtype(parse_peers, "peers"), default=(),
-        help=f"peer baselines to run too: {','.join(PEER_NAMES)} or all")
+        help=f"peer baselines to run too: {','.join(PEER_NAMES)} or all; each adds a column "
+        "'vs PEER (x)': its time / burncoll's (above 1, burncoll is faster)")
     add("--fresh-results", action="store_true",
         help="all_reduce returns a new array per call; by default it writes into an out= array "
         "allocated once, as nccl-tests and mpi4py's Allreduce measure")

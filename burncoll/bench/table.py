@@ -73,6 +73,8 @@ def peer_table(peer: PeerResult) -> list[str]:
         return [f"# vs {peer.name}: skipped: {peer.skipped}"]
     widths = (12, 12, 10, 8, 8)
     lines = [f"# vs {peer.name}: {peer.description}",
+             f"#   (the 'vs {peer.name} (x)' column: its time / burncoll's; above 1, burncoll "
+             "is faster)",
              "#" + _cells(("size", "count", "time", "algbw", "busbw"), widths)[1:],
              ("#" + _cells(("(B)", "(elements)", "(us)", "(GB/s)", "(GB/s)"), widths)[1:]).rstrip()]
     for row in peer.rows:
