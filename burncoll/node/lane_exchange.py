@@ -3,8 +3,8 @@ calling peer thread from start to end: it sends its message on every lane (or th
 host mail, where the route says ``Medium.HOST``), reads every other node's, and has
 :class:`~burncoll.protocol.exchange.ExchangeCore` -- the protocol the event loop's exchange
 (:mod:`burncoll.node.exchange`) drives too -- check them and reduce in node order. The rounds
-of the shared segments (:mod:`burncoll.node.segments`) go the same way
-(:meth:`LaneExchange.trade`).
+of the host memory (:mod:`burncoll.node.host_memory`, :mod:`burncoll.node.host_reduce`) go
+the same way (:meth:`LaneExchange.trade`).
 
 The operation still starts its lane in the mailbox (``Mailbox.expect_now``, without the event
 loop where nothing needs it): a frame of this operation that arrives on a member connection
@@ -62,7 +62,7 @@ class LaneExchange:
         #: the loop).
         self.fail_soon = fail_soon
         #: Shared mail among node processes of one host, set up at join with their host
-        #: memory (:mod:`burncoll.node.shared_mail`), for the routes that take it.
+        #: memory (:mod:`burncoll.node.host_mail`), for the routes that take it.
         self.mail: Mail | None = None
         #: The exchange's protocol, by operation signature (the link's one cache).
         self.cores = cores

@@ -21,7 +21,7 @@ starts only with every lane open.
 tags, which need the event loop's codec); they are used only when every node does, and then
 for exactly the operations whose route takes them: the one-round exchange on channel 0 (an
 all-reduce up to the exchange limit; a barrier) on ``Medium.LANE``, and the host memory's
-set-up at join and the host reduction's rounds (:mod:`burncoll.node.segments`): every node
+set-up at join and the host reduction's rounds (:mod:`burncoll.node.host_reduce`): every node
 chooses the same route from the same call, and a node's channel-0 operations run one after
 the other, so a lane carries, per direction and in operation order, one message per exchange
 and one per round (each header names its operation and round).
@@ -35,7 +35,7 @@ fingerprint). A message that announces another length is read only as far as its
 
 **Shared mail.** Among node processes of one host that set up their host memory at join,
 the routes on ``Medium.HOST`` (and the host reduction's rounds) go through the shared mail
-instead (:mod:`burncoll.node.shared_mail`), and the lanes are only watched while a thread
+instead (:mod:`burncoll.node.host_mail`), and the lanes are only watched while a thread
 waits for mail (:meth:`Lanes.exchange_mail`).
 
 **Waiting.** Once its message is out, the thread reads without sleeping for a short while
@@ -75,13 +75,13 @@ _POLL_MAX_MS = 2**31 - 1
 _OUT = select.POLLOUT
 T = TypeVar("T")
 #: The longest sleep between looks at the shared mail, in seconds: a post wakes the sleeper
-#: (:meth:`~burncoll.node.shared_mail.SharedMail.sleep`), but a failure or a closed lane is
+#: (:meth:`~burncoll.node.host_mail.SharedMail.sleep`), but a failure or a closed lane is
 #: seen only when it looks.
 MAIL_NAP = 2e-3
 
 
 class Mail(Protocol):
-    """Messages through shared memory (:class:`burncoll.node.shared_mail.SharedMail`)."""
+    """Messages through shared memory (:class:`burncoll.node.host_mail.SharedMail`)."""
 
     def post(self, parts: Sequence[Buffer]) -> int: ...
 

@@ -3,10 +3,10 @@ everything else -- order, small messages, liveness -- through their own connecti
 
 Node processes of one machine (``burncoll launch --nodes 4``, torchrun's one process per
 device) otherwise push every array through the kernel's TCP stack. When the orchestrator's
-table says two nodes share a host (:func:`~burncoll.transport.ring_files.host_identity`),
+table says two nodes share a host (:func:`~burncoll.transport.host_files.host_identity`),
 the sending side of their data connection creates a ring when its first message of at least
 :data:`MIN_BYTES` needs it (an anonymous file of :data:`RING_BYTES` sealed at its size, its
-pages mapped at once: :mod:`burncoll.transport.ring_files`), offers it on the connection, and
+pages mapped at once: :mod:`burncoll.transport.host_files`), offers it on the connection, and
 waits for the answer: the receiver maps it -- only if it is a ring a sender makes -- or
 declines it (it cannot be reached: its sender has ended, ``/proc`` is closed), and then
 everything stays on the connection. Nothing goes through the ring before the answer, and the
@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from burncoll.errors import ProtocolError, TransportError
 from burncoll.protocol.wire import FIXED_HEADER_BYTES, MAX_NDIM, Placed
 from burncoll.transport.base import Buffer, Connection, FastPath, Placer, byte_view
-from burncoll.transport.ring_files import close_ring, host_identity, map_offered, new_ring
+from burncoll.transport.host_files import close_host_file, host_identity, map_offered, new_host_file
 
 __all__ = ["MIN_BYTES", "RING_BYTES", "RingReceiver", "RingSender", "host_identity"]
 
@@ -61,7 +61,7 @@ MAX_BYTES = RING_BYTES // 4
 #: still unread, and reading it brings the receiver's count past ``ACK_BYTES``.
 ACK_BYTES = RING_BYTES // 4
 #: An offer names the ring as its creator's pid, the ring's descriptor there, and the random
-#: token in the ring's name (:func:`~burncoll.transport.ring_files.map_offered`).
+#: token in the ring's name (:func:`~burncoll.transport.host_files.map_offered`).
 _OFFERED = re.compile(r"([0-9]{1,10})/([0-9]{1,10})/([0-9a-f]{32})")
 _OFFER, _DATA, _ACK = b"BSO1", b"BSD1", b"BSA1"
 #: The receiver's answer to an offer: it mapped the ring, or declined it (the sender then
@@ -174,7 +174,7 @@ class RingSender(Connection, FastPath):
         self._mapped = mapped
         self._forget()  # mapped or declined: the offered number no longer names the ring
         if not mapped:
-            close_ring(self._ring, self._map)
+            close_host_file(self._ring, self._map)
         self._answered.set()
 
     def _take_ack(self, message: Buffer) -> None:
@@ -187,7 +187,7 @@ class RingSender(Connection, FastPath):
 
     def _create(self) -> None:
         token = secrets.token_hex(16)
-        fd, self._map = new_ring(token, RING_BYTES)
+        fd, self._map = new_host_file(token, RING_BYTES)
         self._fd, self._offer = fd, f"{os.getpid()}/{fd}/{token}"
         self._ring = memoryview(self._map)
 
@@ -213,7 +213,7 @@ class RingSender(Connection, FastPath):
         # nothing went through it before its answer, so nothing is lost
         self._forget()
         await self.inner.close()
-        close_ring(self._ring, self._map)
+        close_host_file(self._ring, self._map)
 
     def authenticated(self) -> None:
         self.inner.authenticated()
@@ -229,7 +229,7 @@ class RingReceiver(Connection, FastPath):
     (its sender has ended or closed it since, ``/proc`` is closed to this process, no memory
     to map it): the sender then sends everything on the connection, and this side reads on
     -- what a failing sender said before closing follows its offer. An offer that is not one
-    a sender makes fails the connection (:func:`~burncoll.transport.ring_files.map_offered`).
+    a sender makes fails the connection (:func:`~burncoll.transport.host_files.map_offered`).
     """
 
     def __init__(self, inner: Connection) -> None:
@@ -322,7 +322,7 @@ class RingReceiver(Connection, FastPath):
 
     async def close(self) -> None:
         await self.inner.close()
-        close_ring(self._ring, self._map)
+        close_host_file(self._ring, self._map)
 
     def authenticated(self) -> None:
         self.inner.authenticated()

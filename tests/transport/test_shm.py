@@ -23,7 +23,7 @@ import pytest
 import burncoll
 from burncoll.errors import ProtocolError, TransportError
 from burncoll.protocol.wire import Placed
-from burncoll.transport import ring_files, shm
+from burncoll.transport import host_files, shm
 from burncoll.transport.base import Connection
 from tests.transport.support import EACH_PROTOCOL, MakeTransport, connected, run
 
@@ -440,7 +440,7 @@ def _sealed_offer(token: str, flags: int = 0, seal: bool = True) -> int:
     fd = os.memfd_create(f"burncoll-{token}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | flags)
     os.ftruncate(fd, shm.RING_BYTES)
     if seal:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, ring_files.SEALS)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, host_files.SEALS)
     return fd
 
 
@@ -451,7 +451,7 @@ def test_an_unsealed_ring_is_refused() -> None:
     fd = _sealed_offer(token, seal=False)
     try:
         with pytest.raises(ProtocolError, match="could still be resized"):
-            ring_files.map_offered(os.getpid(), fd, token, shm.RING_BYTES)
+            host_files.map_offered(os.getpid(), fd, token, shm.RING_BYTES)
     finally:
         os.close(fd)
 
@@ -466,16 +466,16 @@ def test_a_huge_page_ring_is_refused() -> None:
         pytest.skip(f"no huge-page memfd here: {exc}")
     try:
         with pytest.raises(ProtocolError, match="not an ordinary anonymous file"):
-            ring_files.map_offered(os.getpid(), fd, token, shm.RING_BYTES)
+            host_files.map_offered(os.getpid(), fd, token, shm.RING_BYTES)
     finally:
         os.close(fd)
 
 
 _LEASE_HOLDER = """
 import fcntl, os, signal, sys, time
-from burncoll.transport import ring_files
+from burncoll.transport import host_files
 signal.signal(signal.SIGIO, signal.SIG_IGN)  # (a lease break would end this process)
-fd = ring_files.sealed_file("burncoll-" + "e" * 32, int(sys.argv[1]))
+fd = host_files.sealed_file("burncoll-" + "e" * 32, int(sys.argv[1]))
 ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
 os.close(fd)
 fcntl.fcntl(ro, fcntl.F_SETLEASE, fcntl.F_WRLCK)
@@ -501,7 +501,7 @@ def test_a_ring_under_a_lease_is_refused_at_once() -> None:
 
         def receive() -> None:
             try:
-                outcome.append(ring_files.map_offered(holder.pid, fd, "e" * 32,
+                outcome.append(host_files.map_offered(holder.pid, fd, "e" * 32,
                                                       shm.RING_BYTES))
             except BaseException as exc:
                 outcome.append(exc)

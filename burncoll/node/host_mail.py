@@ -1,13 +1,13 @@
-"""Shared mail: the one-round exchange of node processes of one host through their shared
-segments (:mod:`burncoll.node.segments`) instead of their caller sockets.
+"""Host mail: the one-round exchange of node processes of one host through their host memory
+(:mod:`burncoll.node.host_memory`) instead of their caller sockets.
 
 **Why.** Over a socket every small all-reduce (and barrier) wakes each process through the
 kernel once per message: with 4 node processes on 2 CPUs an 8 B all-reduce took ~1 ms here,
 where Open MPI's processes, polling shared memory, take ~40 us (docs/performance.md). Here a
 node writes its message (the exchange's header and payload, exactly what it would send) into
-its own segment and then raises a counter there; the others, polling the counters, read it.
+its own mapping and then raises a counter there; the others, polling the counters, read it.
 
-**Layout** (at the start of every node's segment): a counter (the number of messages the
+**Layout** (at the start of every node's mapping): a counter (the number of messages the
 node has posted this session, a 64-bit word on a cache line of its own; the next word of the
 line says which node's counter this node sleeps on, see below), then two slots of
 :data:`SLOT_BYTES`. Message ``k`` goes into slot ``k % 2``. A node posts message ``k + 1``
@@ -59,7 +59,7 @@ from burncoll.protocol.wire import FIXED_HEADER_BYTES, MAX_NDIM
 from burncoll.strategies.auto import MAIL_BYTES
 from burncoll.transport.base import Buffer
 
-__all__ = ["ORDERED_STORES", "SharedMail"]
+__all__ = ["MAIL_AREA_BYTES", "ORDERED_STORES", "SLOT_BYTES", "Futex", "SharedMail"]
 
 #: Whether this processor keeps a thread's stores, and its loads, in program order (x86-64,
 #: and a 64-bit Python: a 32-bit one there has other system call numbers).
@@ -72,7 +72,7 @@ _LINE = 64
 #: A slot's size (whole cache lines): the largest payload ``choose`` sends through the mail
 #: (:data:`~burncoll.strategies.auto.MAIL_BYTES`) with the largest header.
 SLOT_BYTES = -(-(MAIL_BYTES + FIXED_HEADER_BYTES + 8 * MAX_NDIM) // _LINE) * _LINE
-#: The mail's size in a segment: the counter's line and two slots.
+#: The mail's size in a mapping: the counter's line and two slots.
 MAIL_AREA_BYTES = _LINE + 2 * SLOT_BYTES
 
 
@@ -83,7 +83,7 @@ class _Timespec(ctypes.Structure):
 class Futex:
     """Sleeping on a counter until it changes, woken by its writer (Linux's futex: the
     kernel compares the word and sleeps at once, so a wake-up is never lost). Shared futexes
-    key on the file and offset, so every process's mapping of a segment meets on the same
+    key on the file and offset, so every process's mapping of a file meets on the same
     word. Off Linux on x86-64, or where the system call is refused, :meth:`wait` just
     sleeps."""
 
@@ -116,7 +116,7 @@ class Futex:
 
 
 class SharedMail:
-    """Every node's mail in the mapped segments ``maps`` (by node index, this node's
+    """Every node's mail in the mappings ``maps`` (by node index, this node's
     writable), at offset ``at`` (a multiple of 64) in each."""
 
     def __init__(self, maps: dict[int, mmap.mmap], me: int, at: int) -> None:

@@ -1,0 +1,149 @@
+"""Host memory: one sealed mapping per node process of one host, that every other node of
+the session maps read-only, set up by one handshake at join.
+
+**Layout** (offsets in every node's mapping): the host mail (:mod:`burncoll.node.host_mail`)
+at 0 -- the counter line and two mail slots --, then, from :data:`SEGMENT_NODES` nodes, the
+data slot from the next page on (:data:`DATA_AT`, a piece of :data:`PIECE_BYTES`) and the
+result area (:data:`RESULT_AT`: a result chunk is at most half a piece, plus an element),
+both for the host reduction (:mod:`burncoll.node.host_reduce`). Below 3 nodes the mapping is
+the mail alone (:func:`host_memory_bytes`). No page is touched at set-up: a session that never
+all-reduces through the data slot (point to point only) holds no memory for it.
+
+**The handshake** (once the lanes are open, before the session's first operation:
+:meth:`burncoll.node.link.NodeLink.share_host_memory`): every node makes its mapping (a
+sealed anonymous file, :mod:`burncoll.transport.host_files`) and offers it on the lanes (round
+1); every node maps the others' read-only -- only if each is a file a node makes, of the
+mapping's size, sealed, not offered twice -- and answers whether it mapped them all, and
+whether its processor keeps stores in order (round 2). Every node reads every answer, so all
+of them agree on the session's capabilities: ``host_memory`` (every mapping mapped everywhere)
+and ``host_mail`` (and every processor allows the mail). Without them (a node without the
+memory, ``/proc`` closed) the session runs without host memory from its first operation: the
+route of every operation is chosen knowing it (:func:`burncoll.local.plans.choose.choose`).
+
+**Trust.** A node can write only its own mapping: another node's is mapped read-only, and its
+size cannot change under the mapping (sealed). Every round is a DATA header naming the
+operation, its round and its sender, checked byte for byte as the exchange's are
+(:meth:`burncoll.node.lane_exchange.LaneExchange.trade`); what a node puts in its slots is its
+contribution, as any node's array is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import secrets
+
+from burncoll.errors import ProtocolError
+from burncoll.levels import GlobalOp
+from burncoll.node.host_mail import MAIL_AREA_BYTES, ORDERED_STORES, SharedMail
+from burncoll.node.lane_exchange import LaneExchange
+from burncoll.protocol.checks import Check
+from burncoll.strategies.auto import PIECE_BYTES, SEGMENT_NODES
+from burncoll.transport.host_files import close_host_file, map_offered, new_host_file
+
+__all__ = ["DATA_AT", "HOST_MEMORY_BYTES", "OFFER_BYTES", "RESULT_AT", "HostMemory",
+           "host_memory_bytes"]
+
+DATA_AT = -(-MAIL_AREA_BYTES // mmap.PAGESIZE) * mmap.PAGESIZE
+RESULT_AT = DATA_AT + PIECE_BYTES
+HOST_MEMORY_BYTES = RESULT_AT + PIECE_BYTES // 2 + 64
+#: An offer: the mapping's creator's pid, its descriptor there and its name's token, padded.
+OFFER_BYTES = 64
+_OFFERED = re.compile(rb"([0-9]{1,10})/([0-9]{1,10})/([0-9a-f]{32})\0*")
+_OFFER_ROUND, _ANSWER_ROUND = 1, 2
+#: A node's answer in round 2: it mapped every other node's; its processor allows the mail.
+_MAPPED, _ORDERED = 1, 2
+
+
+def host_memory_bytes(nodes: int) -> int:
+    """A mapping's size in a session of ``nodes`` node processes: the mail alone below
+    :data:`SEGMENT_NODES` (their all-reduces past the exchange take the ring), else the data
+    slot and the result area too."""
+    return HOST_MEMORY_BYTES if nodes >= SEGMENT_NODES else DATA_AT
+
+
+class HostMemory:
+    """This node's mapping and its mappings of every other node's (see the module)."""
+
+    def __init__(self, lanes: LaneExchange) -> None:
+        self.lanes = lanes
+        self.me = lanes.service.node_index
+        self.nodes = len(lanes.service.nodes)
+        self._bytes = host_memory_bytes(self.nodes)
+        #: Every node's mapping, this node's writable, by node index.
+        self.maps: dict[int, mmap.mmap] = {}
+
+    def round(self, op: GlobalOp, check: Check, round_: int, payload: bytes = b""
+              ) -> dict[int, bytes]:
+        """Round ``round_`` of ``op`` in the mail, if the session has it, else on the lanes:
+        every other node's ``payload``, by node (a copy: a few bytes)."""
+        core = self.lanes.cores.of(op, len(payload))
+        header = core.round_header(op, round_, len(payload))
+        received = self.lanes.trade(op, check, header, payload, self.lanes.mail, core)
+        return {node: bytes(data[len(header):]) for node, data in received.items()}
+
+    def set_up(self, op: GlobalOp) -> bool:
+        """(At join.) Make, offer and map the mappings (rounds 1 and 2 of ``op`` on the
+        lanes); whether every node mapped every other's, the same on every node. With every
+        processor allowing it, the mail is then the lanes' (``LaneExchange.mail``)."""
+        check = self.lanes.executor.checker(op)
+        token = secrets.token_hex(16)
+        fd: int | None = None
+        seen: dict[tuple[int, int], str] = {}  # (every mapping is a file of its own)
+        try:
+            offer = b""
+            if ORDERED_STORES or self.nodes >= SEGMENT_NODES:  # (else it would serve nothing)
+                with contextlib.suppress(OSError):  # (no memory or descriptor for it)
+                    fd, self.maps[self.me] = new_host_file(token, self._bytes, populate=False)
+                    mine = os.fstat(fd)
+                    seen[mine.st_dev, mine.st_ino] = "this node"
+                    offer = f"{os.getpid()}/{fd}/{token}".encode()
+            offers = self.round(op, check, _OFFER_ROUND, offer.ljust(OFFER_BYTES, b"\0"))
+            mapped = [self._map(op, n, offers[n], seen) for n in sorted(offers)]  # (all)
+            answer = (_MAPPED if offer and all(mapped) else 0) | (_ORDERED * ORDERED_STORES)
+            answers = [answer, *(a[0] for a in self.round(op, check, _ANSWER_ROUND,
+                                                          bytes([answer])).values())]
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            if fd is not None:  # (every node mapped it before it answered, or never will)
+                os.close(fd)
+        usable = all(a & _MAPPED for a in answers)
+        if not usable:
+            self.close()
+        elif all(a & _ORDERED for a in answers):
+            self.lanes.mail = SharedMail(self.maps, self.me, 0)
+        return usable
+
+    def _map(self, op: GlobalOp, node: int, offer: bytes, seen: dict[tuple[int, int], str]
+             ) -> bool:
+        """Map node ``node``'s offered file; ``False`` when it offered none or it cannot be
+        reached. A file offered as one that is not a node's mapping, or that another node (or
+        this one) offered too, fails the session, naming both."""
+        found = _OFFERED.fullmatch(offer)
+        if found is None:
+            if offer.strip(b"\0"):
+                self.lanes.refuse(op, ProtocolError(
+                    f"{op.label}: node {node} offered its host memory in a malformed message "
+                    "on its caller socket"))
+            return False
+        pid, fd, token = int(found[1]), int(found[2]), found[3].decode()
+        try:
+            mapping = map_offered(pid, fd, token, self._bytes, seen, populate=False,
+                                  offered_by=f"node {node}")
+        except ProtocolError as exc:
+            self.lanes.refuse(op, ProtocolError(f"{op.label}: node {node} {exc}"))
+        if mapping is None:
+            return False
+        self.maps[node] = mapping
+        return True
+
+    def close(self) -> None:
+        """Unmap every mapping (views of them still held keep theirs mapped)."""
+        maps, self.maps = self.maps, {}
+        self.lanes.mail = None
+        for mapping in maps.values():
+            close_host_file(None, mapping)
