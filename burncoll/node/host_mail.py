@@ -20,7 +20,7 @@ then the message. x86-64 keeps stores in order and loads in order (its memory mo
 reader that sees the counter sees the message. Other processors need fences that Python
 cannot issue: there :data:`ORDERED_STORES` is false and the exchange stays on the sockets.
 
-**Waiting** (:meth:`burncoll.node.lanes.Lanes.exchange`): a reader looks at the counters,
+**Waiting** (:meth:`SharedMail.exchange`): a reader looks at the counters,
 giving its CPU away between looks for a while (the nodes it waits for may need it), then
 sleeps on the first awaited node's counter (:class:`Futex`). Linux's futex compares the
 counter and sleeps in one step, so a post between the reader's look and its sleep is never
@@ -36,8 +36,9 @@ wake-up is lost; a word a node leaves set costs only a wake.
 **Trust.** What a node reads is checked as a socket's message is (the header byte for byte,
 :meth:`burncoll.node.lane_exchange.LaneExchange.trade`), and only as many bytes as this
 node's own call gives are read; a counter another node raises too far only makes this node
-read that slot early, to find a wrong header or that node's own contribution. The waiting
-itself (deadlines, a lost node, a failed session) is :meth:`burncoll.node.lanes.Lanes.exchange`'s.
+read that slot early, to find a wrong header or that node's own contribution. While it waits,
+a node watches the lanes (:meth:`burncoll.node.lanes.Lanes.watch`): the deadline, a lost node
+(its lane closes: ``PeerLost`` at once), a failed session.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import contextlib
 import ctypes
 import errno
 import mmap
+import os
 import platform
 import sys
 import threading
@@ -55,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from burncoll.node.lanes import Lanes, LaneWoken
 from burncoll.protocol.wire import FIXED_HEADER_BYTES, MAX_NDIM
 from burncoll.strategies.auto import MAIL_BYTES
 from burncoll.transport.base import Buffer
@@ -74,6 +77,9 @@ _LINE = 64
 SLOT_BYTES = -(-(MAIL_BYTES + FIXED_HEADER_BYTES + 8 * MAX_NDIM) // _LINE) * _LINE
 #: The mail's size in a mapping: the counter's line and two slots.
 MAIL_AREA_BYTES = _LINE + 2 * SLOT_BYTES
+#: The longest sleep between looks at the mail, in seconds: a post wakes the sleeper
+#: (:meth:`SharedMail.sleep`), but a failure or a closed lane is seen only when it looks.
+MAIL_NAP = 2e-3
 
 
 class _Timespec(ctypes.Structure):
@@ -133,6 +139,42 @@ class SharedMail:
         self._slots = (at + _LINE, at + _LINE + SLOT_BYTES)
         #: Messages this node has posted (all of them read by every other node but the last).
         self.posted_count = 0
+
+    def exchange(self, lanes: Lanes, parts: Sequence[Buffer], size: int, deadline: float
+                 ) -> dict[int, memoryview]:
+        """The lanes' exchange (:meth:`~burncoll.node.lanes.Lanes.exchange`) through the
+        mail: this node's message is ``parts`` one after the other (``size`` bytes), and each
+        other node's is read as a view of as many bytes in its slot, by ``deadline``. The
+        lanes are only watched: a lane that closes is the loss of its node, a message on it a
+        mismatch."""
+        return lanes.alone(lambda wake: self._exchange(lanes, parts, size, deadline))
+
+    def _exchange(self, lanes: Lanes, parts: Sequence[Buffer], size: int, deadline: float
+                  ) -> dict[int, memoryview]:
+        """(Alone on the lanes.) Post, then look at the other nodes' counters, giving the CPU
+        away between looks for a while (:class:`~burncoll.node.spinning.Yielding`), then
+        sleeping until the first node awaited posts (woken by it; :data:`MAIL_NAP` at most);
+        every 16 looks and before every sleep, the lanes' watch too."""
+        k = self.post(parts)
+        waiting, yielding = self.missing(lanes.socks, k), lanes.yielding
+        now = time.perf_counter()
+        yield_until, looks = now + yielding.budget(), 0
+        while waiting:
+            looks += 1
+            if now < yield_until:
+                if not looks & 15:
+                    lanes.watch(waiting, deadline, lambda n: self.posted(n, k))
+                os.sched_yield()
+                then, now = now, time.perf_counter()
+                if not yielding.yielded(now - then):
+                    yield_until = now
+            else:
+                lanes.watch(waiting, deadline, lambda n: self.posted(n, k))
+                self.sleep(waiting[0], k, min(MAIL_NAP, max(deadline - time.monotonic(), 0)))
+            if lanes.woken:
+                raise LaneWoken()
+            waiting = self.missing(waiting, k)
+        return self.read_all(lanes.socks, k, size)
 
     def post(self, parts: Sequence[Buffer]) -> int:
         """Post the message ``parts`` make one after the other (at most a slot: the routes

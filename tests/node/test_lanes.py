@@ -262,7 +262,7 @@ def test_a_message_on_the_lane_of_a_node_whose_mail_is_in_is_no_mismatch() -> No
         SharedMail(maps, 1, 0).post([b"node 1's"])
         one.socks[0].sendall(_frame(b"\0" * 16, seq=4))
         zero.yielding.sleeping = 1  # (it sleeps at once: its first step looks at the lanes)
-        got = zero.exchange_mail(mail, [b"node 0's"], 8, time.monotonic() + 5.0)
+        got = mail.exchange(zero, [b"node 0's"], 8, time.monotonic() + 5.0)
         assert bytes(got[1]) == b"node 1's"
         assert len(zero.peek(1 << 10)[1]) > FIXED_HEADER_BYTES  # (left for its operation)
     finally:
