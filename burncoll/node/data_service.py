@@ -28,7 +28,13 @@ from burncoll.node.held import HeldBudget
 from burncoll.node.inbox import Inbox
 from burncoll.node.lanes import READY, Lanes
 from burncoll.node.mailbox import Mailbox
-from burncoll.node.membership import Membership, NodeInfo, TableMismatch, explain_lost
+from burncoll.node.membership import (
+    Membership,
+    NodeInfo,
+    TableMismatch,
+    explain_lost,
+    number_hosts,
+)
 from burncoll.node.p2p_outbox import Outbox
 from burncoll.node.placement import placer_for
 from burncoll.node.reading import MemberReader
@@ -235,7 +241,7 @@ class DataService:
 
     async def _connect(self, node: NodeInfo, deadline: float) -> None:
         conn = await self.dialing.dial(node, deadline)
-        if self._same_host(node.index):
+        if self._one_host():
             conn = RingReceiver(conn)
         # Array data arrives only here (the receiving node dials), and only node's.
         self.connections.add_dialed(node.index, conn, placer_for(
@@ -267,7 +273,7 @@ class DataService:
                             self.nodes[node].describe(), exc)
                 await conn.close()
             return
-        if self._same_host(node):
+        if self._one_host():
             conn = RingSender(conn)
         if not self.connections.add_out(node, conn):
             log.warning("data service: dropped a second connection from %s",
@@ -280,12 +286,12 @@ class DataService:
         if len(self._hellos) >= len(self.membership.others()):
             self._hellos_in.set()
 
-    def _same_host(self, node: int) -> bool:
-        """Whether ``node`` runs on this node's host (:mod:`burncoll.transport.shm`): their
-        large messages then go through shared memory."""
-        nodes = self.membership.nodes
-        me = nodes[self.node_index].host_id if 0 <= self.node_index < len(nodes) else ""
-        return bool(me) and 0 <= node < len(nodes) and nodes[node].host_id == me
+    def _one_host(self) -> bool:
+        """Whether the nodes may share host memory (:mod:`burncoll.node.host_memory`): every
+        node uses lanes and runs on one host. Each connection is then wrapped to take its
+        stream region at join (:mod:`burncoll.transport.shm`)."""
+        return self.uses_lanes and number_hosts(self.membership.nodes) == (0,) * len(
+            self.membership.nodes)
 
     async def send(self, node: int, parts: Sequence[Buffer]) -> None:
         """Send one frame to ``node``; a broken connection fails the session (PeerLost)."""

@@ -5,9 +5,11 @@ the session maps read-only, set up by one handshake at join.
 at 0 -- the counter line and two mail slots --, then, from :data:`SEGMENT_NODES` nodes, the
 data slot from the next page on (:data:`DATA_AT`, a piece of :data:`PIECE_BYTES`) and the
 result area (:data:`RESULT_AT`: a result chunk is at most half a piece, plus an element),
-both for the host reduction (:mod:`burncoll.node.host_reduce`). Below 3 nodes the mapping is
-the mail alone (:func:`host_memory_bytes`). No page is touched at set-up: a session that never
-all-reduces through the data slot (point to point only) holds no memory for it.
+both for the host reduction (:mod:`burncoll.node.host_reduce`); last, from the next page on
+(:func:`regions_at`), one stream region of :data:`~burncoll.transport.shm.RING_BYTES` per
+other node, in node order, through which this node's connection to it carries its large
+messages (:mod:`burncoll.transport.shm`). No page is touched at set-up: a session that never
+all-reduces through the data slot or sends through a region holds no memory for them.
 
 **The handshake** (once the lanes are open, before the session's first operation:
 :meth:`burncoll.node.link.NodeLink.share_host_memory`): every node makes its mapping (a
@@ -16,7 +18,10 @@ sealed anonymous file, :mod:`burncoll.transport.host_files`) and offers it on th
 mapping's size, sealed, not offered twice -- and answers whether it mapped them all, and
 whether its processor keeps stores in order (round 2). Every node reads every answer, so all
 of them agree on the session's capabilities: ``host_memory`` (every mapping mapped everywhere)
-and ``host_mail`` (and every processor allows the mail). Without them (a node without the
+and ``host_mail`` (and every processor allows the mail). A node hands its connections their
+regions: to read, once it mapped every node's file (before it answers: no sender writes a
+region before every answer is in), and to write, once every node answered that it mapped
+every file. Without them (a node without the
 memory, ``/proc`` closed) the session runs without host memory from its first operation: the
 route of every operation is chosen knowing it (:func:`burncoll.local.plans.choose.choose`).
 
@@ -42,13 +47,18 @@ from burncoll.node.lane_exchange import LaneExchange
 from burncoll.protocol.checks import Check
 from burncoll.strategies.auto import PIECE_BYTES, SEGMENT_NODES
 from burncoll.transport.host_files import close_host_file, map_offered, new_host_file
+from burncoll.transport.shm import RING_BYTES
 
-__all__ = ["DATA_AT", "HOST_MEMORY_BYTES", "OFFER_BYTES", "RESULT_AT", "HostMemory",
-           "host_memory_bytes"]
+__all__ = ["DATA_AT", "OFFER_BYTES", "RESULT_AT", "HostMemory", "host_memory_bytes",
+           "regions_at"]
 
-DATA_AT = -(-MAIL_AREA_BYTES // mmap.PAGESIZE) * mmap.PAGESIZE
+
+def _paged(size: int) -> int:
+    return -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+DATA_AT = _paged(MAIL_AREA_BYTES)
 RESULT_AT = DATA_AT + PIECE_BYTES
-HOST_MEMORY_BYTES = RESULT_AT + PIECE_BYTES // 2 + 64
 #: An offer: the mapping's creator's pid, its descriptor there and its name's token, padded.
 OFFER_BYTES = 64
 _OFFERED = re.compile(rb"([0-9]{1,10})/([0-9]{1,10})/([0-9a-f]{32})\0*")
@@ -57,11 +67,16 @@ _OFFER_ROUND, _ANSWER_ROUND = 1, 2
 _MAPPED, _ORDERED = 1, 2
 
 
+def regions_at(nodes: int) -> int:
+    """Where the stream regions start in a session of ``nodes`` node processes: after the
+    mail alone below :data:`SEGMENT_NODES` (their all-reduces past the exchange take the
+    ring), else after the data slot and the result area too."""
+    return _paged(RESULT_AT + PIECE_BYTES // 2 + 64) if nodes >= SEGMENT_NODES else DATA_AT
+
+
 def host_memory_bytes(nodes: int) -> int:
-    """A mapping's size in a session of ``nodes`` node processes: the mail alone below
-    :data:`SEGMENT_NODES` (their all-reduces past the exchange take the ring), else the data
-    slot and the result area too."""
-    return HOST_MEMORY_BYTES if nodes >= SEGMENT_NODES else DATA_AT
+    """A mapping's size in a session of ``nodes`` node processes."""
+    return regions_at(nodes) + (nodes - 1) * RING_BYTES
 
 
 class HostMemory:
@@ -94,15 +109,15 @@ class HostMemory:
         seen: dict[tuple[int, int], str] = {}  # (every mapping is a file of its own)
         try:
             offer = b""
-            if ORDERED_STORES or self.nodes >= SEGMENT_NODES:  # (else it would serve nothing)
-                with contextlib.suppress(OSError):  # (no memory or descriptor for it)
-                    fd, self.maps[self.me] = new_host_file(token, self._bytes, populate=False)
-                    mine = os.fstat(fd)
-                    seen[mine.st_dev, mine.st_ino] = "this node"
-                    offer = f"{os.getpid()}/{fd}/{token}".encode()
+            with contextlib.suppress(OSError):  # (no memory or descriptor for it)
+                fd, self.maps[self.me] = new_host_file(token, self._bytes, populate=False)
+                mine = os.fstat(fd)
+                seen[mine.st_dev, mine.st_ino] = "this node"
+                offer = f"{os.getpid()}/{fd}/{token}".encode()
             offers = self.round(op, check, _OFFER_ROUND, offer.ljust(OFFER_BYTES, b"\0"))
             mapped = [self._map(op, n, offers[n], seen) for n in sorted(offers)]  # (all)
-            answer = (_MAPPED if offer and all(mapped) else 0) | (_ORDERED * ORDERED_STORES)
+            usable = bool(offer) and all(mapped) and self._read_regions(True)
+            answer = (_MAPPED * usable) | (_ORDERED * ORDERED_STORES)
             answers = [answer, *(a[0] for a in self.round(op, check, _ANSWER_ROUND,
                                                           bytes([answer])).values())]
         except BaseException:
@@ -114,9 +129,25 @@ class HostMemory:
         usable = all(a & _MAPPED for a in answers)
         if not usable:
             self.close()
-        elif all(a & _ORDERED for a in answers):
+            return False
+        self.lanes.service.connections.write_regions({
+            n: memoryview(self.maps[self.me])[self._region(self.me, n)] for n in self.maps
+            if n != self.me})
+        if all(a & _ORDERED for a in answers):
             self.lanes.mail = SharedMail(self.maps, self.me, 0)
-        return usable
+        return True
+
+    def _region(self, writer: int, reader: int) -> slice:
+        """Where ``writer``'s stream region to ``reader`` lies in ``writer``'s mapping."""
+        at = regions_at(self.nodes) + (reader - (reader > writer)) * RING_BYTES
+        return slice(at, at + RING_BYTES)
+
+    def _read_regions(self, handed: bool) -> bool:
+        """Hand every connection this node receives on the region its sender writes (or none,
+        ``handed`` false); whether every other node's connection took one."""
+        return self.lanes.service.connections.read_regions({
+            n: memoryview(m)[self._region(n, self.me)] for n, m in self.maps.items()
+            if n != self.me} if handed else {})
 
     def _map(self, op: GlobalOp, node: int, offer: bytes, seen: dict[tuple[int, int], str]
              ) -> bool:
@@ -143,6 +174,7 @@ class HostMemory:
 
     def close(self) -> None:
         """Unmap every mapping (views of them still held keep theirs mapped)."""
+        self._read_regions(False)
         maps, self.maps = self.maps, {}
         self.lanes.mail = None
         for mapping in maps.values():

@@ -359,7 +359,7 @@ class NodeLink:
             raise error
 
     async def _shutdown(self) -> None:
+        await self._service.close()  # (first: its connections let go of their regions)
         if self._host_memory is not None:
             self._host_memory.close()
-        await self._service.close()
         await self._orch.close()

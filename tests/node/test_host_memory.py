@@ -13,10 +13,10 @@ host too): a node that cannot make its mapping, or cannot map the others', leave
 on the sockets from the first operation; a node that offers a file that is not a mapping (not
 sealed), or another node's, fails the join on every node, named; a processor without ordered
 stores keeps the exchange on the sockets; a node that never calls times the others out by
-their deadline; different sizes are a mismatch; 2 nodes map the mail alone; a session that
-only sends point to point holds no memory for the data slots; and nodes of two devices share
-their sums through the mail and the host reduction. Last, the mail's slot bound and the futex
-it sleeps on, between real threads.
+their deadline; different sizes are a mismatch; 2 nodes map the mail and a stream region
+each; a session that only sends point to point holds no memory for the data slots; and nodes
+of two devices share their sums through the mail and the host reduction. Last, the mail's
+slot bound and the futex it sleeps on, between real threads.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ import burncoll.node.host_memory as host_memory_module
 import burncoll.node.host_reduce as host_reduce_module
 from burncoll.levels import Exchange, HostReduce, Medium
 from burncoll.node.host_mail import SLOT_BYTES, Futex, SharedMail
-from burncoll.node.host_memory import host_memory_bytes
+from burncoll.node.host_memory import host_memory_bytes, regions_at
 from burncoll.strategies import Ring
+from burncoll.transport.shm import RING_BYTES
 from tests.harness import (
     all_reduce_as,
     reduced_float64,
@@ -352,17 +353,22 @@ def test_a_barrier_against_an_all_reduce_is_a_mismatch_on_every_node() -> None:
         assert "barrier" in str(out[rank]) and "all_reduce" in str(out[rank]), out[rank]
 
 
-def test_two_nodes_map_the_mail_alone() -> None:
-    """Below 3 nodes the host reduction is not used: a mapping is the mail only."""
+def test_two_nodes_map_the_mail_and_a_stream_region_each() -> None:
+    """Below 3 nodes the host reduction is not used: a mapping is the mail and one stream
+    region to the other node, handed to its connection at join."""
     def fn(comm: burncoll.Communicator) -> Any:
         comm.barrier()
-        maps = comm._server.link._host_memory.maps  # type: ignore[attr-defined]
-        return sorted(len(m) for m in maps.values())
+        link = comm._server.link  # type: ignore[attr-defined]
+        connections = link._service.connections
+        return (sorted(len(m) for m in link._host_memory.maps.values()),
+                [c._region is not None for c in connections.out.values()],
+                [c._region is not None for c in connections.dialed.values()])
 
     out = _threads(2, fn)
     for rank in range(2):
-        assert out[rank] == [host_memory_bytes(2)] * 2, out[rank]
-    assert host_memory_bytes(2) <= 2 << 20 < host_memory_bytes(3)
+        assert out[rank] == ([host_memory_bytes(2)] * 2, [True], [True]), out[rank]
+    assert host_memory_bytes(2) == regions_at(2) + RING_BYTES
+    assert regions_at(2) <= 2 << 20 < regions_at(3)
 
 
 def _resident_kib() -> int:
