@@ -110,7 +110,7 @@ class HostMemory:
         try:
             offer = b""
             with contextlib.suppress(OSError):  # (no memory or descriptor for it)
-                fd, self.maps[self.me] = new_host_file(token, self._bytes, populate=False)
+                fd, self.maps[self.me] = new_host_file(token, self._bytes)
                 mine = os.fstat(fd)
                 seen[mine.st_dev, mine.st_ino] = "this node"
                 offer = f"{os.getpid()}/{fd}/{token}".encode()
@@ -163,8 +163,7 @@ class HostMemory:
             return False
         pid, fd, token = int(found[1]), int(found[2]), found[3].decode()
         try:
-            mapping = map_offered(pid, fd, token, self._bytes, seen, populate=False,
-                                  offered_by=f"node {node}")
+            mapping = map_offered(pid, fd, token, self._bytes, seen, offered_by=f"node {node}")
         except ProtocolError as exc:
             self.lanes.refuse(op, ProtocolError(f"{op.label}: node {node} {exc}"))
         if mapping is None:
@@ -178,4 +177,4 @@ class HostMemory:
         maps, self.maps = self.maps, {}
         self.lanes.mail = None
         for mapping in maps.values():
-            close_host_file(None, mapping)
+            close_host_file(mapping)

@@ -1,6 +1,5 @@
-"""The files behind host memory (:mod:`burncoll.node.host_memory`) and the shared-memory
-rings of :mod:`burncoll.transport.shm`: sealed anonymous files, which host can share them, and
-how a receiver opens the one it was offered.
+"""The files behind host memory (:mod:`burncoll.node.host_memory`): sealed anonymous files,
+which host can share them, and how a receiver opens the one it was offered.
 
 A host file is an anonymous ``memfd`` *sealed* at its size (``F_SEAL_SHRINK | F_SEAL_GROW |
 F_SEAL_SEAL``): nobody, its creator included, can shrink it under a reader's mapping (a read
@@ -30,7 +29,6 @@ __all__ = ["close_host_file", "host_identity", "map_offered", "new_host_file", "
 #: A host file's seals (0 where the platform has none: then no host shares memory).
 SEALS: int = (getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0)
               | getattr(fcntl, "F_SEAL_SEAL", 0))
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 @functools.cache
@@ -78,25 +76,21 @@ def sealed_file(name: str, size: int) -> int:
     return fd
 
 
-def new_host_file(token: str, size: int, *, populate: bool = True) -> tuple[int, mmap.mmap]:
-    """A new sealed host file named with ``token``: its descriptor and its writable mapping, every
-    page mapped now (not a page fault per message until the ring first wraps), or, without
-    ``populate``, each page at its first use (no memory for the pages never used)."""
+def new_host_file(token: str, size: int) -> tuple[int, mmap.mmap]:
+    """A new sealed host file named with ``token``: its descriptor and its writable mapping
+    (each page mapped at its first use: no memory for the pages never used)."""
     fd = sealed_file(f"burncoll-{token}", size)
     try:
-        return fd, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (_POPULATE if populate else 0))
+        return fd, mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     except BaseException:
         os.close(fd)
         raise
 
 
-def close_host_file(view: memoryview | None, mapping: mmap.mmap | None) -> None:
+def close_host_file(mapping: mmap.mmap) -> None:
     """Unmap a host file (left mapped while a view of it is still held elsewhere)."""
     with contextlib.suppress(BufferError, ValueError):
-        if view is not None:
-            view.release()
-        if mapping is not None:
-            mapping.close()
+        mapping.close()
 
 
 @functools.cache
@@ -110,15 +104,16 @@ def _memfd_device() -> int:
 
 
 def map_offered(pid: int, fd: int, token: str, size: int,
-                seen: dict[tuple[int, int], str] | None = None, *, populate: bool = True,
+                seen: dict[tuple[int, int], str] | None = None, *,
                 offered_by: str = "another node") -> mmap.mmap | None:
-    """The host file process ``pid`` offered as its descriptor ``fd`` named with ``token``, mapped
-    read-only; ``None`` when it cannot be reached or is not that file (its sender has ended or
-    closed it, ``/proc`` is closed to this process): the receiver declines it. A file that is
-    named as the file but is not one a sender makes is :class:`ProtocolError`; so is, with
-    ``seen`` (who offered each file already offered, by ``(st_dev, st_ino)``, to which this
-    one is added as ``offered_by``'s), a file offered twice: the error names who offered it
-    first. ``populate`` as :func:`new_host_file`'s."""
+    """The host file process ``pid`` offered as its descriptor ``fd`` named with ``token``,
+    mapped read-only; ``None`` when it cannot be reached or is not that file (its owner has
+    ended or closed it, ``/proc`` is closed to this process): the receiver declines it. A
+    file that is named as that file but is not one a node makes is :class:`ProtocolError`; so
+    is, with ``seen`` (who offered each file already offered, by ``(st_dev, st_ino)``, to
+    which this one is added as ``offered_by``'s), a file offered twice: the error names who
+    offered it
+    first."""
     try:
         handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_PATH)
     except OSError:
@@ -135,13 +130,13 @@ def map_offered(pid: int, fd: int, token: str, size: int,
         if not stat.S_ISREG(info.st_mode) or info.st_dev != device:
             raise ProtocolError("offered a shared-memory file that is not an ordinary "
                                 "anonymous file")
-        return _map_checked(handle, size, seen, offered_by, _POPULATE if populate else 0)
+        return _map_checked(handle, size, seen, offered_by)
     finally:
         os.close(handle)
 
 
 def _map_checked(handle: int, size: int, seen: dict[tuple[int, int], str] | None,
-                 offered_by: str, populate: int) -> mmap.mmap | None:
+                 offered_by: str) -> mmap.mmap | None:
     try:  # O_NONBLOCK: a file under a lease fails at once instead of blocking the loop
         fd = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_NONBLOCK)
     except BlockingIOError as exc:  # (a lease: no sender takes one)
@@ -163,7 +158,7 @@ def _map_checked(handle: int, size: int, seen: dict[tuple[int, int], str] | None
                                     "offered too")
             seen[file] = offered_by
         try:
-            return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
+            return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         except OSError:  # (no memory for it now: the receiver declines)
             return None
     finally:

@@ -36,9 +36,8 @@ from collections.abc import Sequence
 from burncoll.errors import ProtocolError, TransportError
 from burncoll.protocol.wire import FIXED_HEADER_BYTES, MAX_NDIM, Placed
 from burncoll.transport.base import Buffer, Connection, FastPath, Placer, byte_view
-from burncoll.transport.host_files import host_identity
 
-__all__ = ["MIN_BYTES", "RING_BYTES", "RingReceiver", "RingSender", "host_identity"]
+__all__ = ["MIN_BYTES", "RING_BYTES", "RingReceiver", "RingSender"]
 
 #: Size of a stream region (one direction): four of a collective's largest messages (4 MiB
 #: parts).

@@ -74,10 +74,9 @@ def _ends(client: Connection, server: Connection) -> tuple[shm.RingSender, shm.R
     memory hands them theirs: a sealed host file, mapped writable by the sender and, found as
     another node finds it (``map_offered``), read-only by the receiver."""
     token = secrets.token_hex(16)
-    fd, mapping = host_files.new_host_file(token, shm.RING_BYTES, populate=False)
+    fd, mapping = host_files.new_host_file(token, shm.RING_BYTES)
     try:
-        reading = host_files.map_offered(os.getpid(), fd, token, shm.RING_BYTES,
-                                         populate=False)
+        reading = host_files.map_offered(os.getpid(), fd, token, shm.RING_BYTES)
     finally:
         os.close(fd)
     assert reading is not None
@@ -442,8 +441,7 @@ def test_a_ring_under_a_lease_is_refused_at_once() -> None:
 def test_nobody_can_resize_a_host_file() -> None:
     """Not its creator, not another opener of it: its size is sealed, so no receiver's
     mapping can lose its pages."""
-    fd, mapping = host_files.new_host_file(secrets.token_hex(16), shm.RING_BYTES,
-                                           populate=False)
+    fd, mapping = host_files.new_host_file(secrets.token_hex(16), shm.RING_BYTES)
     other = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
     try:
         for each in (fd, other):
