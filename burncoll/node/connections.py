@@ -76,14 +76,14 @@ class MemberConnections:
             if isinstance(conn, FastPath):
                 conn.stop_placing()
 
-    def read_regions(self, regions: Mapping[int, memoryview]) -> bool:
+    def read_regions(self, regions: Mapping[int, memoryview]) -> set[int]:
         """(At join, from the registering thread: before any sender writes them.) The stream
         region each same-host connection this node receives on reads, by sender (none for
-        the others); whether every one of ``regions`` went to such a connection."""
+        the others); the senders whose connection took its region."""
         receivers = {n: c for n, c in self.dialed.items() if isinstance(c, RingReceiver)}
         for node, conn in receivers.items():
             conn.attach(regions.get(node))
-        return set(regions) <= set(receivers)
+        return set(regions) & set(receivers)
 
     def write_regions(self, regions: Mapping[int, memoryview]) -> None:
         """(At join, once every receiver reads its region.) The stream region each

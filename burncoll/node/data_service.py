@@ -241,7 +241,7 @@ class DataService:
 
     async def _connect(self, node: NodeInfo, deadline: float) -> None:
         conn = await self.dialing.dial(node, deadline)
-        if self._one_host():
+        if self._same_host(node.index):
             conn = RingReceiver(conn)
         # Array data arrives only here (the receiving node dials), and only node's.
         self.connections.add_dialed(node.index, conn, placer_for(
@@ -273,7 +273,7 @@ class DataService:
                             self.nodes[node].describe(), exc)
                 await conn.close()
             return
-        if self._one_host():
+        if self._same_host(node):
             conn = RingSender(conn)
         if not self.connections.add_out(node, conn):
             log.warning("data service: dropped a second connection from %s",
@@ -286,12 +286,12 @@ class DataService:
         if len(self._hellos) >= len(self.membership.others()):
             self._hellos_in.set()
 
-    def _one_host(self) -> bool:
-        """Whether the nodes may share host memory (:mod:`burncoll.node.host_memory`): every
-        node uses lanes and runs on one host. Each connection is then wrapped to take its
-        stream region at join (:mod:`burncoll.transport.shm`)."""
-        return self.uses_lanes and number_hosts(self.membership.nodes) == (0,) * len(
-            self.membership.nodes)
+    def _same_host(self, node: int) -> bool:
+        """Whether ``node`` runs on this node's host and every node uses lanes: the two may
+        then share host memory (:mod:`burncoll.node.host_memory`), and their connection is
+        wrapped to take its stream region at join (:mod:`burncoll.transport.shm`)."""
+        hosts = number_hosts(self.membership.nodes)
+        return self.uses_lanes and bool(hosts) and hosts[node] == hosts[self.node_index]
 
     async def send(self, node: int, parts: Sequence[Buffer]) -> None:
         """Send one frame to ``node``; a broken connection fails the session (PeerLost)."""

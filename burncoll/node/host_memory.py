@@ -1,5 +1,5 @@
-"""Host memory: one sealed mapping per node process of one host, that every other node of
-the session maps read-only, set up by one handshake at join.
+"""Host memory: one sealed mapping per node process, that every other node process of its
+host maps read-only, set up by one handshake at join.
 
 **Layout** (offsets in every node's mapping): the host mail (:mod:`burncoll.node.host_mail`)
 at 0 -- the counter line and two mail slots --, then, from :data:`SEGMENT_NODES` nodes, the
@@ -11,19 +11,21 @@ other node, in node order, through which this node's connection to it carries it
 messages (:mod:`burncoll.transport.shm`). No page is touched at set-up: a session that never
 all-reduces through the data slot or sends through a region holds no memory for them.
 
-**The handshake** (once the lanes are open, before the session's first operation:
-:meth:`burncoll.node.link.NodeLink.share_host_memory`): every node makes its mapping (a
-sealed anonymous file, :mod:`burncoll.transport.host_files`) and offers it on the lanes (round
-1); every node maps the others' read-only -- only if each is a file a node makes, of the
-mapping's size, sealed, not offered twice -- and answers whether it mapped them all, and
-whether its processor keeps stores in order (round 2). Every node reads every answer, so all
-of them agree on the session's capabilities: ``host_memory`` (every mapping mapped everywhere)
-and ``host_mail`` (and every processor allows the mail). A node hands its connections their
-regions: to read, once it mapped every node's file (before it answers: no sender writes a
-region before every answer is in), and to write, once every node answered that it mapped
-every file. Without them (a node without the
-memory, ``/proc`` closed) the session runs without host memory from its first operation: the
-route of every operation is chosen knowing it (:func:`burncoll.local.plans.choose.choose`).
+**The handshake** (once the lanes are open, before the session's first operation, where a
+host runs 2 node processes or more: :meth:`burncoll.node.link.NodeLink.share_host_memory`):
+every node with another on its host makes its mapping (a sealed anonymous file,
+:mod:`burncoll.transport.host_files`) and offers it on the lanes (round 1); every node maps
+those of the nodes of its host read-only -- only if each is a file a node makes, of the
+mapping's size, sealed, not offered twice --, hands each connection it receives on from
+them the region that node writes to it, and answers (round 2) with a bit per node whose
+region it took (and its own, if it offered it) and whether its processor keeps stores in
+order. No sender writes a region before its reader has it: every node reads every answer,
+and hands each connection it sends on its region only where the receiver's answer says it
+took it. So all of them agree on the session's capabilities: ``host_memory`` (one host, every
+mapping mapped everywhere) and ``host_mail`` (and every processor allows the mail). Without
+them (a node without the memory, ``/proc`` closed, nodes on several hosts) the session runs
+without host memory from its first operation: the route of every operation is chosen knowing
+it (:func:`burncoll.local.plans.choose.choose`); the stream regions the nodes took still serve.
 
 **Trust.** A node can write only its own mapping: another node's is mapped read-only, and its
 size cannot change under the mapping (sealed). Every round is a DATA header naming the
@@ -63,8 +65,8 @@ RESULT_AT = DATA_AT + PIECE_BYTES
 OFFER_BYTES = 64
 _OFFERED = re.compile(rb"([0-9]{1,10})/([0-9]{1,10})/([0-9a-f]{32})\0*")
 _OFFER_ROUND, _ANSWER_ROUND = 1, 2
-#: A node's answer in round 2: it mapped every other node's; its processor allows the mail.
-_MAPPED, _ORDERED = 1, 2
+#: A node's answer in round 2 starts with this flag where its processor allows the mail.
+_ORDERED = 1
 
 
 def regions_at(nodes: int) -> int:
@@ -80,14 +82,17 @@ def host_memory_bytes(nodes: int) -> int:
 
 
 class HostMemory:
-    """This node's mapping and its mappings of every other node's (see the module)."""
+    """This node's mapping and its mappings of the other nodes' of its host (see the
+    module)."""
 
-    def __init__(self, lanes: LaneExchange) -> None:
+    def __init__(self, lanes: LaneExchange, hosts: tuple[int, ...]) -> None:
         self.lanes = lanes
         self.me = lanes.service.node_index
-        self.nodes = len(lanes.service.nodes)
+        self.nodes = len(hosts)
+        #: The nodes of this node's host (``hosts``: every node's, numbered), this one too.
+        self._host = [n for n, h in enumerate(hosts) if h == hosts[self.me]]
         self._bytes = host_memory_bytes(self.nodes)
-        #: Every node's mapping, this node's writable, by node index.
+        #: The mappings of this node's host, this node's writable, by node index.
         self.maps: dict[int, mmap.mmap] = {}
 
     def round(self, op: GlobalOp, check: Check, round_: int, payload: bytes = b""
@@ -100,54 +105,61 @@ class HostMemory:
         return {node: bytes(data[len(header):]) for node, data in received.items()}
 
     def set_up(self, op: GlobalOp) -> bool:
-        """(At join.) Make, offer and map the mappings (rounds 1 and 2 of ``op`` on the
-        lanes); whether every node mapped every other's, the same on every node. With every
+        """(At join.) Make, offer and map the mappings of the nodes of each host (rounds 1 and
+        2 of ``op`` on the lanes) and hand the connections between them their stream regions;
+        whether every node mapped every other's (one host), the same on every node. With every
         processor allowing it, the mail is then the lanes' (``LaneExchange.mail``)."""
         check = self.lanes.executor.checker(op)
-        token = secrets.token_hex(16)
         fd: int | None = None
         seen: dict[tuple[int, int], str] = {}  # (every mapping is a file of its own)
         try:
             offer = b""
-            with contextlib.suppress(OSError):  # (no memory or descriptor for it)
-                fd, self.maps[self.me] = new_host_file(token, self._bytes)
-                mine = os.fstat(fd)
-                seen[mine.st_dev, mine.st_ino] = "this node"
-                offer = f"{os.getpid()}/{fd}/{token}".encode()
+            if len(self._host) > 1:  # (else it would serve nothing)
+                with contextlib.suppress(OSError):  # (no memory or descriptor for it)
+                    token = secrets.token_hex(16)
+                    fd, self.maps[self.me] = new_host_file(token, self._bytes)
+                    mine = os.fstat(fd)
+                    seen[mine.st_dev, mine.st_ino] = "this node"
+                    offer = f"{os.getpid()}/{fd}/{token}".encode()
             offers = self.round(op, check, _OFFER_ROUND, offer.ljust(OFFER_BYTES, b"\0"))
-            mapped = [self._map(op, n, offers[n], seen) for n in sorted(offers)]  # (all)
-            usable = bool(offer) and all(mapped) and self._read_regions(True)
-            answer = (_MAPPED * usable) | (_ORDERED * ORDERED_STORES)
-            answers = [answer, *(a[0] for a in self.round(op, check, _ANSWER_ROUND,
-                                                          bytes([answer])).values())]
+            for n in sorted(set(offers) & set(self._host)):  # (all: each is checked)
+                self._map(op, n, offers[n], seen)
+            answer = self._answer(bool(offer))
+            answers = {self.me: answer, **self.round(op, check, _ANSWER_ROUND, answer)}
         except BaseException:
             self.close()
             raise
         finally:
             if fd is not None:  # (every node mapped it before it answered, or never will)
                 os.close(fd)
-        usable = all(a & _MAPPED for a in answers)
-        if not usable:
-            self.close()
-            return False
+        mapped = {n: {m for m in range(self.nodes) if a[1 + m // 8] >> (m % 8) & 1}
+                  for n, a in answers.items()}
         self.lanes.service.connections.write_regions({
-            n: memoryview(self.maps[self.me])[self._region(self.me, n)] for n in self.maps
-            if n != self.me})
-        if all(a & _ORDERED for a in answers):
+            n: memoryview(self.maps[self.me])[self._region(self.me, n)] for n in self._host
+            if n != self.me and self.me in mapped[n]})
+        usable = all(m == set(range(self.nodes)) for m in mapped.values())
+        if usable and all(a[0] & _ORDERED for a in answers.values()):
             self.lanes.mail = SharedMail(self.maps, self.me, 0)
-        return True
+        return usable
+
+    def _answer(self, offered: bool) -> bytes:
+        """Hand every connection this node receives on from a node whose mapping it mapped
+        the region that node writes to it; this node's answer in round 2: whether its processor
+        allows the mail, then a bit per node -- set for this node if it offered its mapping,
+        and for every node whose region its connection took."""
+        regions = {n: memoryview(m)[self._region(n, self.me)] for n, m in self.maps.items()
+                   if n != self.me}
+        taken = self.lanes.service.connections.read_regions(regions)
+        bits = bytearray(1 + (self.nodes + 7) // 8)
+        bits[0] = _ORDERED * ORDERED_STORES
+        for n in taken | ({self.me} if offered else set()):
+            bits[1 + n // 8] |= 1 << (n % 8)
+        return bytes(bits)
 
     def _region(self, writer: int, reader: int) -> slice:
         """Where ``writer``'s stream region to ``reader`` lies in ``writer``'s mapping."""
         at = regions_at(self.nodes) + (reader - (reader > writer)) * RING_BYTES
         return slice(at, at + RING_BYTES)
-
-    def _read_regions(self, handed: bool) -> bool:
-        """Hand every connection this node receives on the region its sender writes (or none,
-        ``handed`` false); whether every other node's connection took one."""
-        return self.lanes.service.connections.read_regions({
-            n: memoryview(m)[self._region(n, self.me)] for n, m in self.maps.items()
-            if n != self.me} if handed else {})
 
     def _map(self, op: GlobalOp, node: int, offer: bytes, seen: dict[tuple[int, int], str]
              ) -> bool:
@@ -173,7 +185,7 @@ class HostMemory:
 
     def close(self) -> None:
         """Unmap every mapping (views of them still held keep theirs mapped)."""
-        self._read_regions(False)
+        self.lanes.service.connections.read_regions({})
         maps, self.maps = self.maps, {}
         self.lanes.mail = None
         for mapping in maps.values():

@@ -101,15 +101,15 @@ class NodeLink:
 
     def share_host_memory(self, deadline: float) -> None:
         """(At join, from the registering thread, once the lanes are open.) Set up the host
-        memory of node processes of one host (:meth:`HostMemory.set_up`): every node ends
-        with the same ``host_memory`` and ``host_mail``, before the first plan is chosen."""
-        if self._lanes is None or not self.one_host:
+        memory of node processes of one host (:meth:`HostMemory.set_up`), where a host runs
+        2 of them or more: every node ends with the same ``host_memory`` (all on one host) and
+        ``host_mail``, before the first plan is chosen."""
+        if self._lanes is None or len(set(self.hosts)) == len(self.hosts):
             return
-        memory = HostMemory(self._lanes)
+        self._host_memory = HostMemory(self._lanes, self.hosts)
         op = _JoinOp(0, OpKind.BARRIER, None, None, (), -1, deadline, time.monotonic())
-        if memory.set_up(op):
-            self._host_memory = memory
-            self.host_memory, self.host_mail = True, self._lanes.mail is not None
+        self.host_memory = self._host_memory.set_up(op)
+        self.host_mail = self._lanes.mail is not None
 
     def attach(self, local: LocalPeers) -> None:
         """Route failures reported by other nodes to the ``local`` peers, and answer other

@@ -371,6 +371,43 @@ def test_two_nodes_map_the_mail_and_a_stream_region_each() -> None:
     assert regions_at(2) <= 2 << 20 < regions_at(3)
 
 
+def test_nodes_of_two_hosts_share_stream_regions_within_each_host(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 nodes as 2 hosts of 2 (a host identity per pair, given as each registers): the
+    session has no host memory of its own (not one host), but each node's connections to and
+    from the other node of its host take their stream regions, the large parts between them
+    go through them, and every result is exact."""
+    import burncoll.node.joining as joining_module
+
+    registered, lock = [], threading.Lock()
+
+    def two_hosts() -> str:
+        with lock:
+            registered.append(None)
+            return ("a" if len(registered) <= 2 else "b") * 32
+
+    monkeypatch.setattr(joining_module, "host_identity", two_hosts)
+    call = LARGE[1]
+
+    def fn(comm: burncoll.Communicator) -> Any:
+        got = _call(comm, _input(comm.rank, 0, call), call)
+        link = comm._server.link  # type: ignore[attr-defined]
+        conns = link._service.connections
+        sending = {n: c._position for n, c in conns.out.items() if getattr(c, "_region", None)}
+        receiving = [n for n, c in conns.dialed.items() if getattr(c, "_region", None)]
+        return got, (link.host_memory, link.host_mail), link.hosts, sending, receiving
+
+    out = _threads(4, fn)
+    for rank in range(4):
+        assert not isinstance(out[rank], BaseException), out[rank]
+        got, capabilities, hosts, sending, receiving = out[rank]
+        assert capabilities == (False, False) and sorted(hosts) == [0, 0, 1, 1], out[rank]
+        peer = [n for n in range(4) if n != rank and hosts[n] == hosts[rank]]
+        assert sorted(sending) == receiving == peer, out[rank]
+        np.testing.assert_allclose(got, _reference(4, 0, call), rtol=1e-12)
+    assert any(position for r in range(4) for position in out[r][3].values())
+
+
 def _resident_kib() -> int:
     """Resident memory of every host file mapped in this process (each node's mappings), from
     ``/proc/self/smaps``."""
