@@ -134,9 +134,10 @@ class HostMemory:
                 os.close(fd)
         mapped = {n: {m for m in range(self.nodes) if a[1 + m // 8] >> (m % 8) & 1}
                   for n, a in answers.items()}
-        self.lanes.service.connections.write_regions({
-            n: memoryview(self.maps[self.me])[self._region(self.me, n)] for n in self._host
-            if n != self.me and self.me in mapped[n]})
+        if offer:  # (an answer naming a file this node never offered is no region)
+            self.lanes.service.connections.write_regions({
+                n: memoryview(self.maps[self.me])[self._region(self.me, n)]
+                for n in self._host if n != self.me and self.me in mapped[n]})
         usable = all(m == set(range(self.nodes)) for m in mapped.values())
         if usable and all(a[0] & _ORDERED for a in answers.values()):
             self.lanes.mail = SharedMail(self.maps, self.me, 0)
