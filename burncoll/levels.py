@@ -45,7 +45,7 @@ class Medium(enum.Enum):
 
     #: The caller sockets (:mod:`burncoll.node.lanes`): the calling thread sends and reads.
     LANE = "lane"
-    #: The host mail in the nodes' shared memory (:mod:`burncoll.node.shared_mail`).
+    #: The host mail in the nodes' shared memory (:mod:`burncoll.node.host_mail`).
     HOST = "host"
     #: The member connections, through the event loop (no lanes: QUIC, TLS, integrity
     #: tags, ``caller_sockets: false``; or a channel other than 0).
@@ -64,7 +64,7 @@ class Exchange:
 @dataclass(frozen=True, slots=True)
 class HostReduce:
     """Every node of one host writes its array into its shared memory, reduces a chunk of
-    all of them and copies the result out (:mod:`burncoll.node.segments`; ``auto``'s route
+    all of them and copies the result out (:mod:`burncoll.node.host_reduce`; ``auto``'s route
     for all-reduces past the exchange among 3 or more node processes of one host, on
     channel 0)."""
 

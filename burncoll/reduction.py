@@ -1,6 +1,6 @@
 """The one reduction kernel of host memory: :func:`reduce_into`.
 
-The fused one-node all-reduce, the exchange, the shared segments, the global walk's REDUCE
+The fused one-node all-reduce, the exchange, the host reduction, the global walk's REDUCE
 steps (and the parts it combines straight out of a transport's memory), and the personalised
 collectives' reduce-scatter and scans combine their operands here, element-wise, **in the
 order given**: ``operands[0] op operands[1] op ... op operands[-1]``. Every node and every

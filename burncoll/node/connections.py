@@ -8,11 +8,11 @@ one writer at a time: sends to a member go under its lock.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from burncoll.protocol.control import ControlMessage
 from burncoll.transport.base import Buffer, Connection, FastPath, Placer, tell
-from burncoll.transport.shm import RingSender
+from burncoll.transport.shm import RingReceiver, RingSender
 
 __all__ = ["MemberConnections"]
 
@@ -76,9 +76,26 @@ class MemberConnections:
             if isinstance(conn, FastPath):
                 conn.stop_placing()
 
+    def read_regions(self, regions: Mapping[int, memoryview]) -> set[int]:
+        """(At join, from the registering thread: before any sender writes them.) The stream
+        region each same-host connection this node receives on reads, by sender (none for
+        the others); the senders whose connection took its region."""
+        receivers = {n: c for n, c in self.dialed.items() if isinstance(c, RingReceiver)}
+        for node, conn in receivers.items():
+            conn.attach(regions.get(node))
+        return set(regions) & set(receivers)
+
+    def write_regions(self, regions: Mapping[int, memoryview]) -> None:
+        """(At join, once every receiver reads its region.) The stream region each
+        same-host connection this node sends on writes, by destination."""
+        for node, region in regions.items():
+            conn = self.out.get(node)
+            if isinstance(conn, RingSender):
+                conn.attach(region)
+
     def abandon_sends(self, error: BaseException) -> None:
-        """The session failed: a send waiting on a shared-memory ring (for room, or for the
-        receiver's answer to its offer) fails now, freeing its member's lock for the abort."""
+        """The session failed: a send waiting for room in a stream region fails now, freeing
+        its member's lock for the abort."""
         for conn in self.out.values():
             if isinstance(conn, RingSender):
                 conn.abandon(error)

@@ -28,7 +28,13 @@ from burncoll.node.held import HeldBudget
 from burncoll.node.inbox import Inbox
 from burncoll.node.lanes import READY, Lanes
 from burncoll.node.mailbox import Mailbox
-from burncoll.node.membership import Membership, NodeInfo, TableMismatch, explain_lost
+from burncoll.node.membership import (
+    Membership,
+    NodeInfo,
+    TableMismatch,
+    explain_lost,
+    number_hosts,
+)
 from burncoll.node.p2p_outbox import Outbox
 from burncoll.node.placement import placer_for
 from burncoll.node.reading import MemberReader
@@ -281,11 +287,11 @@ class DataService:
             self._hellos_in.set()
 
     def _same_host(self, node: int) -> bool:
-        """Whether ``node`` runs on this node's host (:mod:`burncoll.transport.shm`): their
-        large messages then go through shared memory."""
-        nodes = self.membership.nodes
-        me = nodes[self.node_index].host_id if 0 <= self.node_index < len(nodes) else ""
-        return bool(me) and 0 <= node < len(nodes) and nodes[node].host_id == me
+        """Whether ``node`` runs on this node's host and every node uses lanes: the two may
+        then share host memory (:mod:`burncoll.node.host_memory`), and their connection is
+        wrapped to take its stream region at join (:mod:`burncoll.transport.shm`)."""
+        hosts = number_hosts(self.membership.nodes)
+        return self.uses_lanes and bool(hosts) and hosts[node] == hosts[self.node_index]
 
     async def send(self, node: int, parts: Sequence[Buffer]) -> None:
         """Send one frame to ``node``; a broken connection fails the session (PeerLost)."""

@@ -28,7 +28,7 @@ from burncoll.protocol.control import MAX_REASON, Abandon, Join
 from burncoll.strategies import Ring
 from burncoll.transport import get_transport
 from burncoll.transport.base import Transport
-from burncoll.transport.shm import host_identity
+from burncoll.transport.host_files import host_identity
 
 __all__ = ["join_collective", "report_failure"]
 

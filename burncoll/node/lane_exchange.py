@@ -3,8 +3,8 @@ calling peer thread from start to end: it sends its message on every lane (or th
 host mail, where the route says ``Medium.HOST``), reads every other node's, and has
 :class:`~burncoll.protocol.exchange.ExchangeCore` -- the protocol the event loop's exchange
 (:mod:`burncoll.node.exchange`) drives too -- check them and reduce in node order. The rounds
-of the shared segments (:mod:`burncoll.node.segments`) go the same way
-(:meth:`LaneExchange.trade`).
+of the host memory (:mod:`burncoll.node.host_memory`, :mod:`burncoll.node.host_reduce`) go
+the same way (:meth:`LaneExchange.trade`).
 
 The operation still starts its lane in the mailbox (``Mailbox.expect_now``, without the event
 loop where nothing needs it): a frame of this operation that arrives on a member connection
@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from burncoll.errors import CollectiveError, PeerLost, ProtocolError
 from burncoll.levels import GlobalOp, HostArray
 from burncoll.node.exchange import ExchangeCores
-from burncoll.node.lanes import LaneClosed, LaneOdd, LaneTimeout, LaneWoken, Mail
+from burncoll.node.host_mail import SharedMail
+from burncoll.node.lanes import LaneClosed, LaneOdd, LaneTimeout, LaneWoken
 from burncoll.node.receives import Receives
 from burncoll.node.spinning import usable_cpus
 from burncoll.protocol.checks import Check, header_check, order_mismatch
@@ -62,8 +63,8 @@ class LaneExchange:
         #: the loop).
         self.fail_soon = fail_soon
         #: Shared mail among node processes of one host, set up at join with their host
-        #: memory (:mod:`burncoll.node.shared_mail`), for the routes that take it.
-        self.mail: Mail | None = None
+        #: memory (:mod:`burncoll.node.host_mail`), for the routes that take it.
+        self.mail: SharedMail | None = None
         #: The exchange's protocol, by operation signature (the link's one cache).
         self.cores = cores
         #: This node and the others (the session's table does not change).
@@ -74,14 +75,14 @@ class LaneExchange:
         # spinning while another node of this host waits for a CPU would only delay it
         service.lanes.spinning.allowed = usable_cpus() >= (hosts.count(mine) if mine else 1)
 
-    def all_reduce(self, op: GlobalOp, buf: HostArray, out: HostArray, mail: Mail | None
+    def all_reduce(self, op: GlobalOp, buf: HostArray, out: HostArray, mail: SharedMail | None
                    ) -> None:
         """``out = x0 op x1 op ...`` over every node's ``buf`` (``buf`` is only read), in
         ``mail`` (the route's ``Medium.HOST``: :attr:`mail`) or on the lanes (``None``)."""
         self.run(op, buf.nbytes, lambda check: self._exchange_into(op, check, buf, out, mail))
 
     def _exchange_into(self, op: GlobalOp, check: Check, buf: HostArray, out: HostArray,
-                       mail: Mail | None) -> None:
+                       mail: SharedMail | None) -> None:
         """The exchange of ``buf`` into ``out`` (separate arrays) inside :meth:`run`."""
         core = self.cores.of(op, buf.nbytes)
         received = self.trade(op, check, core.header(op.seq), payload_bytes(buf), mail, core)
@@ -115,7 +116,7 @@ class LaneExchange:
                 mailbox.done(op.seq)
 
     def trade(self, op: GlobalOp, check: Check, header: bytes, payload: Buffer,
-              mail: Mail | None, core: ExchangeCore | None = None) -> Mapping[int, Buffer]:
+              mail: SharedMail | None, core: ExchangeCore | None = None) -> Mapping[int, Buffer]:
         """One round: send ``header`` (this node's, for ``op``) and ``payload`` through
         ``mail`` (it fits: the route said so), or on every lane without it, and read every
         other node's message of the same length, which ``core`` (the exchange's of this
@@ -131,7 +132,7 @@ class LaneExchange:
                 message = b"".join((header, payload))  # the payload's one copy
                 received = lanes.exchange(message, size, op.deadline)
             else:  # (header and payload straight into this node's slot)
-                received = lanes.exchange_mail(mail, (header, payload), size, op.deadline)
+                received = mail.exchange(lanes, (header, payload), size, op.deadline)
         except (LaneWoken, LaneTimeout, LaneClosed, LaneOdd) as stop:
             self._raise(op, self._stopped(op, check, core, header, stop))
         where = "on its caller socket" if mail is None else "in the shared mail"

@@ -21,7 +21,7 @@ starts only with every lane open.
 tags, which need the event loop's codec); they are used only when every node does, and then
 for exactly the operations whose route takes them: the one-round exchange on channel 0 (an
 all-reduce up to the exchange limit; a barrier) on ``Medium.LANE``, and the host memory's
-set-up at join and the host reduction's rounds (:mod:`burncoll.node.segments`): every node
+set-up at join and the host reduction's rounds (:mod:`burncoll.node.host_reduce`): every node
 chooses the same route from the same call, and a node's channel-0 operations run one after
 the other, so a lane carries, per direction and in operation order, one message per exchange
 and one per round (each header names its operation and round).
@@ -35,8 +35,8 @@ fingerprint). A message that announces another length is read only as far as its
 
 **Shared mail.** Among node processes of one host that set up their host memory at join,
 the routes on ``Medium.HOST`` (and the host reduction's rounds) go through the shared mail
-instead (:mod:`burncoll.node.shared_mail`), and the lanes are only watched while a thread
-waits for mail (:meth:`Lanes.exchange_mail`).
+instead (:mod:`burncoll.node.host_mail`), and the lanes are only watched while a thread
+waits for mail (:meth:`burncoll.node.host_mail.SharedMail.exchange`, :meth:`Lanes.watch`).
 
 **Waiting.** Once its message is out, the thread reads without sleeping for a short while
 where that pays (:mod:`burncoll.node.spinning`), then sleeps in ``poll``.
@@ -56,12 +56,11 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from burncoll.node.spinning import Spinning, Yielding
 from burncoll.protocol.wire import FIXED_HEADER_BYTES, announced_lengths
-from burncoll.transport.base import Buffer
 
 __all__ = ["READY", "LaneClosed", "LaneOdd", "LaneTimeout", "LaneWoken", "Lanes"]
 
@@ -74,33 +73,6 @@ _IN = select.POLLIN
 _POLL_MAX_MS = 2**31 - 1
 _OUT = select.POLLOUT
 T = TypeVar("T")
-#: The longest sleep between looks at the shared mail, in seconds: a post wakes the sleeper
-#: (:meth:`~burncoll.node.shared_mail.SharedMail.sleep`), but a failure or a closed lane is
-#: seen only when it looks.
-MAIL_NAP = 2e-3
-
-
-class Mail(Protocol):
-    """Messages through shared memory (:class:`burncoll.node.shared_mail.SharedMail`)."""
-
-    def post(self, parts: Sequence[Buffer]) -> int: ...
-
-    def posted(self, node: int, k: int) -> bool: ...
-
-    def missing(self, nodes: Iterable[int], k: int) -> list[int]: ...
-
-    def read_all(self, nodes: Iterable[int], k: int, size: int) -> dict[int, memoryview]: ...
-
-    def read(self, node: int, k: int, size: int) -> memoryview: ...
-
-    def pending(self, size: int) -> dict[int, bytes]: ...
-
-    @property
-    def posted_count(self) -> int: ...
-
-    def sleep(self, node: int, k: int, seconds: float) -> None: ...
-
-
 class LaneTimeout(Exception):
     """The operation's deadline passed before ``node``'s message was in."""
 
@@ -239,20 +211,17 @@ class Lanes:
         one message from each, by ``deadline``; raises :class:`LaneTimeout`,
         :class:`LaneClosed`, :class:`LaneWoken` or :class:`LaneOdd`. Anything else that
         stops it (``KeyboardInterrupt``) shuts every lane down first."""
-        return self._alone(lambda wake: _Exchange(self.socks, wake, message, expected).run(
+        return self.alone(lambda wake: _Exchange(self.socks, wake, message, expected).run(
             deadline, self.spinning))
 
-    def exchange_mail(self, mail: Mail, parts: Sequence[Buffer], size: int, deadline: float
-                      ) -> dict[int, memoryview]:
-        """The same exchange through ``mail`` (shared memory): this node's message is
-        ``parts`` one after the other (``size`` bytes), and each other node's is read as a
-        view of as many bytes in its slot. The lanes are only watched: a lane that closes is
-        the loss of its node, a message on it a mismatch."""
-        return self._alone(lambda wake: self._by_mail(mail, parts, size, deadline))
+    @property
+    def woken(self) -> bool:
+        """Whether the session failed (:meth:`wake`)."""
+        return self._woken
 
-    def _alone(self, run: Callable[[int], T]) -> T:
+    def alone(self, run: Callable[[int], T]) -> T:
         """``run(wake-up pipe)``, the lanes' only reader and writer meanwhile (see
-        :meth:`exchange` for what ends it)."""
+        :meth:`exchange` for what ends it; the host mail's exchange runs so too)."""
         try:
             with self._using:
                 if self._woken or self._closed or self._pipe is None:
@@ -267,41 +236,15 @@ class Lanes:
         finally:
             self._release_if_closed()
 
-    def _by_mail(self, mail: Mail, parts: Sequence[Buffer], expected: int, deadline: float
-                 ) -> dict[int, memoryview]:
-        """(Holding ``_using``.) The exchange through ``mail``: post, then look at the other
-        nodes' counters, giving the CPU away between looks for a while
-        (:class:`~burncoll.node.spinning.Yielding`), then sleeping until the first node
-        awaited posts (woken by it; :data:`MAIL_NAP` at most); every 16 looks and before every
-        sleep, at the deadline, the wake-up pipe and the lanes too (:meth:`_watch`)."""
-        k = mail.post(parts)
-        waiting = mail.missing(self.socks, k)
-        now = time.perf_counter()
-        yield_until, looks = now + self.yielding.budget(), 0
-        while waiting:
-            looks += 1
-            if now < yield_until:
-                if not looks & 15:
-                    self._watch(waiting, deadline, mail, k)
-                os.sched_yield()
-                then, now = now, time.perf_counter()
-                if not self.yielding.yielded(now - then):
-                    yield_until = now
-            else:
-                self._watch(waiting, deadline, mail, k)
-                mail.sleep(waiting[0], k, min(MAIL_NAP, max(deadline - time.monotonic(), 0)))
-            if self._woken:
-                raise LaneWoken()
-            waiting = mail.missing(waiting, k)
-        return mail.read_all(self.socks, k, expected)
-
-    def _watch(self, waiting: list[int], deadline: float, mail: Mail, k: int) -> None:
-        """Whether anything ends a wait for ``waiting``'s mail number ``k``: the deadline,
-        the wake-up pipe, or one of their lanes closed or holding a message (they sent an
-        exchange on the sockets where this node expects mail, or a message this node does
-        not expect). A node whose message is in by then is not blamed: what is there counts."""
+    def watch(self, waiting: list[int], deadline: float, posted: Callable[[int], bool]
+              ) -> None:
+        """(In :meth:`alone`.) Whether anything ends a wait for ``waiting``'s messages in
+        the host mail: the deadline, the wake-up pipe, or one of their lanes closed or holding
+        a message (they sent an exchange on the sockets where this node expects mail, or a
+        message this node does not expect). A node whose message is in by then (``posted``)
+        is not blamed: what is there counts."""
         if time.monotonic() >= deadline:
-            late = [n for n in waiting if not mail.posted(n, k)]
+            late = [n for n in waiting if not posted(n)]
             if late:
                 raise LaneTimeout(late[0])
             return
@@ -315,7 +258,7 @@ class Lanes:
             if fd not in node_of:
                 raise LaneWoken()
             node = node_of[fd]
-            if mail.posted(node, k):  # (posted since ``waiting`` was taken: what its lane
+            if posted(node):  # (posted since ``waiting`` was taken: what its lane
                 continue              # holds is a later operation's, or its loss, seen later)
             try:
                 head = self.socks[node].recv(1 << 10, socket.MSG_PEEK)

@@ -32,12 +32,13 @@ from burncoll.node.exchange import (
     require_separate_out,
 )
 from burncoll.node.executor import GlobalExecutor
+from burncoll.node.host_memory import HostMemory
+from burncoll.node.host_reduce import host_all_reduce
 from burncoll.node.lane_exchange import LaneExchange
 from burncoll.node.membership import number_hosts
 from burncoll.node.orchestrator_client import OrchestratorClient
 from burncoll.node.p2p_link import NodePointToPoint
 from burncoll.node.receives import Receives
-from burncoll.node.segments import HostSegments
 from burncoll.ops import OpKind
 from burncoll.strategies import Schedule, Strategy
 from burncoll.strategies.layout import even_layout
@@ -92,7 +93,7 @@ class NodeLink:
         self.lanes = self._lanes is not None
         #: The host memory of one host's node processes, once set up at join (with it, the
         #: host mail where every processor allows it: ``self._lanes.mail``).
-        self._segments: HostSegments | None = None
+        self._host_memory: HostMemory | None = None
         self.host_memory = self.host_mail = False
         service.on_failure = self._on_failure
         service.status = self._status
@@ -100,15 +101,15 @@ class NodeLink:
 
     def share_host_memory(self, deadline: float) -> None:
         """(At join, from the registering thread, once the lanes are open.) Set up the host
-        memory of node processes of one host (:meth:`HostSegments.set_up`): every node ends
-        with the same ``host_memory`` and ``host_mail``, before the first plan is chosen."""
-        if self._lanes is None or not self.one_host:
+        memory of node processes of one host (:meth:`HostMemory.set_up`), where a host runs
+        2 of them or more: every node ends with the same ``host_memory`` (all on one host) and
+        ``host_mail``, before the first plan is chosen."""
+        if self._lanes is None or len(set(self.hosts)) == len(self.hosts):
             return
-        segments = HostSegments(self._lanes)
+        self._host_memory = HostMemory(self._lanes, self.hosts)
         op = _JoinOp(0, OpKind.BARRIER, None, None, (), -1, deadline, time.monotonic())
-        if segments.set_up(op):
-            self._segments = segments
-            self.host_memory, self.host_mail = True, self._lanes.mail is not None
+        self.host_memory = self._host_memory.set_up(op)
+        self.host_mail = self._lanes.mail is not None
 
     def attach(self, local: LocalPeers) -> None:
         """Route failures reported by other nodes to the ``local`` peers, and answer other
@@ -255,8 +256,8 @@ class NodeLink:
                 if out is None:
                     buf[...] = result
             case HostReduce():
-                assert self._segments is not None, "choose needs host_memory for it"
-                self._segments.all_reduce(op, buf, buf if out is None else out)
+                assert self._host_memory is not None, "choose needs host_memory for it"
+                host_all_reduce(self._host_memory, op, buf, buf if out is None else out)
             case _:
                 schedule = route.all_reduce(self.num_nodes)
                 layout = even_layout(buf.size, schedule.num_chunks)
@@ -358,7 +359,7 @@ class NodeLink:
             raise error
 
     async def _shutdown(self) -> None:
-        if self._segments is not None:
-            self._segments.close()
-        await self._service.close()
+        await self._service.close()  # (first: its connections let go of their regions)
+        if self._host_memory is not None:
+            self._host_memory.close()
         await self._orch.close()

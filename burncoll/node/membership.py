@@ -37,8 +37,8 @@ class NodeInfo:
     peer_ids: tuple[int, ...]
     #: The node runs its local all-reduce as a ring (it can shard across nodes).
     local_ring: bool = False
-    #: Its host, as :func:`burncoll.transport.shm.host_identity` names it (``""``: unknown, or
-    #: shared memory turned off): nodes of one host exchange large messages through a ring.
+    #: Its host, as :func:`burncoll.transport.host_files.host_identity` names it (``""``:
+    #: unknown, or shared memory turned off): nodes of one host share their host memory.
     host_id: str = ""
     #: It offers caller sockets (:mod:`burncoll.node.lanes`).
     lanes: bool = False

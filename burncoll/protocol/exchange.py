@@ -15,7 +15,7 @@ signature on one node, built once and used by every operation of that signature:
   size, or for bytes that are no frame;
 - :meth:`~ExchangeCore.reduce` and :meth:`~ExchangeCore.reduce_messages`: the node-order
   reduction of the payloads (or of the whole messages);
-- :meth:`~ExchangeCore.round_header`: the header of a round of the shared segments (empty or
+- :meth:`~ExchangeCore.round_header`: the header of a round of the host memory (empty or
   small messages that only say "done", checked the same way).
 
 No clock, no socket, no event loop: the drivers move the bytes -- the calling thread on its
@@ -87,7 +87,7 @@ class ExchangeCore:
 
     def round_header(self, op: GlobalOp, round_: int, size: int) -> bytes:
         """This node's header of round ``round_`` of ``op``, before ``size`` payload bytes
-        (round 0 is the exchange's message; the shared segments count their rounds on)."""
+        (round 0 is the exchange's message; the host memory's rounds count on)."""
         return encode_data_header(DataHeader(
             session=self.session, seq=op.seq, op_kind=op.kind, reduce_op=op.reduce_op,
             dtype=op.dtype, shape=op.shape, root=op.root, src=self.me, round=round_,

@@ -42,7 +42,7 @@ from burncoll.node.executor import GlobalExecutor
 from burncoll.ops import OpKind, parse_reduce_op
 from burncoll.strategies.auto import exchange_limit
 from burncoll.strategies.layout import even_layout
-from burncoll.transport.shm import host_identity
+from burncoll.transport.host_files import host_identity
 from tests import forked
 from tests.node.test_out_of_place import _MemoryService
 

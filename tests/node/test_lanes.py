@@ -30,8 +30,8 @@ import numpy as np
 import pytest
 
 import burncoll
+from burncoll.node.host_mail import SharedMail
 from burncoll.node.lanes import LaneClosed, LaneOdd, Lanes, LaneTimeout, LaneWoken
-from burncoll.node.shared_mail import SharedMail
 from burncoll.protocol.wire import FIXED_HEADER_BYTES, decode_data_head, encode_data_header
 from tests.harness import run_nodes
 
@@ -262,7 +262,7 @@ def test_a_message_on_the_lane_of_a_node_whose_mail_is_in_is_no_mismatch() -> No
         SharedMail(maps, 1, 0).post([b"node 1's"])
         one.socks[0].sendall(_frame(b"\0" * 16, seq=4))
         zero.yielding.sleeping = 1  # (it sleeps at once: its first step looks at the lanes)
-        got = zero.exchange_mail(mail, [b"node 0's"], 8, time.monotonic() + 5.0)
+        got = mail.exchange(zero, [b"node 0's"], 8, time.monotonic() + 5.0)
         assert bytes(got[1]) == b"node 1's"
         assert len(zero.peek(1 << 10)[1]) > FIXED_HEADER_BYTES  # (left for its operation)
     finally:
@@ -282,7 +282,7 @@ def _lanes_of(comm: burncoll.Communicator) -> Lanes:
 def _two_nodes(fn: Callable[[burncoll.Communicator], Any], transport: str = "tcp",
                timeout: float | list[float] = 10.0, **config: Any) -> dict[int, Any]:
     """Two node processes; their exchanges on the lanes, unless ``shared_memory=True`` (then
-    through the shared mail, the lanes only watched: tests/node/test_shared_mail.py)."""
+    through the shared mail, the lanes only watched: tests/node/test_host_memory.py)."""
     config.setdefault("shared_memory", False)
     with burncoll.start_orchestrator(transport=transport) as orch:
         return run_nodes(orch.address, 2, 1, fn, transport=transport, timeout=timeout,

@@ -3,7 +3,7 @@ where its host has a CPU for it and while the waits it sees are short; long wait
 host) stop it, and short ones start it again. A wait for shared mail yields its CPU first,
 until a yield takes as long as a busy host's time slice; then the next waits sleep at once,
 and yielding is tried again after them. The engine itself spins and sleeps on real sockets in
-``tests/node/test_lanes.py``, and waits for real mail in ``tests/node/test_shared_mail.py``."""
+``tests/node/test_lanes.py``, and waits for real mail in ``tests/node/test_host_memory.py``."""
 
 from __future__ import annotations
 

@@ -160,9 +160,9 @@ def test_a_node_killed_in_a_host_reduction_is_named_by_every_survivor(
     fault_table: FaultTable
 ) -> None:
     """Host memory on: 3 node processes of this host all-reduce 320 KB of float64 each
-    through their shared segments (``HostReduce``), and node 1 is SIGKILLed in the middle
-    of one: every survivor raises ``PeerLost`` naming it by its deadline, with right results
-    before, and no survivor crashes (its mappings of node 1's segment stay valid)."""
+    through their host memory (``HostReduce``), and node 1 is SIGKILLed in the middle of
+    one: every survivor raises ``PeerLost`` naming it by its deadline, with right results
+    before, and no survivor crashes (its mapping of node 1's host memory stays valid)."""
     timeout = 4.0
     with orchestrator("tcp") as address, Cluster(
             address, 3, 1, transport="tcp", timeout=timeout, local="auto", global_="auto",

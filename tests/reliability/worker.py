@@ -180,8 +180,9 @@ def one_op(comm: burncoll.Communicator, kind: str, k: int, n: int) -> None:
 
 
 def segments_mapped() -> int:
-    """How many host segments (sealed files of burncoll's of 32 MiB or more, not the 20 MiB
-    rings of ``burncoll.transport.shm``) this process maps, from ``/proc/self/maps``."""
+    """How many host memory files (sealed files of burncoll's of 32 MiB or more: with 3 nodes,
+    the mail, the data slot and the stream regions) this process maps, from
+    ``/proc/self/maps``."""
     count = 0
     with open("/proc/self/maps") as maps:
         for line in maps:

@@ -1,19 +1,19 @@
-"""The host's shared memory under attack (:mod:`burncoll.node.segments`,
-:mod:`burncoll.node.shared_mail`), between real node processes of one host through a real
-orchestrator (this file, run as a script, is one node).
+"""The host memory under attack (:mod:`burncoll.node.host_memory`,
+:mod:`burncoll.node.host_mail`, :mod:`burncoll.node.host_reduce`), between real node processes
+of one host through a real orchestrator (this file, run as a script, is one node).
 
 Node 1 of 3 is a member holding the token with a test double in its process. At join it
-offers, as its segment, a file that is not a memfd (a regular file, a pipe), a memfd that is
-unsealed or can still grow, one of the wrong size, node 0's own segment, or a descriptor of
+offers, as its mapping, a file that is not a memfd (a regular file, a pipe), a memfd that is
+unsealed or can still grow, one of the wrong size, node 0's own mapping, or a descriptor of
 node 0's under its own name. During a host reduction (a size past the exchange's, 3 nodes: the
 ``HostReduce`` route) it writes past its data slot and its result chunk, posts a message in its
 mail that runs past the mail's slot, posts a round header of another round or another
 operation, raises its counter far past its messages, or is killed (``SIGKILL``) between the
 rounds.
 
-A file that is not a segment at all (not a memfd of the offered name) is declined, as a file of
+A file that is not a mapping at all (not a memfd of the offered name) is declined, as a file of
 a process that has ended is: every node answers so, and the session forms without host memory
-on every node, with exact results. A file that is named as a segment but is not one a node
+on every node, with exact results. A file that is named as a mapping but is not one a node
 makes, or that was offered twice, fails the session at join; a malformed mail message fails
 the operation; a killed node is lost -- on every honest node, naming node 1, within the
 configured timeout, and no honest process crashes (``SIGBUS``). Where an operation completes,
@@ -40,8 +40,9 @@ import numpy as np
 import pytest
 
 import burncoll
-import burncoll.node.segments as segments_module
-from burncoll.node.shared_mail import SLOT_BYTES
+import burncoll.node.host_memory as host_memory_module
+import burncoll.node.host_reduce as host_reduce_module
+from burncoll.node.host_mail import SLOT_BYTES
 from burncoll.protocol.wire import DataHeader, encode_data_header
 from tests import forked
 
@@ -50,14 +51,14 @@ pytestmark = pytest.mark.host_memory  # (tests/security/conftest.py leaves host 
 _REPO = Path(__file__).resolve().parents[2]
 NODES, HOSTILE = 3, 1
 TIMEOUT = 10.0
-#: 320 KB of float64 per call: past the exchange's 128 KiB for 3 nodes with segments.
+#: 320 KB of float64 per call: past the exchange's 128 KiB for 3 nodes with host memory.
 ELEMENTS = 40_000
 CALLS = 2
 #: The attacks at join that every node declines (the session forms without host memory)...
 DECLINED = ("regular_file", "pipe", "another_process_descriptor")
 #: ... those that fail the join, and what every honest node's error says ...
 AT_JOIN = {"unsealed": "could still be resized", "growable": "could still be resized",
-           "wrong_size": "of another user or size", "another_nodes_segment": "offered too"}
+           "wrong_size": "of another user or size", "another_nodes_mapping": "offered too"}
 #: ... and the attacks in a host reduction's round that fail it (the second call), and what
 #: the errors may say. Each posts out of turn, over the slot of the first call's last round
 #: that a node still behind may not have read yet: what that node finds there (this attack's
@@ -79,8 +80,8 @@ def _memfd(token: str, size: int, seals: int) -> tuple[int, mmap.mmap]:
 
 
 def _bad_file(kind: str) -> Any:
-    """A ``new_ring`` that makes the file ``kind`` instead of a segment."""
-    def new_ring(token: str, size: int, **kwargs: Any) -> tuple[int, mmap.mmap]:
+    """A ``new_host_file`` that makes the file ``kind`` instead of a node's mapping."""
+    def new_host_file(token: str, size: int, **kwargs: Any) -> tuple[int, mmap.mmap]:
         if kind == "regular_file":
             fd, _ = tempfile.mkstemp(prefix=f"burncoll-{token}")
             os.ftruncate(fd, size)
@@ -95,11 +96,11 @@ def _bad_file(kind: str) -> Any:
         assert kind == "wrong_size"
         return _memfd(token, size - mmap.PAGESIZE,
                       fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-    return new_ring
+    return new_host_file
 
 
-def _segment_of(pid: int) -> tuple[int, str]:
-    """Node 0's segment, found through ``/proc``: its descriptor there and its token."""
+def _mapping_of(pid: int) -> tuple[int, str]:
+    """Node 0's mapping, found through ``/proc``: its descriptor there and its token."""
     deadline = time.monotonic() + TIMEOUT
     while time.monotonic() < deadline:
         for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -111,15 +112,15 @@ def _segment_of(pid: int) -> tuple[int, str]:
             if found:
                 return int(fd), found[1]
         time.sleep(0.01)
-    raise AssertionError(f"process {pid} made no segment")
+    raise AssertionError(f"process {pid} made no mapping")
 
 
 def _header(self: Any, op: Any, round_: int, size: int = 0, **fields: Any) -> bytes:
-    """A round's message header as :meth:`HostSegments._round` writes it (announcing ``size``
+    """A round's message header as :meth:`HostMemory.round` writes it (announcing ``size``
     bytes), with ``fields`` changed."""
-    header = DataHeader(session=self._lanes.service.session or 0, seq=op.seq, op_kind=op.kind,
+    header = DataHeader(session=self.lanes.service.session or 0, seq=op.seq, op_kind=op.kind,
                         reduce_op=op.reduce_op, dtype=op.dtype, shape=op.shape, root=op.root,
-                        src=self._me, round=round_, channel=0, chunk=0, offset=0,
+                        src=self.me, round=round_, channel=0, chunk=0, offset=0,
                         chunk_bytes=size)
     return encode_data_header(dataclasses.replace(header, **fields), size)
 
@@ -136,7 +137,7 @@ def _post_raw(mail: Any, message: bytes) -> None:
 
 def _in_round(self: Any, kind: str, op: Any, round_: int) -> None:
     """The attack ``kind`` at round ``round_`` of ``op`` (a host reduction's second round)."""
-    mail = self._lanes.mail
+    mail = self.lanes.mail
     assert mail is not None, "the session has no shared mail"
     if kind == "killed":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -155,16 +156,16 @@ def _in_round(self: Any, kind: str, op: Any, round_: int) -> None:
 
 def _arm(kind: str, victim: int) -> None:
     """Put the test double of attack ``kind`` into this (node 1's) process."""
-    cls = segments_module.HostSegments
+    cls = host_memory_module.HostMemory
     if kind in {"regular_file", "pipe", "unsealed", "growable", "wrong_size"}:
-        segments_module.new_ring = _bad_file(kind)
+        host_memory_module.new_host_file = _bad_file(kind)
         return
-    real_round, real_piece = cls._round, cls._piece
+    real_round, real_piece = cls.round, host_reduce_module._piece
     rounds: list[int] = []
 
-    def _round(self: Any, op: Any, check: Any, round_: int, payload: bytes = b"") -> Any:
-        if round_ == 1 and kind in {"another_nodes_segment", "another_process_descriptor"}:
-            fd, token = _segment_of(victim)
+    def hostile_round(self: Any, op: Any, check: Any, round_: int, payload: bytes = b"") -> Any:
+        if round_ == 1 and kind in {"another_nodes_mapping", "another_process_descriptor"}:
+            fd, token = _mapping_of(victim)
             if kind == "another_process_descriptor":  # node 0's file under this node's name
                 token = payload.rstrip(b"\0").decode().split("/")[2]
             payload = f"{victim}/{fd}/{token}".encode().ljust(len(payload), b"\0")
@@ -174,16 +175,17 @@ def _arm(kind: str, victim: int) -> None:
                 _in_round(self, kind, op, round_)  # (the second call's first or second round)
         return real_round(self, op, check, round_, payload)
 
-    def _piece(self: Any, op: Any, check: Any, round_: int, piece: Any, out: Any) -> None:
+    def piece(memory: Any, op: Any, check: Any, round_: int, buf: Any, out: Any) -> None:
         if kind == "past_the_slots":  # garbage right past its piece and its result chunk
-            mine = self._maps[self._me]
-            ends = (segments_module._SLOT_AT + piece.nbytes,
-                    segments_module._RESULT_AT + piece.nbytes // NODES + 64)
+            mine = memory.maps[memory.me]
+            ends = (host_memory_module.DATA_AT + buf.nbytes,
+                    host_memory_module.RESULT_AT + buf.nbytes // NODES + 64)
             for end in ends:
                 mine[end:end + (1 << 20)] = b"\xff" * (1 << 20)
-        real_piece(self, op, check, round_, piece, out)
+        real_piece(memory, op, check, round_, buf, out)
 
-    cls._round, cls._piece = _round, _piece  # type: ignore[method-assign]
+    cls.round = hostile_round  # type: ignore[method-assign]
+    host_reduce_module._piece = piece
 
 
 # -- a node ----------------------------------------------------------------------------------
@@ -267,12 +269,12 @@ def _honest_nodes_name_node_1(records: dict[int, dict[str, Any]], codes: dict[in
 
 
 @pytest.mark.parametrize("kind", DECLINED)
-def test_a_file_that_is_no_segment_leaves_every_node_without_host_memory(kind: str) -> None:
+def test_a_file_that_is_no_mapping_leaves_every_node_without_host_memory(kind: str) -> None:
     _completed(*_run(kind), host_memory=False)
 
 
 @pytest.mark.parametrize("kind", list(AT_JOIN))
-def test_a_hostile_segment_fails_the_join_on_every_node_naming_its_member(kind: str) -> None:
+def test_a_hostile_mapping_fails_the_join_on_every_node_naming_its_member(kind: str) -> None:
     records, codes = _run(kind)
     _honest_nodes_name_node_1(records, codes, AT_JOIN[kind])
     for node in set(range(NODES)) - {HOSTILE}:

@@ -1,4 +1,4 @@
-"""The shared mail (``burncoll.node.shared_mail``) under attack, between real nodes of one host
+"""The shared mail (``burncoll.node.host_mail``) under attack, between real nodes of one host
 through a real orchestrator.
 
 A member holding the token (a test double inside its process) posts in its mail what an

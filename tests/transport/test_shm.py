@@ -1,10 +1,12 @@
-"""The shared-memory ring between two nodes of one host (``burncoll.transport.shm``), over real
-connections of each protocol: every message arrives whole and in order however often the ring
-wraps, a slow receiver holds its sender back, large payloads land where a placer says, a
-closed connection fails both sides at once, hostile descriptors and offers are refused (an
-unsealed ring above all: a shrunk one would crash its receiver), nobody can resize a ring, and
-its descriptor is closed once the receiver has mapped it. Then real nodes: in-process nodes of
-this host choose the ring, and ``shared_memory=False`` keeps them on the transport.
+"""The stream regions between two nodes of one host (``burncoll.transport.shm``), over real
+connections of each protocol, each region a real sealed host file as the host memory hands
+it in (``burncoll.node.host_memory``): every message arrives whole and in order however often
+the region wraps, a slow receiver holds its sender back, large payloads land where a placer
+says, a closed connection or a failed session fails a waiting sender at once, hostile
+descriptors and acknowledgements are refused, hostile files are refused (an unsealed one
+above all: a shrunk one would crash its receiver), and nobody can resize one. Then real nodes:
+in-process nodes of this host send through their regions, and ``shared_memory=False`` keeps
+them on the transport.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import asyncio
 import contextlib
 import fcntl
 import os
+import secrets
 import struct
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
@@ -23,7 +25,7 @@ import pytest
 import burncoll
 from burncoll.errors import ProtocolError, TransportError
 from burncoll.protocol.wire import Placed
-from burncoll.transport import ring_files, shm
+from burncoll.transport import host_files, shm
 from burncoll.transport.base import Connection
 from tests.transport.support import EACH_PROTOCOL, MakeTransport, connected, run
 
@@ -67,10 +69,26 @@ async def _acks(conn: Connection, stop: asyncio.Event) -> None:
             return
 
 
+def _ends(client: Connection, server: Connection) -> tuple[shm.RingSender, shm.RingReceiver]:
+    """The two ends of a connection (``server`` sends), with a stream region as the host
+    memory hands them theirs: a sealed host file, mapped writable by the sender and, found as
+    another node finds it (``map_offered``), read-only by the receiver."""
+    token = secrets.token_hex(16)
+    fd, mapping = host_files.new_host_file(token, shm.RING_BYTES)
+    try:
+        reading = host_files.map_offered(os.getpid(), fd, token, shm.RING_BYTES)
+    finally:
+        os.close(fd)
+    assert reading is not None
+    sender, receiver = shm.RingSender(server), shm.RingReceiver(client)
+    sender.attach(memoryview(mapping))
+    receiver.attach(memoryview(reading))
+    return sender, receiver
+
+
 async def _sent_and_received(sender: shm.RingSender, receiver: shm.RingReceiver,
                              parts: list[bytes]) -> Any:
-    """Send one message and receive it (the first large one waits for the receiver to answer
-    the ring's offer, which it does as it reads)."""
+    """Send one message and receive it."""
     sending = asyncio.ensure_future(sender.send(parts))
     message = await asyncio.wait_for(receiver.recv(), 10)
     await asyncio.wait_for(sending, 10)
@@ -84,7 +102,7 @@ def test_every_message_arrives_whole_and_in_order_through_the_ring(
 
     async def main() -> None:
         async with connected(make(max_message_bytes=64 << 20)) as (client, server, _):
-            sender, receiver = shm.RingSender(server), shm.RingReceiver(client)
+            sender, receiver = _ends(client, server)
             stop = asyncio.Event()
             reading = asyncio.ensure_future(_acks(sender, stop))
             sizes = SIZES * 4  # 4 rounds of ~50 MiB through a 20 MiB ring
@@ -112,7 +130,7 @@ def test_every_message_arrives_whole_and_in_order_through_the_ring(
             reading.cancel()
 
     run(main(), 120)
-    assert _rings() <= before  # acknowledged: the sender closed the ring's descriptor
+    assert _rings() <= before  # (a region's mapping holds no descriptor)
 
 
 def test_payloads_land_where_the_placer_says() -> None:
@@ -120,7 +138,7 @@ def test_payloads_land_where_the_placer_says() -> None:
 
     async def main() -> None:
         async with connected(TcpTransport()) as (client, server, _):
-            sender, receiver = shm.RingSender(server), shm.RingReceiver(client)
+            sender, receiver = _ends(client, server)
             reading = asyncio.ensure_future(_acks(sender, asyncio.Event()))
             target = bytearray(1 << 20)
             receiver.place_with(lambda first, size: (16, memoryview(target)[:size - 16])
@@ -144,7 +162,7 @@ def test_nothing_is_read_from_the_ring_once_it_is_acknowledged() -> None:
 
     async def main() -> None:
         async with connected(TcpTransport()) as (client, server, _):
-            sender, receiver = shm.RingSender(server), shm.RingReceiver(client)
+            sender, receiver = _ends(client, server)
             reading = asyncio.ensure_future(_acks(sender, asyncio.Event()))
             sent = [(b"P" if i % 2 else b"L") + bytes([i]) * 15 + _message(i, 3 << 20)
                     for i in range(12)]
@@ -162,7 +180,7 @@ def test_nothing_is_read_from_the_ring_once_it_is_acknowledged() -> None:
                     acked[0] += struct.unpack_from("<Q", parts[0], 4)[0]
                     while regions and regions[0][2] <= acked[0]:  # (each once: reused later)
                         start, end, _ = regions.pop(0)
-                        sender._ring[start:end] = b"\x5a" * (end - start)
+                        sender._region[start:end] = b"\x5a" * (end - start)
 
             client.send = acknowledge_then_scribble  # type: ignore[method-assign]
             receiver.place_with(lambda first, size: (16, memoryview(bytearray(size - 16)))
@@ -195,13 +213,13 @@ def test_a_placed_message_carries_the_header_its_placer_judged() -> None:
 
     async def main() -> None:
         async with connected(TcpTransport()) as (client, server, _):
-            sender, receiver = shm.RingSender(server), shm.RingReceiver(client)
+            sender, receiver = _ends(client, server)
             reading = asyncio.ensure_future(_acks(sender, asyncio.Event()))
             target = bytearray(1 << 20)
 
             def placer(first: memoryview, size: int) -> tuple[int, memoryview]:
                 judged.append(bytes(first[:16]))
-                sender._ring[0:16] = b"X" * 16  # rewritten as the receiver works
+                sender._region[0:16] = b"X" * 16  # rewritten as the receiver works
                 return 16, memoryview(target)
 
             judged: list[bytes] = []
@@ -222,7 +240,7 @@ def test_a_closed_connection_fails_a_sender_waiting_for_room() -> None:
 
     async def main() -> None:
         async with connected(TcpTransport()) as (client, server, _):
-            sender, receiver = shm.RingSender(server), shm.RingReceiver(client)
+            sender, receiver = _ends(client, server)
             reading = asyncio.ensure_future(_acks(sender, asyncio.Event()))
             await _sent_and_received(sender, receiver, [_message(0, shm.MAX_BYTES)])
             for i in range(1, shm.RING_BYTES // shm.MAX_BYTES):  # (none acknowledged)
@@ -239,33 +257,14 @@ def test_a_closed_connection_fails_a_sender_waiting_for_room() -> None:
     run(main())
 
 
-@contextlib.asynccontextmanager
-async def _made_ring() -> AsyncIterator[tuple[Connection, shm.RingReceiver, shm.RingSender, str]]:
-    """A TCP connection whose sending side has made its ring, not offered yet: the sending
-    end's connection, both ring ends, and the ring's name."""
+def _refused(message: bytes, region: bool = True) -> BaseException:
+    """What the receiving end (with its region, or without one) makes of ``message``."""
     from burncoll.transport.tcp import TcpTransport
 
-    async with connected(TcpTransport()) as (client, server, _):
-        receiver, sender = shm.RingReceiver(client), shm.RingSender(server)
-        sender._create()
-        try:
-            yield server, receiver, sender, sender._offer
-        finally:
-            await sender.close()
-
-
-#: A pid no process has (above the kernel's largest).
-_DEAD_PID = 2**22 + 7
-
-
-def _offer(text: str) -> bytes:
-    return b"BSO1" + struct.pack("<Q", shm.RING_BYTES) + text.encode()
-
-
-def _hostile(build: Callable[[str], bytes]) -> BaseException:
     async def main() -> BaseException:
-        async with _made_ring() as (server, receiver, _sender, name):
-            await server.send([build(name)])
+        async with connected(TcpTransport()) as (client, server, _):
+            receiver = _ends(client, server)[1] if region else shm.RingReceiver(client)
+            await server.send([message])
             try:
                 await asyncio.wait_for(receiver.recv(), 10)
             except (ProtocolError, TransportError) as exc:
@@ -275,160 +274,82 @@ def _hostile(build: Callable[[str], bytes]) -> BaseException:
     return run(main())
 
 
-@pytest.mark.parametrize(("what", "build"), [
-    ("a descriptor before any ring", lambda name: b"BSD1" + struct.pack("<Q", 1 << 20)),
-    ("an offer of another size", lambda name: b"BSO1" + struct.pack("<Q", 4096) + name.encode()),
-    ("an offer of a path", lambda name: _offer("../../etc/passwd")),
-    ("an offer of a pid alone", lambda name: _offer(name.split("/")[0])),
+@pytest.mark.parametrize(("what", "message", "region"), [
+    ("a descriptor without a region", b"BSD1" + struct.pack("<Q", shm.MIN_BYTES), False),
+    ("a descriptor larger than a region allows",
+     b"BSD1" + struct.pack("<Q", shm.MAX_BYTES + 1), True),
+    ("a descriptor of the whole region", b"BSD1" + struct.pack("<Q", shm.RING_BYTES), True),
+    ("a descriptor below the region's size", b"BSD1" + struct.pack("<Q", 10), True),
+    ("a descriptor cut short", b"BSD1" + struct.pack("<Q", shm.MIN_BYTES)[:5], True),
 ])
-def test_hostile_offers_and_descriptors_are_refused(what: str,
-                                                    build: Callable[[str], bytes]) -> None:
-    error = _hostile(build)
-    assert isinstance(error, ProtocolError), (what, error)
+def test_hostile_descriptors_are_refused(what: str, message: bytes, region: bool) -> None:
+    error = _refused(message, region)
+    assert isinstance(error, ProtocolError) and "does not accept" in str(error), (what, error)
 
 
-def test_a_descriptor_larger_than_the_ring_allows_is_refused() -> None:
+@pytest.mark.parametrize(("what", "ack", "region"), [
+    ("without a region", b"BSA1" + struct.pack("<Q", 1), False),
+    ("of more than was sent", b"BSA1" + struct.pack("<Q", 1), True),
+    ("of nothing", b"BSA1" + struct.pack("<Q", 0), True),
+    ("cut short", b"BSA1" + b"\x01", True),
+])
+def test_hostile_acknowledgements_are_refused_and_fail_a_waiting_send(
+        what: str, ack: bytes, region: bool) -> None:
+    """A hostile receiver's acknowledgements are checked; one that frees what was never sent
+    fails the connection, and a send waiting for room fails with it at once."""
+    from burncoll.transport.tcp import TcpTransport
+
     async def main() -> None:
-        async with _made_ring() as (server, receiver, _sender, name):
-            await server.send([_offer(name)])
-            await server.send([b"BSD1" + struct.pack("<Q", shm.RING_BYTES)])
-            with pytest.raises(ProtocolError, match="does not accept"):
-                await asyncio.wait_for(receiver.recv(), 10)
+        async with connected(TcpTransport()) as (client, server, _):
+            sender = _ends(client, server)[0] if region else shm.RingSender(server)
+            reading = asyncio.ensure_future(sender.recv())
+            await client.send([ack])
+            with pytest.raises(ProtocolError, match="acknowledged"):
+                await asyncio.wait_for(reading, 10)
+            if region:
+                with pytest.raises(TransportError, match="ProtocolError"):
+                    for i in range(shm.RING_BYTES // shm.MAX_BYTES + 1):  # (past its room)
+                        await asyncio.wait_for(sender.send([_message(i, shm.MAX_BYTES)]), 10)
+            await sender.close()
 
     run(main())
 
 
-@pytest.mark.parametrize(("what", "offer"), [
-    ("its sender has ended", lambda name: f"{_DEAD_PID}/{name.split('/', 1)[1]}"),
-    ("its number names another file now", lambda name: f"{os.getpid()}/0/{name[-32:]}"),
-    ("it is under another name", lambda name: name[:-32] + "f" * 32),
-])
-def test_a_ring_that_cannot_be_reached_is_declined_and_the_connection_reads_on(
-        what: str, offer: Callable[[str], str]) -> None:
-    """A sender that fails may end (or close its ring) before its receiver maps the ring;
-    what it said before closing comes after the offer, and must still be read, for the
-    receiver to learn why. The receiver declines the ring and reads on; the connection fails
-    only when it ends."""
-    async def main() -> None:
-        async with _made_ring() as (server, receiver, _sender, name):
-            await server.send([_offer(offer(name))])
-            await server.send([b"the reason it failed"])
-            got = await asyncio.wait_for(receiver.recv(), 10)
-            assert bytes(got) == b"the reason it failed", what
-            assert bytes(await asyncio.wait_for(server.recv(), 10)) == b"BSN1", what
-            await server.close()
-            with pytest.raises(TransportError):
-                await asyncio.wait_for(receiver.recv(), 10)
-            await receiver.close()
-
-    run(main())
-
-
-def test_a_declined_ring_leaves_every_message_on_the_connection() -> None:
-    """The sender waits for the answer before anything goes through the ring: declined,
-    large messages travel on the connection, whole and in order, and the ring is let go."""
+def test_without_a_region_every_message_stays_on_the_connection() -> None:
+    """A connection whose nodes share no host memory (declined at join, another host)."""
     from burncoll.transport.tcp import TcpTransport
 
     async def main() -> None:
         async with connected(TcpTransport(max_message_bytes=64 << 20)) as (client, server, _):
-            sender = shm.RingSender(server)
-            reading = asyncio.ensure_future(_acks(sender, asyncio.Event()))
+            sender, receiver = shm.RingSender(server), shm.RingReceiver(client)
             sizes = [shm.MIN_BYTES, 10, 3 << 20, shm.MAX_BYTES]
-
-            async def send_all() -> None:  # (one writer at a time, as a node sends)
-                for i, n in enumerate(sizes):
-                    await sender.send([_message(i, n)])
-
-            sending = asyncio.ensure_future(send_all())
-            offer = bytes(await asyncio.wait_for(client.recv(), 10))
-            assert offer[:4] == b"BSO1" and not sending.done()  # waiting for the answer
-            await client.send([b"BSN1"])
-            await asyncio.wait_for(sending, 10)
             for i, n in enumerate(sizes):
-                got = await asyncio.wait_for(client.recv(), 10)
+                got = await _sent_and_received(sender, receiver, [_message(i, n)])
                 assert bytes(got) == _message(i, n), i
-            assert sender._fd is None and _rings() == set()
-            await sender.close()
-            reading.cancel()
-
-    run(main())
-
-
-@pytest.mark.parametrize("answers", [
-    [b"BSA1" + struct.pack("<Q", 1)],  # an acknowledgement before any answer
-    [b"BSM1", b"BSM1"],  # answered twice
-    [b"BSN1", b"BSM1"],  # declined, then mapped after all
-])
-def test_a_receiver_that_breaks_the_offer_protocol_fails_the_waiting_send(
-        answers: list[bytes]) -> None:
-    """A hostile receiver's answers are checked; one that breaks the protocol fails the
-    connection, and a send waiting for the answer (or for room) fails with it at once."""
-    from burncoll.transport.tcp import TcpTransport
-
-    async def main() -> None:
-        async with connected(TcpTransport()) as (client, server, _):
-            sender = shm.RingSender(server)
-            reading = asyncio.ensure_future(sender.recv())
-            sending = asyncio.ensure_future(sender.send([_message(1, shm.MIN_BYTES)]))
-            assert bytes(await asyncio.wait_for(client.recv(), 10))[:4] == b"BSO1"
-            for answer in answers:
-                await client.send([answer])
-            with pytest.raises(ProtocolError):
-                await asyncio.wait_for(reading, 10)
-            if not sending.done() or sending.exception() is not None:
-                with pytest.raises(TransportError, match="ProtocolError"):
-                    await asyncio.wait_for(sending, 10)
             await sender.close()
 
     run(main())
 
 
-def test_an_answer_without_an_offer_is_refused() -> None:
-    from burncoll.transport.tcp import TcpTransport
-
-    async def main() -> None:
-        async with connected(TcpTransport()) as (client, server, _):
-            sender = shm.RingSender(server)
-            await client.send([b"BSM1"])
-            with pytest.raises(ProtocolError, match="not offered"):
-                await asyncio.wait_for(sender.recv(), 10)
-            await sender.close()
-
-    run(main())
-
-
-@pytest.mark.parametrize("then", [
-    lambda name: b"BSD1" + struct.pack("<Q", shm.MIN_BYTES),  # a descriptor after a decline
-    lambda name: _offer(name),  # a second offer
-])
-def test_after_a_decline_no_descriptor_or_offer_is_accepted(
-        then: Callable[[str], bytes]) -> None:
-    async def main() -> None:
-        async with _made_ring() as (server, receiver, _sender, name):
-            await server.send([_offer(f"{_DEAD_PID}/{name.split('/', 1)[1]}")])
-            await server.send([then(name)])
-            with pytest.raises(ProtocolError, match="does not accept"):
-                await asyncio.wait_for(receiver.recv(), 10)
-
-    run(main())
-
-
-def test_a_failed_session_wakes_a_send_waiting_for_the_answer() -> None:
-    """A receiver that never answers (stuck, hostile) must not hold the send -- and the
+def test_a_failed_session_wakes_a_send_waiting_for_room() -> None:
+    """A receiver that never consumes (stuck, hostile) must not hold the send -- and the
     member's send lock the abort needs -- until the connection ends."""
     from burncoll.transport.tcp import TcpTransport
 
     async def main() -> None:
         async with connected(TcpTransport()) as (client, server, _):
-            sender = shm.RingSender(server)
-            sending = asyncio.ensure_future(sender.send([_message(1, shm.MIN_BYTES)]))
-            assert bytes(await asyncio.wait_for(client.recv(), 10))[:4] == b"BSO1"
+            sender, _receiver = _ends(client, server)
+            for i in range(shm.RING_BYTES // shm.MAX_BYTES):  # (none acknowledged)
+                await sender.send([_message(i, shm.MAX_BYTES)])
+            sending = asyncio.ensure_future(sender.send([_message(9, shm.MAX_BYTES)]))
             await asyncio.sleep(0.05)
             assert not sending.done()
             sender.abandon(ProtocolError("the session failed"))
             with pytest.raises(TransportError, match="the session failed"):
                 await asyncio.wait_for(sending, 10)
             await sender.send([b"an abort"])  # small messages still go on the connection
+            for _ in range(shm.RING_BYTES // shm.MAX_BYTES):
+                await asyncio.wait_for(client.recv(), 10)  # (the descriptors)
             assert bytes(await asyncio.wait_for(client.recv(), 10)) == b"an abort"
             await sender.close()
 
@@ -440,7 +361,7 @@ def _sealed_offer(token: str, flags: int = 0, seal: bool = True) -> int:
     fd = os.memfd_create(f"burncoll-{token}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | flags)
     os.ftruncate(fd, shm.RING_BYTES)
     if seal:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, ring_files.SEALS)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, host_files.SEALS)
     return fd
 
 
@@ -451,7 +372,7 @@ def test_an_unsealed_ring_is_refused() -> None:
     fd = _sealed_offer(token, seal=False)
     try:
         with pytest.raises(ProtocolError, match="could still be resized"):
-            ring_files.map_offered(os.getpid(), fd, token, shm.RING_BYTES)
+            host_files.map_offered(os.getpid(), fd, token, shm.RING_BYTES)
     finally:
         os.close(fd)
 
@@ -466,16 +387,16 @@ def test_a_huge_page_ring_is_refused() -> None:
         pytest.skip(f"no huge-page memfd here: {exc}")
     try:
         with pytest.raises(ProtocolError, match="not an ordinary anonymous file"):
-            ring_files.map_offered(os.getpid(), fd, token, shm.RING_BYTES)
+            host_files.map_offered(os.getpid(), fd, token, shm.RING_BYTES)
     finally:
         os.close(fd)
 
 
 _LEASE_HOLDER = """
 import fcntl, os, signal, sys, time
-from burncoll.transport import ring_files
+from burncoll.transport import host_files
 signal.signal(signal.SIGIO, signal.SIG_IGN)  # (a lease break would end this process)
-fd = ring_files.sealed_file("burncoll-" + "e" * 32, int(sys.argv[1]))
+fd = host_files.sealed_file("burncoll-" + "e" * 32, int(sys.argv[1]))
 ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
 os.close(fd)
 fcntl.fcntl(ro, fcntl.F_SETLEASE, fcntl.F_WRLCK)
@@ -501,7 +422,7 @@ def test_a_ring_under_a_lease_is_refused_at_once() -> None:
 
         def receive() -> None:
             try:
-                outcome.append(ring_files.map_offered(holder.pid, fd, "e" * 32,
+                outcome.append(host_files.map_offered(holder.pid, fd, "e" * 32,
                                                       shm.RING_BYTES))
             except BaseException as exc:
                 outcome.append(exc)
@@ -517,53 +438,21 @@ def test_a_ring_under_a_lease_is_refused_at_once() -> None:
         holder.wait()
 
 
-def test_a_ring_is_let_go_once_answered_and_at_close() -> None:
-    """The sender closes the ring's descriptor when the receiver has answered, and at close
-    if it never did: no ring is held past its connection."""
-    from burncoll.transport.tcp import TcpTransport
-
-    async def main() -> None:
-        async with connected(TcpTransport()) as (client, server, _):
-            sender, receiver = shm.RingSender(server), shm.RingReceiver(client)
-            reading = asyncio.ensure_future(_acks(sender, asyncio.Event()))
-            got = await _sent_and_received(sender, receiver, [_message(1, shm.MIN_BYTES)])
-            assert sender._mapped is True and sender._fd is None  # offered, mapped, sent
-            assert isinstance(got, Placed) and bytes(got.payload) == _message(1, shm.MIN_BYTES)
-            del got  # (a lent payload is the ring's memory: it keeps the mapping open)
-            await sender.close()
-            await receiver.close()
-            reading.cancel()
-        assert _rings() == set()  # (a mapping holds a descriptor of its own until closed)
-        async with connected(TcpTransport()) as (client, server, _):
-            sender = shm.RingSender(server)
-            offering = asyncio.ensure_future(sender.send([_message(2, shm.MIN_BYTES)]))
-            await asyncio.wait_for(client.recv(), 10)  # the offer, never answered
-            assert sender._fd is not None
-            await sender.close()
-            assert sender._fd is None and _rings() == set()
-            with pytest.raises(TransportError):
-                await asyncio.wait_for(offering, 10)
-
-    run(main())
-
-
-def test_nobody_can_resize_a_ring() -> None:
+def test_nobody_can_resize_a_host_file() -> None:
     """Not its creator, not another opener of it: its size is sealed, so no receiver's
     mapping can lose its pages."""
-    async def main() -> None:
-        async with _made_ring() as (_server, _receiver, sender, _name):
-            assert sender._fd is not None
-            other = os.open(f"/proc/self/fd/{sender._fd}", os.O_RDWR)
-            try:
-                for fd in (sender._fd, other):
-                    for size in (0, shm.RING_BYTES // 2, 2 * shm.RING_BYTES):
-                        with pytest.raises(PermissionError):
-                            os.ftruncate(fd, size)
-                assert os.fstat(other).st_size == shm.RING_BYTES
-            finally:
-                os.close(other)
-
-    run(main())
+    fd, mapping = host_files.new_host_file(secrets.token_hex(16), shm.RING_BYTES)
+    other = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+    try:
+        for each in (fd, other):
+            for size in (0, shm.RING_BYTES // 2, 2 * shm.RING_BYTES):
+                with pytest.raises(PermissionError):
+                    os.ftruncate(each, size)
+        assert os.fstat(other).st_size == shm.RING_BYTES
+    finally:
+        os.close(other)
+        os.close(fd)
+        mapping.close()
 
 
 def _two_nodes(shared_memory: bool) -> dict[int, Any]:
@@ -580,7 +469,8 @@ def _two_nodes(shared_memory: bool) -> dict[int, Any]:
             result = comm.all_reduce(x)
             link = comm._server.link
             service = link._service  # type: ignore[union-attr]
-            kinds = {type(c).__name__ for c in service.connections.out.values()}
+            kinds = {(type(c).__name__, getattr(c, "_region", None) is not None)
+                     for c in service.connections.out.values()}
             comm.finish()
             out[node] = (result, kinds)
 
@@ -593,14 +483,16 @@ def _two_nodes(shared_memory: bool) -> dict[int, Any]:
 
 
 @pytest.mark.parametrize("shared_memory", [True, False])
-def test_nodes_of_one_host_choose_the_ring_unless_told_not_to(shared_memory: bool) -> None:
+def test_nodes_of_one_host_send_through_their_regions_unless_told_not_to(
+        shared_memory: bool) -> None:
     before = _rings()
     results = _two_nodes(shared_memory)
     want = np.arange(3 << 20, dtype=np.float32) * 3
     for node in range(2):
         result, kinds = results[node]
         np.testing.assert_array_equal(result, want)
-        assert ("RingSender" in kinds) is shared_memory and len(kinds) == 1, kinds
+        # (with a region handed in at join, or not wrapped at all)
+        assert len(kinds) == 1 and (kinds == {("RingSender", True)}) is shared_memory, kinds
     assert _rings() <= before
 
 

@@ -1,13 +1,13 @@
-"""The files behind the shared-memory rings of :mod:`burncoll.transport.shm`: sealed anonymous
-files, which host can share them, and how a receiver opens the one it was offered.
+"""The files behind host memory (:mod:`burncoll.node.host_memory`): sealed anonymous files,
+which host can share them, and how a receiver opens the one it was offered.
 
-A ring is an anonymous ``memfd`` *sealed* at its size (``F_SEAL_SHRINK | F_SEAL_GROW |
+A host file is an anonymous ``memfd`` *sealed* at its size (``F_SEAL_SHRINK | F_SEAL_GROW |
 F_SEAL_SEAL``): nobody, its creator included, can shrink it under a reader's mapping (a read
 of pages a file lost is ``SIGBUS``, which kills the reader) or change its seals. Its sender
 offers it as ``pid/fd/token``; the receiver finds it through ``/proc`` with ``O_PATH`` (no
-device or FIFO is ever opened on an offer's word) and maps it only if it is the offered ring:
+device or FIFO is ever opened on an offer's word) and maps it only if it is the offered file:
 named ``memfd:burncoll-<token>``, a regular file on the kernel's own memfd filesystem (not a
-huge-page one, whose faults can fail), of this user, of the ring's size, sealed, and openable
+huge-page one, whose faults can fail), of this user, of the offered size, sealed, and openable
 without waiting (a lease would make the open block).
 """
 
@@ -24,19 +24,18 @@ from pathlib import Path
 
 from burncoll.errors import ProtocolError
 
-__all__ = ["close_ring", "host_identity", "map_offered", "new_ring", "sealed_file"]
+__all__ = ["close_host_file", "host_identity", "map_offered", "new_host_file", "sealed_file"]
 
-#: A ring's seals (0 where the platform has none: then no host shares rings).
+#: A host file's seals (0 where the platform has none: then no host shares memory).
 SEALS: int = (getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0)
               | getattr(fcntl, "F_SEAL_SEAL", 0))
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 @functools.cache
 def host_identity() -> str:
-    """What two processes share exactly when they can share a ring: the kernel's boot id,
+    """What two processes share exactly when they can share a host file: the kernel's boot id,
     the network and process namespaces, and the user (``""`` where any is unknown, or where
-    this process cannot make a sealed ring and find it again through ``/proc``)."""
+    this process cannot make a sealed file and find it again through ``/proc``)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         net = os.stat("/proc/self/ns/net").st_ino
@@ -77,25 +76,21 @@ def sealed_file(name: str, size: int) -> int:
     return fd
 
 
-def new_ring(token: str, size: int, *, populate: bool = True) -> tuple[int, mmap.mmap]:
-    """A new sealed ring named with ``token``: its descriptor and its writable mapping, every
-    page mapped now (not a page fault per message until the ring first wraps), or, without
-    ``populate``, each page at its first use (no memory for the pages never used)."""
+def new_host_file(token: str, size: int) -> tuple[int, mmap.mmap]:
+    """A new sealed host file named with ``token``: its descriptor and its writable mapping
+    (each page mapped at its first use: no memory for the pages never used)."""
     fd = sealed_file(f"burncoll-{token}", size)
     try:
-        return fd, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (_POPULATE if populate else 0))
+        return fd, mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     except BaseException:
         os.close(fd)
         raise
 
 
-def close_ring(view: memoryview | None, mapping: mmap.mmap | None) -> None:
-    """Unmap a ring (left mapped while a view of it is still held elsewhere)."""
+def close_host_file(mapping: mmap.mmap) -> None:
+    """Unmap a host file (left mapped while a view of it is still held elsewhere)."""
     with contextlib.suppress(BufferError, ValueError):
-        if view is not None:
-            view.release()
-        if mapping is not None:
-            mapping.close()
+        mapping.close()
 
 
 @functools.cache
@@ -109,15 +104,16 @@ def _memfd_device() -> int:
 
 
 def map_offered(pid: int, fd: int, token: str, size: int,
-                seen: dict[tuple[int, int], str] | None = None, *, populate: bool = True,
+                seen: dict[tuple[int, int], str] | None = None, *,
                 offered_by: str = "another node") -> mmap.mmap | None:
-    """The ring process ``pid`` offered as its descriptor ``fd`` named with ``token``, mapped
-    read-only; ``None`` when it cannot be reached or is not that ring (its sender has ended or
-    closed it, ``/proc`` is closed to this process): the receiver declines it. A file that is
-    named as the ring but is not one a sender makes is :class:`ProtocolError`; so is, with
-    ``seen`` (who offered each file already offered, by ``(st_dev, st_ino)``, to which this
-    one is added as ``offered_by``'s), a file offered twice: the error names who offered it
-    first. ``populate`` as :func:`new_ring`'s."""
+    """The host file process ``pid`` offered as its descriptor ``fd`` named with ``token``,
+    mapped read-only; ``None`` when it cannot be reached or is not that file (its owner has
+    ended or closed it, ``/proc`` is closed to this process): the receiver declines it. A
+    file that is named as that file but is not one a node makes is :class:`ProtocolError`; so
+    is, with ``seen`` (who offered each file already offered, by ``(st_dev, st_ino)``, to
+    which this one is added as ``offered_by``'s), a file offered twice: the error names who
+    offered it
+    first."""
     try:
         handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_PATH)
     except OSError:
@@ -132,37 +128,37 @@ def map_offered(pid: int, fd: int, token: str, size: int,
         except OSError:  # (no descriptor or memory left for the probe: decline)
             return None
         if not stat.S_ISREG(info.st_mode) or info.st_dev != device:
-            raise ProtocolError("offered a shared-memory ring that is not an ordinary "
+            raise ProtocolError("offered a shared-memory file that is not an ordinary "
                                 "anonymous file")
-        return _map_checked(handle, size, seen, offered_by, _POPULATE if populate else 0)
+        return _map_checked(handle, size, seen, offered_by)
     finally:
         os.close(handle)
 
 
 def _map_checked(handle: int, size: int, seen: dict[tuple[int, int], str] | None,
-                 offered_by: str, populate: int) -> mmap.mmap | None:
+                 offered_by: str) -> mmap.mmap | None:
     try:  # O_NONBLOCK: a file under a lease fails at once instead of blocking the loop
         fd = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_NONBLOCK)
     except BlockingIOError as exc:  # (a lease: no sender takes one)
-        raise ProtocolError(f"offered a shared-memory ring it cannot be read from: {exc}"
+        raise ProtocolError(f"offered a shared-memory file it cannot be read from: {exc}"
                             ) from None
     except OSError:  # (no descriptor left here, ...: decline)
         return None
     try:
         if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
-            raise ProtocolError("offered a shared-memory ring that could still be resized "
-                                "(a shrunk ring would crash this process)")
+            raise ProtocolError("offered a shared-memory file that could still be resized "
+                                "(a shrunk file would crash this process)")
         info = os.fstat(fd)
         if info.st_uid != os.getuid() or info.st_size != size:
-            raise ProtocolError("offered a shared-memory ring of another user or size")
+            raise ProtocolError("offered a shared-memory file of another user or size")
         if seen is not None:
             file = (info.st_dev, info.st_ino)
             if file in seen:
-                raise ProtocolError(f"offered a shared-memory segment that {seen[file]} "
+                raise ProtocolError(f"offered a shared-memory file that {seen[file]} "
                                     "offered too")
             seen[file] = offered_by
         try:
-            return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
+            return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         except OSError:  # (no memory for it now: the receiver declines)
             return None
     finally:

@@ -1,13 +1,13 @@
-"""Shared mail: the one-round exchange of node processes of one host through their shared
-segments (:mod:`burncoll.node.segments`) instead of their caller sockets.
+"""Host mail: the one-round exchange of node processes of one host through their host memory
+(:mod:`burncoll.node.host_memory`) instead of their caller sockets.
 
 **Why.** Over a socket every small all-reduce (and barrier) wakes each process through the
 kernel once per message: with 4 node processes on 2 CPUs an 8 B all-reduce took ~1 ms here,
 where Open MPI's processes, polling shared memory, take ~40 us (docs/performance.md). Here a
 node writes its message (the exchange's header and payload, exactly what it would send) into
-its own segment and then raises a counter there; the others, polling the counters, read it.
+its own mapping and then raises a counter there; the others, polling the counters, read it.
 
-**Layout** (at the start of every node's segment): a counter (the number of messages the
+**Layout** (at the start of every node's mapping): a counter (the number of messages the
 node has posted this session, a 64-bit word on a cache line of its own; the next word of the
 line says which node's counter this node sleeps on, see below), then two slots of
 :data:`SLOT_BYTES`. Message ``k`` goes into slot ``k % 2``. A node posts message ``k + 1``
@@ -20,7 +20,7 @@ then the message. x86-64 keeps stores in order and loads in order (its memory mo
 reader that sees the counter sees the message. Other processors need fences that Python
 cannot issue: there :data:`ORDERED_STORES` is false and the exchange stays on the sockets.
 
-**Waiting** (:meth:`burncoll.node.lanes.Lanes.exchange`): a reader looks at the counters,
+**Waiting** (:meth:`SharedMail.exchange`): a reader looks at the counters,
 giving its CPU away between looks for a while (the nodes it waits for may need it), then
 sleeps on the first awaited node's counter (:class:`Futex`). Linux's futex compares the
 counter and sleeps in one step, so a post between the reader's look and its sleep is never
@@ -36,8 +36,9 @@ wake-up is lost; a word a node leaves set costs only a wake.
 **Trust.** What a node reads is checked as a socket's message is (the header byte for byte,
 :meth:`burncoll.node.lane_exchange.LaneExchange.trade`), and only as many bytes as this
 node's own call gives are read; a counter another node raises too far only makes this node
-read that slot early, to find a wrong header or that node's own contribution. The waiting
-itself (deadlines, a lost node, a failed session) is :meth:`burncoll.node.lanes.Lanes.exchange`'s.
+read that slot early, to find a wrong header or that node's own contribution. While it waits,
+a node watches the lanes (:meth:`burncoll.node.lanes.Lanes.watch`): the deadline, a lost node
+(its lane closes: ``PeerLost`` at once), a failed session.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import contextlib
 import ctypes
 import errno
 import mmap
+import os
 import platform
 import sys
 import threading
@@ -55,11 +57,12 @@ from typing import Any
 
 import numpy as np
 
+from burncoll.node.lanes import Lanes, LaneWoken
 from burncoll.protocol.wire import FIXED_HEADER_BYTES, MAX_NDIM
 from burncoll.strategies.auto import MAIL_BYTES
 from burncoll.transport.base import Buffer
 
-__all__ = ["ORDERED_STORES", "SharedMail"]
+__all__ = ["MAIL_AREA_BYTES", "ORDERED_STORES", "SLOT_BYTES", "Futex", "SharedMail"]
 
 #: Whether this processor keeps a thread's stores, and its loads, in program order (x86-64,
 #: and a 64-bit Python: a 32-bit one there has other system call numbers).
@@ -72,8 +75,11 @@ _LINE = 64
 #: A slot's size (whole cache lines): the largest payload ``choose`` sends through the mail
 #: (:data:`~burncoll.strategies.auto.MAIL_BYTES`) with the largest header.
 SLOT_BYTES = -(-(MAIL_BYTES + FIXED_HEADER_BYTES + 8 * MAX_NDIM) // _LINE) * _LINE
-#: The mail's size in a segment: the counter's line and two slots.
+#: The mail's size in a mapping: the counter's line and two slots.
 MAIL_AREA_BYTES = _LINE + 2 * SLOT_BYTES
+#: The longest sleep between looks at the mail, in seconds: a post wakes the sleeper
+#: (:meth:`SharedMail.sleep`), but a failure or a closed lane is seen only when it looks.
+MAIL_NAP = 2e-3
 
 
 class _Timespec(ctypes.Structure):
@@ -83,7 +89,7 @@ class _Timespec(ctypes.Structure):
 class Futex:
     """Sleeping on a counter until it changes, woken by its writer (Linux's futex: the
     kernel compares the word and sleeps at once, so a wake-up is never lost). Shared futexes
-    key on the file and offset, so every process's mapping of a segment meets on the same
+    key on the file and offset, so every process's mapping of a file meets on the same
     word. Off Linux on x86-64, or where the system call is refused, :meth:`wait` just
     sleeps."""
 
@@ -116,7 +122,7 @@ class Futex:
 
 
 class SharedMail:
-    """Every node's mail in the mapped segments ``maps`` (by node index, this node's
+    """Every node's mail in the mappings ``maps`` (by node index, this node's
     writable), at offset ``at`` (a multiple of 64) in each."""
 
     def __init__(self, maps: dict[int, mmap.mmap], me: int, at: int) -> None:
@@ -133,6 +139,42 @@ class SharedMail:
         self._slots = (at + _LINE, at + _LINE + SLOT_BYTES)
         #: Messages this node has posted (all of them read by every other node but the last).
         self.posted_count = 0
+
+    def exchange(self, lanes: Lanes, parts: Sequence[Buffer], size: int, deadline: float
+                 ) -> dict[int, memoryview]:
+        """The lanes' exchange (:meth:`~burncoll.node.lanes.Lanes.exchange`) through the
+        mail: this node's message is ``parts`` one after the other (``size`` bytes), and each
+        other node's is read as a view of as many bytes in its slot, by ``deadline``. The
+        lanes are only watched: a lane that closes is the loss of its node, a message on it a
+        mismatch."""
+        return lanes.alone(lambda wake: self._exchange(lanes, parts, size, deadline))
+
+    def _exchange(self, lanes: Lanes, parts: Sequence[Buffer], size: int, deadline: float
+                  ) -> dict[int, memoryview]:
+        """(Alone on the lanes.) Post, then look at the other nodes' counters, giving the CPU
+        away between looks for a while (:class:`~burncoll.node.spinning.Yielding`), then
+        sleeping until the first node awaited posts (woken by it; :data:`MAIL_NAP` at most);
+        every 16 looks and before every sleep, the lanes' watch too."""
+        k = self.post(parts)
+        waiting, yielding = self.missing(lanes.socks, k), lanes.yielding
+        now = time.perf_counter()
+        yield_until, looks = now + yielding.budget(), 0
+        while waiting:
+            looks += 1
+            if now < yield_until:
+                if not looks & 15:
+                    lanes.watch(waiting, deadline, lambda n: self.posted(n, k))
+                os.sched_yield()
+                then, now = now, time.perf_counter()
+                if not yielding.yielded(now - then):
+                    yield_until = now
+            else:
+                lanes.watch(waiting, deadline, lambda n: self.posted(n, k))
+                self.sleep(waiting[0], k, min(MAIL_NAP, max(deadline - time.monotonic(), 0)))
+            if lanes.woken:
+                raise LaneWoken()
+            waiting = self.missing(waiting, k)
+        return self.read_all(lanes.socks, k, size)
 
     def post(self, parts: Sequence[Buffer]) -> int:
         """Post the message ``parts`` make one after the other (at most a slot: the routes
