@@ -102,7 +102,9 @@ def apply_updates(params: Any, updates: Any) -> Any:
 
 
 class Progress:
-    """A tqdm bar with the loss; plain lines on stderr when tqdm is not installed."""
+    """A tqdm bar with the loss; plain lines on stderr when tqdm is not installed or stderr
+    is no terminal (a log file, or ``burncoll launch``, which prefixes each node's lines: a
+    bar's redraws would each become a line there)."""
 
     def __init__(self, total: int, desc: str, enabled: bool, done: int = 0) -> None:
         self._total = total
@@ -110,7 +112,7 @@ class Progress:
         self._enabled = enabled
         self._done = done
         self._bar: Any = None
-        if enabled:
+        if enabled and sys.stderr.isatty():
             try:
                 from tqdm.auto import tqdm
             except ImportError:

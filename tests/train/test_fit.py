@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -118,14 +119,22 @@ def test_a_failing_grad_fn_raises_and_leaves_no_thread() -> None:
     assert ddp_threads() == []
 
 
-def test_progress_bar_shows_the_loss(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("terminal", [True, False])
+def test_progress_shows_the_loss(capsys: pytest.CaptureFixture[str],
+                                 monkeypatch: pytest.MonkeyPatch, terminal: bool) -> None:
+    """A tqdm bar on a terminal; plain lines otherwise (a log, ``burncoll launch``'s
+    prefixed output), where each of a bar's redraws would become a line."""
     pytest.importorskip("tqdm")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
     x, y = make_data(n=64)
     ddp(range(2), config(num_devices=2)).fit(
         init_mlp(), (x, y), mlp_loss_and_grad, sgd(), steps=5, desc="unit"
     )
     err = capsys.readouterr().err
-    assert "unit" in err and "loss=" in err and "5/5" in err
+    if terminal:
+        assert "unit" in err and "loss=" in err and "5/5" in err
+    else:
+        assert "unit: step 5/5 loss" in err and "loss=" not in err
 
 
 def test_demo_trains_and_reports_identical_replicas(capsys: pytest.CaptureFixture[str]) -> None:
