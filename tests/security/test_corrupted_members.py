@@ -92,14 +92,12 @@ def test_a_corrupted_member_connection_fails_every_peer_quickly(transport: str, 
     run = corrupt_run(transport, kind)
     for record in run.done:
         # Every result was right (a wrong one ends the loop with AssertionError), and none
-        # came after the operation the corruption broke. Node 1 may finish that one: it
-        # sends the bad message, then its part of the next all-reduce, and node 0's part
-        # can reach it before node 0 reads the bad message (a 2-node exchange needs nothing
-        # else) -- a right result from intact data.
+        # failed before the corruption. How many come after it depends on the scheduler:
+        # the small all-reduces travel on the lanes (caller sockets), not on the corrupted
+        # member connection, so each peer completes right results from intact data until
+        # its node's reader of that connection fails the session -- within QUICK (below).
         assert record["error"] not in (None, "AssertionError"), record
-        finished = (CORRUPT_AFTER - 1, CORRUPT_AFTER) + ((CORRUPT_AFTER + 1,)
-                                                         if record["node"] == 1 else ())
-        assert record["iterations"] in finished, record
+        assert record["iterations"] >= CORRUPT_AFTER - 1, record
         # The error says what was wrong and names a node of the broken connection.
         own_end = (transport, kind, record["node"]) == ("quic", "stream", 1) and (
             OWN_STREAM_ENDED in record["message"])
