@@ -62,7 +62,8 @@ def _reduce_all(on: _Where, calls: list[Call], op: ReduceOp) -> Array:
     backend = on.backend
     if isinstance(backend, NumpyBackend):  # (the host kernel itself: no backend calls)
         operands = [np.asarray(c.array).reshape(-1) for c in calls]
-        return reduce_into(op, operands, np.empty_like(operands[0]))
+        first = operands[0]  # (np.empty: np.empty_like is a Python call more)
+        return reduce_into(op, operands, np.empty(first.size, first.dtype))
     device = on.devices[0]
     acc = backend.copy(backend.flatten(backend.to_device(calls[0].array, device)))
     for c in calls[1:]:
@@ -86,7 +87,7 @@ def _copies(on: _Where, x: Array, calls: list[Call] | None = None) -> list[Array
 def _copied(x: HostArray, out: Array) -> HostArray:
     """``x`` copied into the NumPy array ``out`` (of as many elements); ``out``."""
     into = np.asarray(out)
-    np.copyto(into, x.reshape(into.shape))
+    into[...] = x.reshape(into.shape)  # (one dtype: np.copyto is a Python call more)
     return into
 
 

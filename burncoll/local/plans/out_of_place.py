@@ -21,7 +21,7 @@ from burncoll.backends.numpy import host_memory
 from burncoll.backends.pool import fresh
 from burncoll.levels import GlobalOp, HostArray, Route
 from burncoll.local.calls import Call
-from burncoll.local.plans.phases import finish_reduce, flat_input, global_op, link_of, peer_call
+from burncoll.local.plans.phases import finish_reduce, flat_input, global_op, link_of
 from burncoll.local.rendezvous import OpState, Rendezvous
 from burncoll.ops import ReduceOp
 
@@ -55,7 +55,8 @@ class OutOfPlaceRun:
 
     def run(self, index: int, deadline: float) -> Array:
         rv, state = self.rv, self.state
-        call = peer_call(state, index)
+        call = state.calls[index]
+        assert call is not None, "the peer arrived with it"
         gop = GlobalOp._make((state.seq, *self.plan.fingerprint, deadline, state.started))
         if call.out is not None:
             x_host, out_host = host_memory(rv.backend, call.array), host_memory(rv.backend,
