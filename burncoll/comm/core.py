@@ -15,6 +15,7 @@ import numpy as np
 
 from burncoll.backends import foreign_array
 from burncoll.backends.base import Array, Backend, Device
+from burncoll.backends.numpy import NumpyBackend
 from burncoll.comm import objects
 from burncoll.config import CollectiveConfig
 from burncoll.dtypes import SUPPORTED_DTYPES, WIRE_CODES
@@ -35,6 +36,8 @@ class CommunicatorCore:
         self._server = server
         self._index = index
         self._backend: Backend = server.backend
+        #: NumPy: every device is the host, where an array already is (no move to check).
+        self._host = isinstance(self._backend, NumpyBackend)
         #: This peer's id, as passed to :func:`register`.
         self.peer_id: int = server.peer_ids[index]
         #: The device this peer's results live on.
@@ -118,7 +121,8 @@ class CommunicatorCore:
         shape: tuple[int, ...] | None = None
         if dtype is None and (x is not None or not allow_none):
             x, dtype = self._typed(kind.label, x)
-            x = self._on_device(x)
+            if not self._host:
+                x = self._on_device(x)
         if dtype is not None:
             if op is not None and op.bitwise:  # refused here, before this peer joins it
                 check_reduce_dtype(op, dtype, kind.label)
@@ -148,7 +152,7 @@ class CommunicatorCore:
     def _accept(self, kind: OpKind, x: Array | None) -> tuple[Array, str]:
         """``x`` checked (:meth:`_checked`) and on this peer's device, and its dtype's name."""
         x, dtype = self._typed(kind.label, x)
-        return self._on_device(x), dtype
+        return x if self._host else self._on_device(x), dtype
 
     def _on_device(self, x: Array) -> Array:
         """``x`` on this peer's device (moved there when it is not)."""
