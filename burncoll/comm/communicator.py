@@ -63,12 +63,12 @@ class Communicator(RootedOps, Groups, PointToPoint):
         if out is None:  # (the operation's result is the array returned)
             return self._issue("all_reduce", functools.partial(
                 self._run, OpKind.ALL_REDUCE, x, reduce_op, None, compression=wire), async_op)
-        x = self._accept(OpKind.ALL_REDUCE, x)
-        target = self._check_out(x, out, reduce_op)  # x itself when out is x's memory
+        x, dtype = self._accept(OpKind.ALL_REDUCE, x)
+        target = self._check_out(x, out, reduce_op, dtype)  # x itself when out is x's memory
 
         def run() -> Array:
             result = _not_none(self._run(OpKind.ALL_REDUCE, x, reduce_op, None, out=target,
-                                         compression=wire))
+                                         compression=wire, dtype=dtype))
             if result is not target:
                 self._backend.copy(result, out=target)
             return out
@@ -194,20 +194,26 @@ class Communicator(RootedOps, Groups, PointToPoint):
             return None
         return given
 
-    def _check_out(self, x: Array, out: Array, op: ReduceOp) -> Array:
-        """``out`` checked; the array to reduce into: ``x`` itself when ``out`` is ``x``'s
-        memory (``x``, or another view of its elements: in place), else ``out``."""
+    def _check_out(self, x: Array, out: Array, op: ReduceOp, dtype: str) -> Array:
+        """``out`` checked against ``x`` (of ``dtype``); the array to reduce into: ``x``
+        itself when ``out`` is ``x``'s memory (``x``, or another view of its elements: in
+        place), else ``out``."""
         backend = self._backend
         check_out(backend, self.device, out, "all_reduce")
-        if (backend.dtype_name(out), tuple(backend.shape(out))) != (
-                backend.dtype_name(x), tuple(backend.shape(x))):
+        shape = tuple(backend.shape(x))
+        if backend.dtype_name(out) != dtype or tuple(backend.shape(out)) != shape:
             raise UsageError(
                 f"all_reduce: out is {backend.dtype_name(out)}{list(backend.shape(out))} but x "
-                f"is {backend.dtype_name(x)}{list(backend.shape(x))}; they must match")
-        if op is ReduceOp.MEAN and not is_inexact(dtype_from_name(backend.dtype_name(x))):
-            raise UsageError(f"all_reduce: the mean of {backend.dtype_name(x)} is float64, "
+                f"is {dtype}{list(shape)}; they must match")
+        if op is ReduceOp.MEAN and not is_inexact(dtype_from_name(dtype)):
+            raise UsageError(f"all_reduce: the mean of {dtype} is float64, "
                              "which out cannot hold; pass float arrays or omit out")
-        if out is x or _same_memory(x, out):
+        if out is x:
+            return x
+        if type(x) is type(out) is np.ndarray and x.flags.owndata and out.flags.owndata:
+            return out  # (two allocations never meet; np.may_share_memory would let go of
+            # the GIL, a hand-off to another local peer's thread in every call)
+        if _same_memory(x, out):
             return x
         if _overlap(x, out):
             raise UsageError("all_reduce: out overlaps x without being x's elements (another "
@@ -237,7 +243,7 @@ def _same_memory(a: Array, b: Array) -> bool:
     first byte and strides (``t.numpy()`` twice, ``x.view()``, ``x[:]``)."""
     interface = "__cuda_array_interface__" if type(a).__module__.startswith("cupy") else \
         "__array_interface__"
-    first, second = (getattr(v, interface, None) for v in (a, b))
+    first, second = getattr(a, interface, None), getattr(b, interface, None)
     if not isinstance(first, dict) or not isinstance(second, dict):
         return False
     return bool(first["data"][0] == second["data"][0] and a.strides == b.strides)

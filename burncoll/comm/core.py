@@ -15,6 +15,7 @@ import numpy as np
 
 from burncoll.backends import foreign_array
 from burncoll.backends.base import Array, Backend, Device
+from burncoll.backends.numpy import NumpyBackend
 from burncoll.comm import objects
 from burncoll.config import CollectiveConfig
 from burncoll.dtypes import SUPPORTED_DTYPES, WIRE_CODES
@@ -35,6 +36,8 @@ class CommunicatorCore:
         self._server = server
         self._index = index
         self._backend: Backend = server.backend
+        #: NumPy: every device is the host, where an array already is (no move to check).
+        self._host = isinstance(self._backend, NumpyBackend)
         #: This peer's id, as passed to :func:`register`.
         self.peer_id: int = server.peer_ids[index]
         #: The device this peer's results live on.
@@ -109,14 +112,18 @@ class CommunicatorCore:
         self, kind: OpKind, x: Array | None, op: ReduceOp | None, root: int | None,
         allow_none: bool = False, out: Array | None = None,
         counts: tuple[int, ...] | None = None, compression: str | None = None,
+        dtype: str | None = None,
     ) -> Array | None:
+        """Run this peer's part of operation ``kind`` on ``x`` (``dtype``: ``x``'s, given when
+        :meth:`_accept` took it already)."""
         server = self._server
         server.check_usable(self._index)
-        dtype: str | None = None
         shape: tuple[int, ...] | None = None
-        if x is not None or not allow_none:
+        if dtype is None and (x is not None or not allow_none):
             x, dtype = self._typed(kind.label, x)
-            x = self._on_device(x)
+            if not self._host:
+                x = self._on_device(x)
+        if dtype is not None:
             if op is not None and op.bitwise:  # refused here, before this peer joins it
                 check_reduce_dtype(op, dtype, kind.label)
             shape = tuple(self._backend.shape(x))
@@ -142,9 +149,10 @@ class CommunicatorCore:
                              f"{', '.join(SUPPORTED_DTYPES)}")
         return x, dtype
 
-    def _accept(self, kind: OpKind, x: Array | None) -> Array:
-        """``x`` checked (:meth:`_checked`) and on this peer's device."""
-        return self._on_device(self._checked(kind.label, x))
+    def _accept(self, kind: OpKind, x: Array | None) -> tuple[Array, str]:
+        """``x`` checked (:meth:`_checked`) and on this peer's device, and its dtype's name."""
+        x, dtype = self._typed(kind.label, x)
+        return x if self._host else self._on_device(x), dtype
 
     def _on_device(self, x: Array) -> Array:
         """``x`` on this peer's device (moved there when it is not)."""

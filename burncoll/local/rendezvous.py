@@ -81,7 +81,7 @@ class OpState:
     opened: bool = False
 
     def complete_calls(self) -> list[Call]:
-        return [c for c in self.calls if c is not None]
+        return list(filter(None, self.calls))  # (a call, a non-empty tuple, is true)
 
 
 def copy_error(error: BaseException) -> BaseException:
@@ -195,9 +195,9 @@ class Rendezvous:
     def _run_alone(self, call: Call, started: float, deadline: float,
                    prepare: Callable[[Rendezvous, OpState], Prepared]) -> Array | None:
         """:meth:`run` for a node with one local peer, which always arrives last: no other
-        peer to compare its call with, wait for or notify, and the lock taken twice."""
+        peer to compare its call with, wait for or notify, and the lock taken twice (usable:
+        the caller has just asked, and no other local peer can have failed the node since)."""
         with self._lock:
-            self.check_usable(0)
             seq = self._next_seq[0]
             self._next_seq[0] = seq + 1
             state = OpState(seq, [call], arrived=1, ready=True, started=started,

@@ -51,17 +51,18 @@ class ExchangeCores:
         self._cores: dict[tuple[object, ...], ExchangeCore] = {}
 
     def of(self, op: GlobalOp, nbytes: int, channel: int = 0) -> ExchangeCore:
-        """The core of ``op`` with ``nbytes`` per node on ``channel``."""
-        executor = self._executor
-        session = executor.service.session or 0
-        key = ExchangeCore.signature(op, nbytes, session, channel)
+        """The core of ``op`` with ``nbytes`` per node on ``channel`` (in the link's one
+        session, known by the time the first operation runs)."""
+        key = ExchangeCore.signature(op, nbytes, channel)
         core = self._cores.get(key)
         if core is None:
             if len(self._cores) >= _CORES_KEPT:
                 self._cores.clear()
+            executor = self._executor
             core = self._cores[key] = ExchangeCore(
                 op, nbytes, me=executor.me, nodes=len(executor.service.nodes),
-                session=session, describe=executor.describe, channel=channel)
+                session=executor.service.session or 0, describe=executor.describe,
+                channel=channel)
         return core
 
 

@@ -13,7 +13,7 @@ its message, the session failed): a node holds at most the budget plus one item 
 connection, and a reader never waits on another kind of holding (frames a broadcast root ran
 ahead with never stop the messages a ``recv`` here waits for). Counts change on the event
 loop's thread and on a calling thread that starts its own exchange
-(:meth:`~burncoll.node.mailbox.Mailbox.expect_now`): they are locked, and a paused reader
+(:meth:`~burncoll.node.mailbox.Mailbox.skip`): they are locked, and a paused reader
 is woken through its loop.
 """
 

@@ -6,9 +6,9 @@ host mail, where the route says ``Medium.HOST``), reads every other node's, and 
 of the host memory (:mod:`burncoll.node.host_memory`, :mod:`burncoll.node.host_reduce`) go
 the same way (:meth:`LaneExchange.trade`).
 
-The operation still starts its lane in the mailbox (``Mailbox.expect_now``, without the event
-loop where nothing needs it): a frame of this operation that arrives on a member connection
--- another node's different call -- is then checked against this call and reported as before.
+The operation still starts its lane in the mailbox (``Mailbox.skip``, without the event loop
+where nothing needs it): a frame of this operation that arrives on a member connection --
+another node's different call -- is then checked against this call and reported as before.
 Every failure becomes the error the event loop's exchange raises, through the event loop where
 it must be reported there (``call``): the session's own failure, a timeout with its
 explanation, a lost node (after the grace an explanation is given), a mismatch or a malformed
@@ -79,31 +79,29 @@ class LaneExchange:
                    ) -> None:
         """``out = x0 op x1 op ...`` over every node's ``buf`` (``buf`` is only read), in
         ``mail`` (the route's ``Medium.HOST``: :attr:`mail`) or on the lanes (``None``)."""
-        self.run(op, buf.nbytes, lambda check: self._exchange_into(op, check, buf, out, mail))
+        self.run(op, buf.nbytes, self._exchange_into, op, buf, out, mail)
 
-    def _exchange_into(self, op: GlobalOp, check: Check, buf: HostArray, out: HostArray,
+    def _exchange_into(self, check: Check, op: GlobalOp, buf: HostArray, out: HostArray,
                        mail: SharedMail | None) -> None:
         """The exchange of ``buf`` into ``out`` (separate arrays) inside :meth:`run`."""
         core = self.cores.of(op, buf.nbytes)
         received = self.trade(op, check, core.header(op.seq), payload_bytes(buf), mail, core)
         core.reduce_messages(op, buf, received, out)
 
-    def run(self, op: GlobalOp, nbytes: int, body: Callable[[Check], T]) -> T:
-        """Run ``body`` -- operation ``op``'s rounds on the lanes (:meth:`trade`) -- with the
-        operation's lane started in the mailbox, expecting ``nbytes`` from every other node
-        there, so that a frame of ``op`` arriving on a member connection (another node's
-        different call) is checked against it and reported."""
+    def run(self, op: GlobalOp, nbytes: int, body: Callable[..., T], *args: Any) -> T:
+        """Run ``body(check, *args)`` -- operation ``op``'s rounds on the lanes
+        (:meth:`trade`) -- with channel 0 of ``op`` skipped in the mailbox
+        (:meth:`~burncoll.node.mailbox.Mailbox.skip`): a frame of ``op`` arriving on a member
+        connection (another node's different call) is checked against it and reported.
+        (``nbytes``, what every other node sends first, is not needed there.)"""
         service, mailbox = self.service, self.service.mailbox
         check = header_check(op, self._me, self.executor.describe)  # (executor.checker's)
-        seq = op.seq  # what exchange_receives says, from the nodes kept
-        receives = Receives(seq, 0, {(seq, 0, 0, n, 0): nbytes for n in self._others},
-                            part_bytes=max(nbytes, 1))
-        started = [mailbox.expect_now(check, receives)]
+        started = [mailbox.skip(op.seq, check)]
         try:
             if not started[0]:  # the loop works first
                 started.pop()
-                self.call(op, self._start(check, receives, started))
-            return body(check)
+                self.call(op, self._start(check, op.seq, started))
+            return body(check, *args)
         except CollectiveError:
             raise
         except BaseException as exc:  # an interrupt, an error of NumPy's: lanes are shut
@@ -154,11 +152,13 @@ class LaneExchange:
         self.call(op, coro)
         raise AssertionError("unreachable: the coroutine raises")  # pragma: no cover
 
-    async def _start(self, check: Check, receives: Receives, started: list[bool]) -> None:
+    async def _start(self, check: Check, seq: int, started: list[bool]) -> None:
+        """:meth:`run`'s skip on the loop, which reports the frames of the operation that
+        came on the member connections (none may: the lane receives nothing there)."""
         mailbox = self.service.mailbox
         if mailbox.error is None:
             started.append(True)  # (whatever expect finds, ``done`` ends the lane)
-            mailbox.expect(check, receives)
+            mailbox.expect(check, Receives(seq, 0, {}))
         if mailbox.error is not None:
             raise mailbox.error
 

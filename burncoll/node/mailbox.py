@@ -63,6 +63,7 @@ from burncoll.node.receives import describe_part as _part
 from burncoll.protocol.wire import DataHeader, Frame
 
 __all__ = [
+    "NOTHING",
     "PART_BYTES",
     "FrameKey",
     "Lane",
@@ -70,6 +71,10 @@ __all__ = [
     "Receives",
     "key_of",
 ]
+
+#: What a lane receives on the member connections when it runs elsewhere (:meth:`Mailbox.skip`):
+#: nothing, so that every frame of it arriving there is a ProtocolError.
+NOTHING = Receives(-1, 0, {})
 
 #: Checks a frame's header against this node's own call: an error, or ``None``.
 _Check = Callable[[DataHeader], CollectiveError | None]
@@ -80,7 +85,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def _locked(method: F) -> F:
     """Run ``method`` under the mailbox's lock: the event loop's thread stores frames while
-    a calling thread may start or end its exchange (:meth:`Mailbox.expect_now`)."""
+    a calling thread may start or end its exchange (:meth:`Mailbox.skip`)."""
     @functools.wraps(method)
     def locked(self: Mailbox, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
@@ -120,6 +125,8 @@ class Mailbox:
         self._streams: dict[FrameKey, Stream] = {}
         #: The lanes started here (not yet left behind), and what each receives.
         self._started: dict[Lane, Receives] = {}
+        #: The operation whose channel 0 was started last by :meth:`skip`.
+        self._skipped = -1
         #: What frames of lanes not started count against (shared with the inbox).
         self.budget = budget or HeldBudget()
         #: Frames and payload bytes held per lane not started.
@@ -263,6 +270,8 @@ class Mailbox:
             return False
         lane = (header.seq, header.channel)
         receives = self._started.get(lane)
+        if receives is None and header.seq == self._skipped and not header.channel:
+            receives = NOTHING  # (refused: that operation runs on the lanes or the mail)
         size = len(frame.payload)
         accept_part(self._streams, header, size, receives)
         key = key_of(header)
@@ -310,32 +319,26 @@ class Mailbox:
             del self._frames[key]
         return frame
 
-    def expect_now(self, check: _Check, receives: Receives) -> bool:
-        """:meth:`expect` from a calling thread, when that needs nothing of the event loop:
-        no failure yet, and every frame held for the lane passes its checks (a failure to
-        report is the loop's: it fails the session there, and the budget wakes a paused
-        reader through its loop). ``False``, with nothing done, otherwise."""
+    def skip(self, seq: int, check: _Check) -> bool:
+        """:meth:`expect` of channel 0 of operation ``seq`` from a calling thread, for a run
+        that receives nothing on the member connections (the lanes, the host mail): a frame
+        of that lane arriving there is checked against ``check`` (a mismatch, reported), then
+        refused as no part of the operation (a ProtocolError). :meth:`done` ends it.
+        ``False``, with nothing done, when that needs the event loop: after a failure, or
+        with frames of that lane here already (the loop's :meth:`expect` of :data:`NOTHING`
+        reports them there)."""
         with self._lock:  # (not ``_locked``: one call fewer on every operation's path)
-            if self._error is not None or (self._frames and not self._would_pass(
-                    check, receives)):
+            if self._error is not None or (self._frames and any(
+                    k[0] == seq and k[1] == 0 for k in self._frames)):
                 return False
-            self._expect(check, receives)
+            if seq > self.current:
+                self.current, self.current_started = seq, self.clock()
+                if self._frames or self._started or self._streams or self._held:
+                    self._forget_before(seq)
+            self._active[seq] = self._active.get(seq, 0) + 1
+            self._checks[seq] = check
+            self._skipped = seq
             return True
-
-    def _would_pass(self, check: _Check, receives: Receives) -> bool:
-        """Whether :meth:`expect` would find every frame held for the lane right (keep it
-        in step with ``_expect``)."""
-        lane, streams = (receives.seq, receives.channel), dict[FrameKey, Stream]()
-        for key, frames in self._frames.items():
-            for frame in frames if (key[0], key[1]) == lane else ():
-                h = frame.header
-                if h is None or check(h) is not None:
-                    return False
-                try:
-                    accept_part(streams, h, len(frame.payload), receives)
-                except ProtocolError:
-                    return False
-        return True
 
     @_locked
     def fail(self, error: BaseException) -> None:

@@ -72,10 +72,10 @@ class ExchangeCore:
         self.expected_bytes = self.header_bytes + nbytes
 
     @staticmethod
-    def signature(op: GlobalOp, nbytes: int, session: int, channel: int = 0
-                  ) -> tuple[object, ...]:
-        """What a core is built for: operations that share it differ only in number."""
-        return (op.fingerprint(), nbytes, session, channel)
+    def signature(op: GlobalOp, nbytes: int, channel: int = 0) -> tuple[object, ...]:
+        """What a core is built for in one session: operations that share it differ only in
+        number (``op[1:6]`` is :meth:`GlobalOp.fingerprint`, without a call)."""
+        return (op[1:6], nbytes, channel)
 
     def header(self, seq: int) -> bytes:
         """This node's header in operation ``seq``."""

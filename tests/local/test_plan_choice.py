@@ -36,7 +36,7 @@ from burncoll.backends.base import Backend
 from burncoll.levels import Exchange, HostReduce, Medium
 from burncoll.local.calls import Call
 from burncoll.local.plans.barrier import LocalBarrier
-from burncoll.local.plans.choose import OpPlan, _plan_key, choose
+from burncoll.local.plans.choose import OpPlan, choose, plan_key
 from burncoll.local.plans.fused import Fused
 from burncoll.local.plans.global_all_gather import GlobalAllGather
 from burncoll.local.plans.global_barrier import GlobalBarrier
@@ -462,7 +462,7 @@ def test_the_decision_picks_the_plan(case: Case, world: World, expected: OpPlan)
 
 
 def test_the_plan_cache_never_joins_calls_the_decision_tells_apart() -> None:
-    """``prepare`` keeps each node's plans by ``_plan_key`` (the node's world, backend and
+    """``prepare`` keeps each node's plans by ``plan_key`` (the node's world, backend and
     config never change): two calls on one node that ``choose`` plans differently must never
     share a key. Every case above, grouped by node, checks it."""
     planned: dict[tuple[object, ...], tuple[str, OpPlan]] = {}
@@ -470,7 +470,7 @@ def test_the_plan_cache_never_joins_calls_the_decision_tells_apart() -> None:
         if case.backend != "numpy":
             continue
         node = (repr(world), case.backend, repr(sorted(case.strategies.items())))
-        key = (*node, tuple(map(_plan_key, case.calls(world))))
+        key = (*node, plan_key(case.calls(world)))
         if key in planned:
             other, plan = planned[key]
             assert plan == expected, f"{name!r} would take the cached plan of {other!r}"

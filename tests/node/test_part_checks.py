@@ -173,6 +173,30 @@ def test_frames_of_a_finished_operation_are_refused() -> None:
         box.put(frame(8000))
 
 
+
+def test_a_skipped_lane_refuses_its_frames_and_checks_them_first() -> None:
+    """An operation run on the lanes (``skip``): a frame of its channel 0 arriving on a member
+    connection is compared with the call (another call: the mismatch is reported), then
+    refused; its other channels and the next operation are received as before."""
+    box = Mailbox()
+    assert box.skip(SEQ, no_check)
+    with pytest.raises(ProtocolError, match="does not receive in that operation"):
+        box.put(frame(8000))
+    assert box.put(frame(8000, channel=1))  # held for channel 1, not started yet
+    box.done(SEQ)
+    assert box.skip(SEQ + 1, lambda h: ProtocolError("another call"))
+    assert not box.put(frame(8000, seq=SEQ + 1))
+    assert str(box.error) == "another call"
+
+
+def test_a_skip_with_frames_of_its_lane_here_is_left_to_the_loop() -> None:
+    box = Mailbox()
+    box.put(frame(8000))  # before this node started the operation
+    assert not box.skip(SEQ, no_check) and box.current == -1
+    assert box.skip(SEQ + 1, no_check) and box.current == SEQ + 1  # (another lane's)
+    box.fail(ProtocolError("over"))
+    assert not box.skip(SEQ + 2, no_check)
+
 # -- the budget for operations not started --------------------------------------------------
 
 

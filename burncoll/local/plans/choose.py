@@ -37,6 +37,7 @@ scan and exscan, and a reduce-scatter given explicit counts, on one node or acro
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 
 from burncoll.backends.base import Backend
@@ -45,7 +46,7 @@ from burncoll.config import CollectiveConfig
 from burncoll.dtypes import ITEMSIZES, dtype_from_name, is_inexact
 from burncoll.errors import UsageError
 from burncoll.levels import Exchange, HostReduce, Medium, Route
-from burncoll.local.calls import Call
+from burncoll.local.calls import ARGUMENTS, Call
 from burncoll.local.plans.barrier import LocalBarrier
 from burncoll.local.plans.fused import Fused
 from burncoll.local.plans.global_all_gather import GlobalAllGather
@@ -74,7 +75,7 @@ from burncoll.strategies.auto import (
 from burncoll.strategies.by_host import ByHost
 from burncoll.strategies.layout import even_layout
 
-__all__ = ["OpPlan", "choose", "prepare"]
+__all__ = ["OpPlan", "choose", "plan_key", "prepare"]
 
 OpPlan = (
     Inline | Fused | LocalBarrier | LocalSchedule | GlobalBarrier | OutOfPlace
@@ -111,7 +112,7 @@ def prepare(rv: Rendezvous, state: OpState) -> Prepared:
     A training loop repeats a few operations: the plan of a signature already seen on this
     node is taken from ``rv.plans`` (the world, backend and config never change there)."""
     calls = state.complete_calls()
-    key = tuple(map(_plan_key, calls))
+    key = plan_key(calls)
     plan = rv.plans.get(key)
     if plan is None:
         plan = choose(calls, rv.world, rv.backend, rv.config)
@@ -121,10 +122,13 @@ def prepare(rv: Rendezvous, state: OpState) -> Prepared:
     return plan.prepare(rv, state)
 
 
-def _plan_key(call: Call) -> tuple[object, ...]:
-    """Everything of ``call`` that :func:`choose` looks at (its array only by type)."""
-    return (call.kind, call.reduce_op, call.root, call.dtype, call.shape, call.counts,
-            call.compression, type(call.array))
+_ARRAY = operator.itemgetter(4)
+
+
+def plan_key(calls: Sequence[Call]) -> tuple[object, ...]:
+    """Everything of ``calls`` that :func:`choose` looks at (their arrays only by type), made
+    without a Python call per call."""
+    return (tuple(map(ARGUMENTS, calls)), tuple(map(type, map(_ARRAY, calls))))
 
 
 def choose(calls: Sequence[Call], world: World, backend: Backend,

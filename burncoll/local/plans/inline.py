@@ -16,7 +16,7 @@ import numpy as np
 from burncoll.backends.base import Array, Backend, Device, combine
 from burncoll.backends.numpy import CpuDevice, NumpyBackend, host_memory
 from burncoll.dtypes import dtype_name
-from burncoll.levels import HostArray, Route
+from burncoll.levels import Route
 from burncoll.local.calls import Call
 from burncoll.local.plans.phases import global_op, link_of
 from burncoll.local.rendezvous import OpState, Rendezvous
@@ -40,14 +40,11 @@ class Inline:
         return InlineResults(inline_results(rv, state, self))
 
 
-@dataclass(frozen=True, slots=True)
-class InlineResults:
-    """Each peer's result, by local index."""
-
-    results: list[Array | None]
+class InlineResults(list[Array | None]):
+    """Each peer's result, by local index (a list: made without a Python call)."""
 
     def run(self, index: int, deadline: float) -> Array | None:
-        return self.results[index]
+        return self[index]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +59,8 @@ def _reduce_all(on: _Where, calls: list[Call], op: ReduceOp) -> Array:
     backend = on.backend
     if isinstance(backend, NumpyBackend):  # (the host kernel itself: no backend calls)
         operands = [np.asarray(c.array).reshape(-1) for c in calls]
-        return reduce_into(op, operands, np.empty_like(operands[0]))
+        first = operands[0]  # (np.empty: np.empty_like is a Python call more)
+        return reduce_into(op, operands, np.empty(first.size, first.dtype))
     device = on.devices[0]
     acc = backend.copy(backend.flatten(backend.to_device(calls[0].array, device)))
     for c in calls[1:]:
@@ -75,19 +73,20 @@ def _copies(on: _Where, x: Array, calls: list[Call] | None = None) -> list[Array
     """A copy of ``x`` per peer: into the peer's ``out=`` array when it passed one."""
     backend = on.backend
     outs = [c.out for c in calls] if calls is not None else [None] * len(on.devices)
-    if isinstance(backend, NumpyBackend):  # (NumPy itself: no backend calls per peer)
+    if isinstance(backend, NumpyBackend):  # (NumPy itself: no backend or Python calls per peer)
         host = np.asarray(x)
-        return [np.array(host) if out is None else _copied(host, out) for out in outs]
+        copies: list[Array | None] = []
+        for out in outs:
+            if out is None:
+                copies.append(np.array(host))
+            else:  # (into the NumPy array ``out``, of as many elements; one dtype: no copyto)
+                into = np.asarray(out)
+                into[...] = host.reshape(into.shape)
+                copies.append(into)
+        return copies
     return [backend.copy(backend.reshape(backend.to_device(x, d), backend.shape(out)), out=out)
             if out is not None else backend.copy(backend.to_device(x, d))
             for d, out in zip(on.devices, outs, strict=True)]
-
-
-def _copied(x: HostArray, out: Array) -> HostArray:
-    """``x`` copied into the NumPy array ``out`` (of as many elements); ``out``."""
-    into = np.asarray(out)
-    np.copyto(into, x.reshape(into.shape))
-    return into
 
 
 def _across_nodes(rv: Rendezvous, on: _Where, state: OpState, flat: Array, route: Route

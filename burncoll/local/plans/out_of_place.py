@@ -11,7 +11,8 @@ compositions, so nodes with more peers still match it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -20,20 +21,25 @@ from burncoll.backends.numpy import host_memory
 from burncoll.backends.pool import fresh
 from burncoll.levels import GlobalOp, HostArray, Route
 from burncoll.local.calls import Call
-from burncoll.local.plans.phases import finish_reduce, flat_input, global_op, link_of, peer_call
+from burncoll.local.plans.phases import finish_reduce, flat_input, global_op, link_of
 from burncoll.local.rendezvous import OpState, Rendezvous
 from burncoll.ops import ReduceOp
 
 __all__ = ["OutOfPlace", "OutOfPlaceRun"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class OutOfPlace:
     """``route``: the global all-reduce's, the one-round exchange or a schedule."""
 
     route: Route
+    #: Every operation of the plan (kept per signature) as the nodes see it but for its
+    #: number and deadline (:meth:`GlobalOp.fingerprint`), from the first one prepared.
+    fingerprint: tuple[Any, ...] = field(default=(), compare=False, repr=False)
 
     def prepare(self, rv: Rendezvous, state: OpState) -> OutOfPlaceRun:
+        if not self.fingerprint:
+            self.fingerprint = global_op(state, 0.0).fingerprint()
         return OutOfPlaceRun(self, rv, state)
 
 
@@ -48,8 +54,10 @@ class OutOfPlaceRun:
         self.state = state
 
     def run(self, index: int, deadline: float) -> Array:
-        rv, call = self.rv, peer_call(self.state, index)
-        gop = global_op(self.state, deadline)
+        rv, state = self.rv, self.state
+        call = state.calls[index]
+        assert call is not None, "the peer arrived with it"
+        gop = GlobalOp._make((state.seq, *self.plan.fingerprint, deadline, state.started))
         if call.out is not None:
             x_host, out_host = host_memory(rv.backend, call.array), host_memory(rv.backend,
                                                                                 call.out)
@@ -61,8 +69,10 @@ class OutOfPlaceRun:
             flat = x.reshape(-1)
             out = fresh(flat.size, flat.dtype)
             link_of(rv).all_reduce(gop, flat, out=out, route=self.plan.route, fresh=True)
-            return finish_reduce(rv, out if x.ndim == 1 else out.reshape(x.shape),
-                                 call.reduce_op)
+            if x.ndim != 1:
+                out = out.reshape(x.shape)
+            return out if call.reduce_op is not ReduceOp.MEAN else finish_reduce(
+                rv, out, call.reduce_op)
         host = rv.backend.to_host(flat_input(rv, call))
         if not host.flags.c_contiguous:  # pragma: no cover - flatten gives C order
             host = np.ascontiguousarray(host)
