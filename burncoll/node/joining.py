@@ -105,7 +105,7 @@ async def _join(service: DataService, orch: OrchestratorClient, config: Collecti
         await orch.join(Join(
             service.host, service.port, tuple(local_peer_ids), config.global_fingerprint(),
             pid=os.getpid(),
-            meta={"local_ring": isinstance(config.strategy("local_all_reduce_strategy"), Ring),
+            meta={"sharded": isinstance(config.strategy("local_all_reduce_strategy"), Ring),
                   "host": host_identity() if config.shared_memory else "",
                   "lanes": config.uses_lanes},
         ), deadline)

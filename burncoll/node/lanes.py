@@ -211,7 +211,7 @@ class Lanes:
         one message from each, by ``deadline``; raises :class:`LaneTimeout`,
         :class:`LaneClosed`, :class:`LaneWoken` or :class:`LaneOdd`. Anything else that
         stops it (``KeyboardInterrupt``) shuts every lane down first."""
-        return self.alone(lambda wake: _Exchange(self.socks, wake, message, expected).run(
+        return self.alone(lambda wake: _SocketRound(self.socks, wake, message, expected).run(
             deadline, self.spinning))
 
     @property
@@ -273,8 +273,8 @@ class Lanes:
                 raise LaneOdd(node, head)  # (a header whole: reported from it)
 
 
-class _Exchange:
-    """One exchange's state: what is left to send to, and to receive from, each node."""
+class _SocketRound:
+    """One round on the lanes: what is left to send to, and to receive from, each node."""
 
     def __init__(self, socks: dict[int, socket.socket], wake: int, message: bytes,
                  expected: int) -> None:

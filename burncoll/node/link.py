@@ -77,7 +77,7 @@ class NodeLink:
         self.node_of: Mapping[int, int] = {p: n.index for n in self.nodes for p in n.peer_ids}
         #: Every node runs a local ring over the same number of devices, so an all-reduce can
         #: go local reduce-scatter -> per-shard global all-reduce -> local all-gather.
-        self.sharded = all(n.local_ring for n in self.nodes) and len(
+        self.sharded = all(n.sharded for n in self.nodes) and len(
             {len(n.peer_ids) for n in self.nodes}) == 1
         #: Every node announced this node's host identity: their rings share memory.
         self.hosts = number_hosts(self.nodes)

@@ -16,25 +16,25 @@ fault: the caller names it). A receiver that counts bytes therefore never comple
 with a byte unwritten.
 
 **Sizes are what the operation needs.** When an operation starts here, :meth:`Mailbox.expect`
-registers what this node receives in it (one ``(seq, channel)``, a *lane*): every key and its
-chunk's size in bytes (:class:`Receives`). From then on a frame of that lane with another key,
+registers what this node receives in it (one ``(seq, channel)``, an *op channel*): every key and its
+chunk's size in bytes (:class:`Receives`). From then on a frame of that op channel with another key,
 or of a size other than the registered one, or bytes beyond it, is a ProtocolError; frames that
 came before the start are checked against the registration then.
 
 **Frames of operations not started yet are bounded**: they count against the data service's
-:class:`~burncoll.node.held.HeldBudget` (one frame is one item) until their lane starts. Past
+:class:`~burncoll.node.held.HeldBudget` (one frame is one item) until their op channel starts. Past
 the budget, the reader that stored such a frame stops reading until there is room or that
-frame's lane starts (:meth:`Mailbox.holds`); the transport then stops reading that socket and
+frame's op channel starts (:meth:`Mailbox.holds`); the transport then stops reading that socket and
 TCP's flow control slows the sender: a legitimate broadcast root running operations ahead
 only slows down.
 
 Why this cannot deadlock an honest session: a reader pauses only right after it stored a frame
-of a lane not started here. On one connection an honest node sends every frame of operation
+of an op channel not started here. On one connection an honest node sends every frame of operation
 *k* before any frame of *k+1* (it finishes *k* -- its sends returned -- before it starts
 *k+1*), and the channels of one operation start on this node without waiting for each other's
-network data. So every frame this node needs before it can start the paused lane is ahead of
+network data. So every frame this node needs before it can start the paused op channel is ahead of
 the paused point, on that connection or on another one whose reader is not paused for it; the
-lane starts, its frames stop counting as held, and the reader resumes.
+op channel starts, its frames stop counting as held, and the reader resumes.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from burncoll.node.places import Place, settled
 from burncoll.node.receives import (
     PART_BYTES,
     FrameKey,
-    Lane,
+    OpChannel,
     Receives,
     Stream,
     accept_part,
@@ -66,14 +66,14 @@ __all__ = [
     "NOTHING",
     "PART_BYTES",
     "FrameKey",
-    "Lane",
+    "OpChannel",
     "Mailbox",
     "Receives",
     "key_of",
 ]
 
-#: What a lane receives on the member connections when it runs elsewhere (:meth:`Mailbox.skip`):
-#: nothing, so that every frame of it arriving there is a ProtocolError.
+#: What an op channel receives on the member connections when it runs elsewhere
+#: (:meth:`Mailbox.skip`): nothing, so that every frame of it arriving there is a ProtocolError.
 NOTHING = Receives(-1, 0, {})
 
 #: Checks a frame's header against this node's own call: an error, or ``None``.
@@ -121,16 +121,16 @@ class Mailbox:
         #: Where a receiver wants a part not yet arrived: ``(key, offset)`` -> memory the
         #: transport may read the payload straight into, or a reduction (node.places).
         self._places: dict[tuple[FrameKey, int], Place] = {}
-        #: Progress of every key of the lanes not left behind.
+        #: Progress of every key of the op channels not left behind.
         self._streams: dict[FrameKey, Stream] = {}
-        #: The lanes started here (not yet left behind), and what each receives.
-        self._started: dict[Lane, Receives] = {}
+        #: The op channels started here (not yet left behind), and what each receives.
+        self._started: dict[OpChannel, Receives] = {}
         #: The operation whose channel 0 was started last by :meth:`skip`.
         self._skipped = -1
-        #: What frames of lanes not started count against (shared with the inbox).
+        #: What frames of op channels not started count against (shared with the inbox).
         self.budget = budget or HeldBudget()
-        #: Frames and payload bytes held per lane not started.
-        self._held: dict[Lane, list[int]] = {}
+        #: Frames and payload bytes held per op channel not started.
+        self._held: dict[OpChannel, list[int]] = {}
         #: Held while the structures above change (a re-entrant lock: a failure found while
         #: storing a frame fails the mailbox from inside ``put``).
         self._lock = threading.RLock()
@@ -163,7 +163,7 @@ class Mailbox:
     # -- operations ---------------------------------------------------------------------------
     @_locked
     def expect(self, check: _Check, receives: Receives) -> None:
-        """Start lane ``(receives.seq, receives.channel)``: from now on its frames are checked
+        """Start op channel ``(receives.seq, receives.channel)``: from now on its frames are checked
         against ``check`` (the fingerprint) and ``receives`` (keys and sizes); the frames
         already here are checked now, and stop counting against the held budget. Starting
         ``seq`` means every earlier operation is over on this node: what is left of them is
@@ -172,18 +172,18 @@ class Mailbox:
         self._expect(check, receives)
 
     def _expect(self, check: _Check, receives: Receives) -> None:
-        seq, lane = receives.seq, (receives.seq, receives.channel)
+        seq, op_channel = receives.seq, (receives.seq, receives.channel)
         if seq > self.current:
             self.current, self.current_started = seq, self.clock()
             self._forget_before(seq)
         self._active[seq] = self._active.get(seq, 0) + 1
         self._checks[seq] = check
-        if lane in self._started:  # pragma: no cover - one expect per lane
+        if op_channel in self._started:  # pragma: no cover - one expect per op channel
             return
-        self._started[lane] = receives
+        self._started[op_channel] = receives
         if self._held:
-            self._release(lane)
-        keys = [k for k in self._frames if (k[0], k[1]) == lane] if self._frames else ()
+            self._release(op_channel)
+        keys = [k for k in self._frames if (k[0], k[1]) == op_channel] if self._frames else ()
         for key in keys:  # held frames were only checked for order: check them in full now
             self._streams.pop(key, None)
             for frame in self._frames[key]:
@@ -202,21 +202,21 @@ class Mailbox:
 
     def _forget_before(self, seq: int) -> None:
         """Every operation before ``seq`` is over here: drop what is left of it."""
-        for lane in [lane for lane in self._held if lane[0] < seq] if self._held else ():
-            self._release(lane)
+        for old in [k for k in self._held if k[0] < seq] if self._held else ():
+            self._release(old)
         tables: tuple[dict[Any, Any], ...] = (self._started, self._streams, self._frames)
-        for table in tables:  # (the frames no lane took too)
+        for table in tables:  # (the frames no op channel took)
             for key in [k for k in table if k[0] < seq] if table else ():
                 del table[key]
 
-    def _release(self, lane: Lane) -> None:
-        """The frames of ``lane`` stop counting against the held budget."""
-        held = self._held.pop(lane, None)
+    def _release(self, op_channel: OpChannel) -> None:
+        """The frames of ``op_channel`` stop counting against the held budget."""
+        held = self._held.pop(op_channel, None)
         if held is not None:
             self.budget.release(*held)
 
     def holds(self, header: DataHeader) -> bool:
-        """Whether frames of ``header``'s lane are held (its lane not started yet)."""
+        """Whether frames of ``header``'s op channel are held (its op channel not started yet)."""
         return (header.seq, header.channel) in self._held
 
     @property
@@ -251,10 +251,10 @@ class Mailbox:
     @_locked
     def put(self, frame: Frame) -> bool:
         """Store a DATA frame and wake whoever waits for its key; ``True`` if it is held for a
-        lane not started (its reader then minds the :attr:`budget`).
+        op channel not started (its reader then minds the :attr:`budget`).
 
         Raises :class:`~burncoll.ProtocolError` for a part off its chunk's schedule (see the
-        module docstring), a key or size the started lane does not receive, or a part of an
+        module docstring), a key or size the started op channel does not receive, or a part of an
         operation this node has left behind (the sender's fault: the caller names it).
         """
         header = frame.header
@@ -268,8 +268,8 @@ class Mailbox:
         self._check(frame)  # a call with other arguments is a MismatchError, named first
         if self._error is not None:
             return False
-        lane = (header.seq, header.channel)
-        receives = self._started.get(lane)
+        op_channel = (header.seq, header.channel)
+        receives = self._started.get(op_channel)
         if receives is None and header.seq == self._skipped and not header.channel:
             receives = NOTHING  # (refused: that operation runs on the lanes or the mail)
         size = len(frame.payload)
@@ -279,7 +279,7 @@ class Mailbox:
             frame = settled(frame, self._places.pop((key, header.offset), None))
         self._frames.setdefault(key, deque()).append(frame)
         if receives is None:
-            held = self._held.setdefault(lane, [0, 0])
+            held = self._held.setdefault(op_channel, [0, 0])
             held[0] += 1
             held[1] += size
             self.budget.hold(1, size)
@@ -322,10 +322,10 @@ class Mailbox:
     def skip(self, seq: int, check: _Check) -> bool:
         """:meth:`expect` of channel 0 of operation ``seq`` from a calling thread, for a run
         that receives nothing on the member connections (the lanes, the host mail): a frame
-        of that lane arriving there is checked against ``check`` (a mismatch, reported), then
+        of that op channel arriving there is checked against ``check`` (a mismatch, reported), then
         refused as no part of the operation (a ProtocolError). :meth:`done` ends it.
         ``False``, with nothing done, when that needs the event loop: after a failure, or
-        with frames of that lane here already (the loop's :meth:`expect` of :data:`NOTHING`
+        with frames of that op channel here already (the loop's :meth:`expect` of :data:`NOTHING`
         reports them there)."""
         with self._lock:  # (not ``_locked``: one call fewer on every operation's path)
             if self._error is not None or (self._frames and any(
@@ -349,8 +349,8 @@ class Mailbox:
         self._frames.clear()
         self._places.clear()
         self._streams.clear()
-        for lane in list(self._held):
-            self._release(lane)
+        for op_channel in list(self._held):
+            self._release(op_channel)
         for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_exception(error)

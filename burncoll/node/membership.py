@@ -36,7 +36,7 @@ class NodeInfo:
     port: int
     peer_ids: tuple[int, ...]
     #: The node runs its local all-reduce as a ring (it can shard across nodes).
-    local_ring: bool = False
+    sharded: bool = False
     #: Its host, as :func:`burncoll.transport.host_files.host_identity` names it (``""``:
     #: unknown, or shared memory turned off): nodes of one host share their host memory.
     host_id: str = ""
@@ -59,7 +59,7 @@ def table_digest(session: int, nodes: Sequence[NodeInfo], secret: str | None) ->
     """A digest of everything the orchestrator's table says (but the receiver's own index):
     members that hold the same table compute the same, and every schedule they build from
     it is the same (32 hex digits)."""
-    listed = [[n.index, n.host, n.port, list(n.peer_ids), n.local_ring, n.host_id, n.lanes]
+    listed = [[n.index, n.host, n.port, list(n.peer_ids), n.sharded, n.host_id, n.lanes]
               for n in nodes]
     text = json.dumps([session, secret, listed], separators=(",", ":"))
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

@@ -156,7 +156,7 @@ class OrchestratorClient:
         self.session = table.session
         self.index = table.index
         self.nodes = tuple(
-            NodeInfo(n.index, n.host, n.port, n.peer_ids, n.meta.get("local_ring") is True,
+            NodeInfo(n.index, n.host, n.port, n.peer_ids, n.meta.get("sharded") is True,
                      _host_id(n.meta.get("host")), n.meta.get("lanes") is True)
             for n in table.nodes
         )

@@ -16,7 +16,7 @@ from burncoll.node.places import Place
 from burncoll.protocol.wire import Frame
 from burncoll.transport.base import Buffer
 
-__all__ = ["Inbox", "Member", "Ports"]
+__all__ = ["FrameSource", "Member", "Ports"]
 
 
 class Member(Protocol):
@@ -28,7 +28,7 @@ class Member(Protocol):
     def describe(self) -> str: ...
 
 
-class Inbox(Protocol):
+class FrameSource(Protocol):
     """Where received DATA frames wait (:class:`~burncoll.node.mailbox.Mailbox`)."""
 
     def offer_place(self, key: FrameKey, offset: int, place: Place) -> None:
@@ -58,7 +58,7 @@ class Ports(Protocol):
     def timeout(self) -> float: ...
 
     @property
-    def mailbox(self) -> Inbox: ...
+    def mailbox(self) -> FrameSource: ...
 
     async def send(self, node: int, parts: Sequence[Buffer]) -> None:
         """Send one frame to ``node``; a broken connection fails the session."""

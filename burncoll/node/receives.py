@@ -16,7 +16,7 @@ from burncoll.protocol.wire import DataHeader
 __all__ = [
     "PART_BYTES",
     "FrameKey",
-    "Lane",
+    "OpChannel",
     "Receives",
     "Stream",
     "accept_part",
@@ -27,7 +27,7 @@ __all__ = [
 FrameKey = tuple[int, int, int, int, int]
 #: ``(seq, channel)``: one channel of one operation, started by one
 #: :meth:`Mailbox.expect <burncoll.node.mailbox.Mailbox.expect>`.
-Lane = tuple[int, int]
+OpChannel = tuple[int, int]
 
 #: Largest payload of one frame; bigger chunks travel in several parts.
 PART_BYTES = 4 << 20

@@ -68,7 +68,7 @@ def test_every_operation_across_nodes(nodes: int, devices: int, local: str, glob
         assert r["ok"], r
 
 
-def test_local_ring_shards_the_global_all_reduce() -> None:
+def test_a_local_ring_shards_the_global_all_reduce() -> None:
     records = run_nodes("sharded", 2, 3, "ring", "ring")
     assert len(records) == 6 and all(r["ok"] for r in records), records
 

@@ -46,7 +46,7 @@ def _flipped(key: str) -> Callable[[TableEntry], TableEntry]:
 FAULTS: dict[str, Callable[[TableEntry], TableEntry]] = {
     "node 0 on another host": _other_host,
     "node 0 without caller sockets": _flipped("lanes"),
-    "node 0 with a ring of its own": _flipped("local_ring"),
+    "node 0 with a ring of its own": _flipped("sharded"),
 }
 
 
