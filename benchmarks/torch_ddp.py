@@ -4,12 +4,19 @@
 layers, 25 MiB buckets, batch 32 per rank), 2 and 4 processes on this host, on "burncoll" and
 on "gloo", in alternating runs; the ratio is burncoll's steps/s over Gloo's of the same round.
 
+``paired``: the same two DDP models in the same processes, one on a "burncoll" process group
+and one on a "gloo" group of the same ranks, their steps alternating (burncoll, gloo, gloo,
+burncoll, ...), each step timed from a barrier to a barrier: a load that changes during a run
+(other jobs on a shared machine) weighs on both alike, where ``ddp``'s separate runs of each
+backend can each meet a different load. The ratio is burncoll's steps/s over Gloo's in a run.
+
 ``allreduce``: the median time of ``torch.distributed.all_reduce(t)`` through the backend and
 of ``comm.all_reduce(a, out=a)`` (the group's own burncoll communicator, ``a`` the NumPy view
 of ``t``) on the same tensor, alternating, at 1, 16 and 64 MiB, 2 processes; the ratio is the
 first over the second (1.0: the adapter costs nothing).
 
-    python benchmarks/torch_ddp.py [--what ddp,allreduce] [--procs 2,4] [--runs 3] [--steps 10]
+    python benchmarks/torch_ddp.py [--what ddp,paired,allreduce] [--procs 2,4] [--runs 3]
+                                   [--steps 10]
 """
 
 from __future__ import annotations
@@ -32,14 +39,37 @@ import burncoll.torch  # noqa: F401  (registers "burncoll")
 SIZES_MIB = (1, 16, 64)
 
 
-def ddp_steps(steps: int) -> float:
+def ddp_model(group: Any = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     for _ in range(6):
         layers += [torch.nn.Linear(2048, 2048), torch.nn.ReLU()]
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*layers),
-                                                      bucket_cap_mb=25)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+                                                      bucket_cap_mb=25, process_group=group)
+    return model, torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+def paired_steps(steps: int) -> dict[str, float]:
+    """Steps/s of DDP on burncoll (the default group) and on Gloo, steps alternating."""
+    groups = {"burncoll": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    runs = {name: ddp_model(group) for name, group in groups.items()}
+    x = torch.randn(32, 2048)
+    spent = dict.fromkeys(runs, 0.0)
+    for step in range(steps + 2):  # two warm-up steps
+        for name in list(runs)[::1 if step % 2 else -1]:
+            model, opt = runs[name]
+            dist.barrier(group=groups["gloo"])
+            start = time.perf_counter()
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            dist.barrier(group=groups["gloo"])
+            spent[name] += (time.perf_counter() - start) if step >= 2 else 0.0
+    return {name: steps / seconds for name, seconds in spent.items()}
+
+
+def ddp_steps(steps: int) -> float:
+    model, opt = ddp_model()
     x = torch.randn(32, 2048)
     for step in range(steps + 2):  # two warm-up steps
         if step == 2:
@@ -76,7 +106,8 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{args.port}",
                             rank=args.rank, world_size=args.size,
                             timeout=datetime.timedelta(seconds=120))
-    value = ddp_steps(args.steps) if args.worker == "ddp" else allreduce_times(args.iters)
+    value = {"ddp": lambda: ddp_steps(args.steps), "paired": lambda: paired_steps(args.steps),
+             "allreduce": lambda: allreduce_times(args.iters)}[args.worker]()
     if args.rank == 0:
         print(json.dumps(value), flush=True)
     dist.destroy_process_group()
@@ -126,6 +157,15 @@ def main() -> None:
                   f"runs) {statistics.median(ratios):.2f}  runs: burncoll "
                   f"{[round(r, 2) for r in rates['burncoll']]} gloo "
                   f"{[round(r, 2) for r in rates['gloo']]}", flush=True)
+    if "paired" in what:
+        for size in (int(p) for p in args.procs.split(",")):
+            pairs = [launch("paired", "burncoll", size, args) for _ in range(args.runs)]
+            ratios = [p["burncoll"] / p["gloo"] for p in pairs]
+            print(f"ddp paired x{size}: burncoll "
+                  f"{statistics.median(p['burncoll'] for p in pairs):.2f} steps/s, gloo "
+                  f"{statistics.median(p['gloo'] for p in pairs):.2f} steps/s, ratio (median of "
+                  f"runs) {statistics.median(ratios):.2f}  runs: "
+                  f"{[round(r, 2) for r in ratios]}", flush=True)
     if "allreduce" in what:
         runs = [launch("allreduce", "burncoll", 2, args) for _ in range(args.runs)]
         for mib in SIZES_MIB:

@@ -33,7 +33,6 @@ from burncoll.errors import UsageError
 from burncoll.ops import ReduceOp
 from burncoll.torch.session import open_session
 from burncoll.torch.work import TorchWork, as_array, flat, split_into, torch_errors
-from burncoll.work import Work
 
 T = TypeVar("T")
 
@@ -128,11 +127,9 @@ class BurncollProcessGroup(dist.ProcessGroup):
         run_async = bool(getattr(opts, "asyncOp", True))
         with torch_errors(label):
             got = start(self._comm(tensors[0] if tensors else None), run_async)
-        if not run_async:
-            done: Work[Any] = Work(label)
-            done.set_result(got)
-            got = done
-        return TorchWork(got, tensors, label, then)
+        if run_async:
+            return TorchWork(got, tensors, label, then)
+        return TorchWork(None, tensors, label, then, got)
 
     # -- collectives ------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:  # type: ignore[override]

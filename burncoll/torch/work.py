@@ -71,22 +71,29 @@ class TorchWork(dist._Work):  # type: ignore[misc,name-defined]
     written in place.
     """
 
-    def __init__(self, work: Work[Any], tensors: list[torch.Tensor], label: str,
-                 then: Callable[[Any], None] | None = None) -> None:
+    def __init__(self, work: Work[Any] | None, tensors: list[torch.Tensor], label: str,
+                 then: Callable[[Any], None] | None = None, value: Any = None) -> None:
+        """``work`` in flight, or ``None`` for an operation done already with ``value`` (a
+        blocking call: its future completes here, without a :class:`~burncoll.Work`)."""
         super().__init__()
         self._label = label
         self._tensors = tensors
         self._then = then
         self._error: BaseException | None = None
         self._future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
-        work.add_done_callback(self._done)
+        if work is None:
+            self._settle(lambda: value)
+        else:
+            work.add_done_callback(lambda done: self._settle(done.result))
 
     def __repr__(self) -> str:
         return f"TorchWork({self._label}, done={self._future.done()})"
 
-    def _done(self, work: Work[Any]) -> None:
+    def _settle(self, result: Callable[[], Any]) -> None:
+        """Complete the future with the tensors once ``then`` took ``result()`` (or with the
+        error either raised)."""
         try:
-            value = work.result()
+            value = result()
             if self._then is not None:
                 self._then(value)
         except BaseException as exc:  # the future carries it to whoever waits
