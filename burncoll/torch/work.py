@@ -31,7 +31,7 @@ def as_array(tensor: torch.Tensor, label: str) -> Any:
     Writing into the array writes the tensor."""
     if not isinstance(tensor, torch.Tensor):
         raise UsageError(f"{label}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if not tensor.is_contiguous():
+    if tensor.layout == torch.strided and not tensor.is_contiguous():  # (sparse: see below)
         raise UsageError(f"{label}: the tensor is not contiguous; pass tensor.contiguous() "
                          "(and copy the result back), as torch's Gloo backend requires too")
     try:

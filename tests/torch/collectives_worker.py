@@ -193,6 +193,7 @@ def unsupported() -> None:
         ("premul_sum", lambda: dist.all_reduce(torch.ones(2),
                                                op=dist._make_nccl_premul_sum(2.0))),
         ("recv_anysource", lambda: dist.recv(torch.ones(2))),
+        ("sparse", lambda: dist.all_reduce(torch.ones(3).to_sparse())),
     ):
         try:
             call()
