@@ -65,7 +65,7 @@ class Exchange:
 class HostReduce:
     """Every node of one host writes its array into its shared memory, reduces a chunk of
     all of them and copies the result out (:mod:`burncoll.node.host_reduce`; ``auto``'s route
-    for all-reduces past the exchange among 3 or more node processes of one host, on
+    for all-reduces past the exchange among the node processes of one host, on
     channel 0)."""
 
 

@@ -36,12 +36,15 @@ EXCHANGE_BYTES: dict[int, int] = {2: 2 << 20, 3: 256 << 10, 4: 128 << 10, 8: 32 
 #: of one host exchanged 256-512 KiB in 0.6-0.9x the ring's time (docs/performance.md).
 EXCHANGE_BYTES_ONE_HOST: dict[int, int] = {**EXCHANGE_BYTES, 4: 512 << 10}
 #: Past the exchange, node processes of one host all-reduce through their shared memory from
-#: this many nodes (``levels.HostReduce``); 2 nodes keep the ring.
-SEGMENT_NODES = 3
+#: this many nodes (``levels.HostReduce``): between 2 of them, 1-4 MiB took 0.25-0.45x the
+#: time of the exchange on the lanes and 8-64 MiB 0.7-0.85x the ring's (docs/performance.md).
+SEGMENT_NODES = 2
 #: The exchange's limits where the host reduction takes over past it: it costs a copy in, a
 #: copy out and two rounds of empty messages, and beats the exchange from 256 KiB among 3
-#: node processes and from 128 KiB among 4 (CPU per operation, docs/performance.md).
-EXCHANGE_BYTES_SEGMENTS: dict[int, int] = {**EXCHANGE_BYTES, 3: 128 << 10, 4: 64 << 10}
+#: node processes and from 128 KiB among 4 (CPU per operation, docs/performance.md); between
+#: 2, past the host mail's :data:`MAIL_BYTES`.
+EXCHANGE_BYTES_SEGMENTS: dict[int, int] = {**EXCHANGE_BYTES, 2: 512 << 10, 3: 128 << 10,
+                                           4: 64 << 10}
 #: The largest piece of an array that the host reduction moves at once (its data slot's
 #: size): two rounds of messages per piece, so larger pieces wait less (4 node processes,
 #: 256 MiB: ~400 ms against ~420 with 8 MiB; docs/performance.md), for 48 MiB of shared memory
@@ -51,8 +54,8 @@ PIECE_BYTES = 32 << 20
 #: of a u16 (1 and 2 were the set-up's); a larger array takes the strategy.
 MOST_PIECES = (2**16 - 1 - 3) // 2
 #: The largest payload an exchange sends through the host mail (a slot holds it and the
-#: longest header): the largest exchange of one host's node processes from 3 of them; larger
-#: ones, between 2, go on the lanes.
+#: longest header): the largest exchange of one host's node processes that share their
+#: host memory (larger ones take the host reduction).
 MAIL_BYTES = 512 << 10
 
 

@@ -198,7 +198,7 @@ def _exchanges(config: CollectiveConfig, world: World, nbytes: int, host_reduce:
 
 def _host_reduces(config: CollectiveConfig, world: World, channel: int) -> bool:
     """Whether ``auto``'s all-reduces past the exchange on ``channel`` go through the host
-    memory: channel 0, 3 or more node processes of one host that mapped it at join."""
+    memory: channel 0, node processes of one host that mapped it at join."""
     return (world.host_memory and world.num_nodes >= SEGMENT_NODES and channel == 0
             and isinstance(config.strategy("global_all_reduce_strategy"), Auto))
 
@@ -233,9 +233,8 @@ def _route(config: CollectiveConfig, world: World, nbytes: int, compressed: bool
     """The exchange on its medium, the host reduction, or the global all-reduce schedule's
     strategy, for ``nbytes`` per node on ``channel``. A compressed all-reduce always takes a
     schedule (its 16-bit wire format is the walk's); the host reduction serves ``auto``'s
-    all-reduces past the exchange on channel 0 among 3 or more node processes of one host
-    (no wire: nothing to compress; between 2 the ring's two steps move fewer bytes), of at
-    most :data:`MOST_PIECES` pieces."""
+    all-reduces past the exchange on channel 0 among the node processes of one host (no wire:
+    nothing to compress), of at most :data:`MOST_PIECES` pieces."""
     host_reduce = not compressed and _host_reduces(config, world, channel)
     if not compressed and _exchanges(config, world, nbytes, host_reduce):
         return Exchange(_medium(world, nbytes, channel))
