@@ -29,8 +29,8 @@ from burncoll.config.security import (
     resolve_token,
 )
 from burncoll.config.sources import check_node_fields, file_values, resolve
+from burncoll.config.values import MAX_NUM_DEVICES, parse_host_port, parse_strategy_field
 from burncoll.config.values import check_timeout as check_timeout_field
-from burncoll.config.values import parse_host_port, parse_strategy_field
 from burncoll.errors import ConfigError
 from burncoll.strategies import Auto, Strategy
 from burncoll.transport import TRANSPORT_NAMES
@@ -332,6 +332,9 @@ def _validate(cfg: CollectiveConfig) -> None:
             raise ConfigError(f"{name}={value!r}: expected one of {', '.join(names)}"
                               f"{nearest(str(value), names)}")
     _require_int(cfg, "num_devices", 1, optional=False)
+    if cfg.num_devices > MAX_NUM_DEVICES:
+        raise ConfigError(f"num_devices={cfg.num_devices}: expected at most {MAX_NUM_DEVICES} "
+                          "local peers (one thread each)")
     _require_int(cfg, "num_nodes", 1, optional=True)
     _require_int(cfg, "data_service_port", 0, optional=True)
     if cfg.data_service_port is not None and cfg.data_service_port > 65535:
