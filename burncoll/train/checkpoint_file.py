@@ -228,17 +228,17 @@ def _header(archive: Any, key: str) -> tuple[np.dtype[Any], tuple[int, ...]]:
     entry's bytes (so that reading it allocates no more than the file holds)."""
     name = f"{key}.npy"
     if name not in archive.zip.namelist():
-        raise ValueError(f"the entry {key!r} is missing")
+        raise ValueError(f"the entry {name!r} is missing")
     with archive.zip.open(name) as member:
         version = np.lib.format.read_magic(member)
         if version not in ((1, 0), (2, 0)):
-            raise ValueError(f"the entry {key!r} has .npy format version {version}")
+            raise ValueError(f"the entry {name!r} has .npy format version {version}")
         read = (np.lib.format.read_array_header_1_0 if version == (1, 0) else
                 np.lib.format.read_array_header_2_0)
         shape, _, dtype = read(member)
     size = archive.zip.getinfo(name).file_size
     if dtype.hasobject or math.prod(shape) * dtype.itemsize > size:
-        raise ValueError(f"the entry {key!r} claims {dtype} {shape}, more than its {size} "
+        raise ValueError(f"the entry {name!r} claims {dtype} {shape}, more than its {size} "
                          "bytes")
     return dtype, tuple(shape)
 
