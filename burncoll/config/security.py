@@ -99,11 +99,12 @@ def read_token_file(path: str) -> str:
         raise ConfigError(
             f"auth_token_file={path!r}: cannot read the token file: {exc.strerror or exc}"
         ) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise ConfigError(f"auth_token_file={path!r} is not a regular file (a FIFO, device or "
+                          "directory); write the token into a plain file (chmod 600)")
     with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise ConfigError(f"auth_token_file={path!r} is not a regular file (a FIFO, device "
-                              "or directory); write the token into a plain file (chmod 600)")
         raw = f.read(TOKEN_FILE_LIMIT + 1)
     if len(raw) > TOKEN_FILE_LIMIT:
         raise ConfigError(f"auth_token_file={path!r}: over {TOKEN_FILE_LIMIT} bytes; a token "
