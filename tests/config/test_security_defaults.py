@@ -1,10 +1,10 @@
 """Secure by default: what CollectiveConfig (and start_orchestrator) refuse, warn about, hide.
 
 A multi-node config that listens on a non-loopback address needs a token (or an explicit
-``insecure``); an empty token and one under 16 bytes are refused (saying how to make one); the token comes from a
-file or the environment and never shows in ``repr``/``to_dict``; the TLS mode is checked
-against the transport. Nothing here opens a socket except where said (no orchestrator is
-started on a non-loopback address: the refusals come before any bind).
+``insecure``); an empty token and one under 16 bytes are refused (saying how to make one);
+the token comes from a file or the environment and never shows in ``repr``/``to_dict``; the
+TLS mode is checked against the transport. Nothing here opens a socket except where said (no
+orchestrator is started on a non-loopback address: the refusals come before any bind).
 """
 
 from __future__ import annotations
