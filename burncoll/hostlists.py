@@ -26,12 +26,14 @@ MAX_HOST_NAME = 255
 MAX_DIGITS = 18
 
 
-def shown(text: str, head: int = 60, tail: int = 20) -> str:
-    """``repr`` of a variable's text, its middle elided when long, so that a huge hostile value
-    can't flood a message: ``'first 60 chars'...'last 20' (N characters)``."""
+def shown(value: object, head: int = 60, tail: int = 20) -> str:
+    """``repr`` of a value, its middle elided when long, so that a huge hostile value can't
+    flood a message: the first ``head`` characters, ``...``, the last ``tail``, and the
+    length."""
+    text = repr(value)
     if len(text) <= head + tail + 20:
-        return repr(text)
-    return f"{text[:head]!r}...{text[-tail:]!r} ({len(text)} characters)"
+        return text
+    return f"{text[:head]}...{text[-tail:]} ({len(text)} characters)"
 
 
 def _split_entries(spec: str) -> Iterator[str]:

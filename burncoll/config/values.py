@@ -39,20 +39,20 @@ def parse_host_port(value: str, field_name: str,
             pass
         else:
             if default_port is None:
-                raise ConfigError(f"{field_name}={value!r}: the port is missing; use "
+                raise ConfigError(f"{field_name}={shown(value)}: the port is missing; use "
                                   f"'[{text}]:port'")
             return text, default_port
     split = urlsplit(text if "://" in text else "//" + text)
     try:
         port = split.port
     except ValueError as exc:
-        raise ConfigError(f"{field_name}={value!r}: the port is not a number 0-65535") from exc
+        raise ConfigError(f"{field_name}={shown(value)}: the port is not a number 0-65535") from exc
     host = split.hostname
     if not host:
-        raise ConfigError(f"{field_name}={value!r}: expected 'host:port' or 'ws://host:port'")
+        raise ConfigError(f"{field_name}={shown(value)}: expected 'host:port' or 'ws://host:port'")
     if port is None:
         if default_port is None:
-            raise ConfigError(f"{field_name}={value!r}: the port is missing; use 'host:port'")
+            raise ConfigError(f"{field_name}={shown(value)}: the port is missing; use 'host:port'")
         port = default_port
     return host, port
 
@@ -68,12 +68,15 @@ def check_timeout(timeout: object) -> None:
 
 def parse_strategy_field(name: str, value: object) -> Strategy:
     """A strategy field's value: a :class:`Strategy`, or its name (``"tree:3"``)."""
+    if isinstance(value, str) and len(value) > 64:
+        raise ConfigError(f"{name}={shown(value)}: not a strategy name; expected one of "
+                          "'centralized', 'tree', 'tree:K', 'ring'")
     if isinstance(value, (Strategy, str)):
         try:
             return parse_strategy(value)
         except ConfigError as exc:
             raise ConfigError(f"{name}: {exc}") from None
-    raise ConfigError(f"{name}={value!r}: expected burncoll.Centralized(), Tree(k), Ring() or "
+    raise ConfigError(f"{name}={shown(value)}: expected burncoll.Centralized(), Tree(k), Ring() or "
                       "one of 'centralized', 'tree', 'tree:K', 'ring'")
 
 
