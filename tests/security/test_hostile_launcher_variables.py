@@ -92,3 +92,15 @@ def test_a_huge_device_count_in_code_is_refused_too() -> None:
     got = in_child("import burncoll", "burncoll.CollectiveConfig(num_devices=10**9)")
     assert got["error"] == ["ConfigError", "num_devices=1000000000: expected at most 1024 local "
                             "peers (one thread each)"]
+
+
+@pytest.mark.parametrize("variable", ["BURNCOLL_TRANSPORT", "BURNCOLL_BACKEND",
+                                      "BURNCOLL_GLOBAL_ADDRESS", "BURNCOLL_COMPRESSION",
+                                      "BURNCOLL_GLOBAL_ALL_REDUCE_STRATEGY", "BURNCOLL_TIMEOUT"])
+def test_a_huge_setting_is_quoted_short(variable: str) -> None:
+    """Messages quoting a 20 KB value were 20 KB long: now its middle is elided."""
+    got = in_child("import burncoll", "burncoll.CollectiveConfig(num_nodes=2)",
+                   {variable: "x" * 20_000})
+    assert got["error"] is not None and got["error"][0] == "ConfigError", got
+    field = variable.removeprefix("BURNCOLL_").lower()
+    assert field in got["error"][1] and len(got["error"][1]) < 500, got["error"][1]
