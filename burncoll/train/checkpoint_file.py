@@ -294,6 +294,8 @@ def _leaf(archive: Any, key: str, spec: Any) -> NDArray:
         raise ValueError(f"bad metadata for {key}: {spec!r}")
     dtype = dtype_from_name(str(spec.get("dtype")))
     shape = tuple(int(n) for n in spec["shape"])
+    if len(shape) > 64 or not all(0 <= n < 2**63 for n in shape):  # as NumPy allows
+        raise ValueError(f"bad shape for {key} in the metadata: {spec['shape']!r:.200}")
     if spec.get("raw"):
         raw = _expect(archive, key, np.dtype(np.uint8), (math.prod(shape) * dtype.itemsize,))
         return raw.view(dtype).reshape(shape)
