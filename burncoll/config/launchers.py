@@ -87,7 +87,7 @@ class _Vars:
         raw = self.text(name)
         if raw is None:
             return None
-        digits = raw.removeprefix("-").removeprefix("+")
+        digits = raw[1:] if raw[0] in "+-" else raw  # one sign at most
         if not (digits.isascii() and digits.isdigit()) or len(digits) > MAX_DIGITS:
             self.fail(f"{name}={shown(raw)} is not an integer of at most {MAX_DIGITS} digits; "
                       "fix it or unset it")

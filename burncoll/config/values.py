@@ -83,7 +83,8 @@ def parse_strategy_field(name: str, value: object) -> Strategy:
 def _parse_int(text: str) -> int:
     """An integer of at most :data:`~burncoll.hostlists.MAX_DIGITS` digits (``ValueError``
     otherwise, before any work that grows with the text)."""
-    digits = text.strip().removeprefix("-").removeprefix("+")
+    digits = text.strip()
+    digits = digits[1:] if digits[:1] in ("+", "-") else digits  # one sign at most
     if not (digits.isascii() and digits.isdigit()) or len(digits) > MAX_DIGITS:
         raise ValueError(text)
     return int(text)
