@@ -29,9 +29,10 @@ from burncoll.config.security import (
     resolve_token,
 )
 from burncoll.config.sources import check_node_fields, file_values, resolve
+from burncoll.config.values import MAX_NUM_DEVICES, parse_host_port, parse_strategy_field
 from burncoll.config.values import check_timeout as check_timeout_field
-from burncoll.config.values import parse_host_port, parse_strategy_field
 from burncoll.errors import ConfigError
+from burncoll.hostlists import shown
 from burncoll.strategies import Auto, Strategy
 from burncoll.transport import TRANSPORT_NAMES
 from burncoll.transport.base import TlsSettings
@@ -322,16 +323,19 @@ def _require_int(cfg: CollectiveConfig, name: str, minimum: int, optional: bool)
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name}={value!r}: expected an integer >= {minimum}")
+        raise ConfigError(f"{name}={shown(value)}: expected an integer >= {minimum}")
 
 
 def _validate(cfg: CollectiveConfig) -> None:
     for name, names in (("backend", BACKEND_NAMES), ("transport", TRANSPORT_NAMES)):
         value = getattr(cfg, name)
         if value not in names:
-            raise ConfigError(f"{name}={value!r}: expected one of {', '.join(names)}"
+            raise ConfigError(f"{name}={shown(value)}: expected one of {', '.join(names)}"
                               f"{nearest(str(value), names)}")
     _require_int(cfg, "num_devices", 1, optional=False)
+    if cfg.num_devices > MAX_NUM_DEVICES:
+        raise ConfigError(f"num_devices={cfg.num_devices}: expected at most {MAX_NUM_DEVICES} "
+                          "local peers (one thread each)")
     _require_int(cfg, "num_nodes", 1, optional=True)
     _require_int(cfg, "data_service_port", 0, optional=True)
     if cfg.data_service_port is not None and cfg.data_service_port > 65535:
@@ -341,20 +345,20 @@ def _validate(cfg: CollectiveConfig) -> None:
                  "global_address", "node_address", "group"):
         value = getattr(cfg, name)
         if value is not None and not isinstance(value, str):
-            shown = REDACTED if name == "auth_token" else repr(value)
-            raise ConfigError(f"{name}={shown}: expected a string or None")
+            text = REDACTED if name == "auth_token" else shown(value)
+            raise ConfigError(f"{name}={text}: expected a string or None")
     for name in ("insecure", "integrity", "shared_memory", "caller_sockets"):
         if not isinstance(getattr(cfg, name), bool):
-            raise ConfigError(f"{name}={getattr(cfg, name)!r}: expected true or false")
+            raise ConfigError(f"{name}={shown(getattr(cfg, name))}: expected true or false")
     if isinstance(cfg.compression, str) and cfg.compression.strip().lower() in ("none", ""):
         object.__setattr__(cfg, "compression", None)  # YAML ``compression: none``
     if cfg.compression is not None and cfg.compression not in COMPRESSIONS:
-        raise ConfigError(f"compression={cfg.compression!r}: expected one of "
+        raise ConfigError(f"compression={shown(cfg.compression)}: expected one of "
                           f"{', '.join(COMPRESSIONS)} or none")
     if isinstance(cfg.tls, str) and cfg.tls.strip().lower() == "auto":
         object.__setattr__(cfg, "tls", None)  # YAML ``tls: auto``, as BURNCOLL_TLS=auto
     if cfg.tls is not None and not isinstance(cfg.tls, bool):
-        raise ConfigError(f"tls={cfg.tls!r}: expected true, false or auto (null)")
+        raise ConfigError(f"tls={shown(cfg.tls)}: expected true, false or auto (null)")
     if (cfg.tls_cert is None) != (cfg.tls_key is None):
         raise ConfigError("tls_cert and tls_key must be given together (PEM file paths)")
     check_tls_mode(cfg.transport, cfg.tls, (cfg.tls_cert, cfg.tls_key, cfg.tls_ca))

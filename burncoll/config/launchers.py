@@ -6,9 +6,13 @@ Launchers are tried in the order of :data:`LAUNCHERS`, the first whose marker is
 (``BURNCOLL_*`` beat torchrun's, torchrun's beat SLURM's, mpirun inside SLURM beats SLURM:
 :func:`_mpi_inside_slurm`). SLURM counts processes only inside an srun step. Variables that
 don't add up raise :class:`~burncoll.ConfigError` naming them; ``""``, ``none``, ``null`` are
-unset. The orchestrator's address (``127.0.0.1`` when the whole job is on this host):
-torchrun ``MASTER_ADDR:(MASTER_PORT + 1)`` (its agent holds ``MASTER_PORT``); SLURM
-``MASTER_ADDR`` or the step's first host; MPI ``MASTER_ADDR`` or (Open MPI) mpirun's host.
+unset. Every value is bounded before work that grows with it (another tool may have assembled
+the environment): numbers have at most :data:`MAX_DIGITS` digits, host names at most
+:data:`MAX_HOST_NAME` characters, of a host list only the first host is made, and values
+quoted in messages are shortened (:func:`~burncoll.hostlists.shown`). The orchestrator's
+address (``127.0.0.1`` when the whole job is on this host): torchrun
+``MASTER_ADDR:(MASTER_PORT + 1)`` (its agent holds ``MASTER_PORT``); SLURM ``MASTER_ADDR`` or
+the step's first host; MPI ``MASTER_ADDR`` or (Open MPI) mpirun's host.
 The port, where no ``MASTER_PORT`` gives it, is derived from the job id (:func:`derived_port`,
 as jax does).
 """
@@ -23,10 +27,17 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from burncoll.errors import ConfigError
-from burncoll.hostlists import MAX_HOSTS, expand_hostlist
+from burncoll.hostlists import (
+    MAX_DIGITS,
+    MAX_HOST_NAME,
+    MAX_HOSTS,
+    expand_hostlist,
+    first_host,
+    shown,
+)
 
-__all__ = ["LAUNCHERS", "MAX_HOSTS", "LaunchEnvironment", "derived_port", "detect_launcher",
-           "expand_hostlist"]
+__all__ = ["LAUNCHERS", "MAX_DIGITS", "MAX_HOSTS", "MAX_HOST_NAME", "LaunchEnvironment",
+           "derived_port", "detect_launcher", "expand_hostlist"]
 
 #: The launchers :func:`detect_launcher` knows, in the order it tries them.
 LAUNCHERS: tuple[str, ...] = ("burncoll", "torchrun", "slurm", "openmpi", "mpich")
@@ -56,11 +67,6 @@ class LaunchEnvironment:
         return self.local_world_size == self.num_nodes
 
 
-def _show(text: str) -> str:
-    """``repr`` of a variable's text, cut short so a huge hostile value can't flood a message."""
-    return repr(text) if len(text) <= 120 else repr(text[:120]) + "..."
-
-
 class _Vars:
     """One launcher's variables: reads them, remembers which were set, explains bad values."""
 
@@ -81,13 +87,21 @@ class _Vars:
         raw = self.text(name)
         if raw is None:
             return None
-        try:
-            value = int(raw)
-        except ValueError:
-            self.fail(f"{name}={_show(raw)} is not an integer; fix it or unset it")
+        digits = raw[1:] if raw[0] in "+-" else raw  # one sign at most
+        if not (digits.isascii() and digits.isdigit()) or len(digits) > MAX_DIGITS:
+            self.fail(f"{name}={shown(raw)} is not an integer of at most {MAX_DIGITS} digits; "
+                      "fix it or unset it")
+        value = int(raw)
         if value < minimum:
             self.fail(f"{name}={value} (must be at least {minimum})")
         return value
+
+    def host(self, name: str) -> str | None:
+        """A host name or address, at most :data:`MAX_HOST_NAME` characters."""
+        text = self.text(name)
+        self.check(text is None or len(text) <= MAX_HOST_NAME, f"{name}={shown(text or '')} "
+                   f"is longer than {MAX_HOST_NAME} characters, so it names no host; fix it")
+        return text
 
     def need(self, name: str, minimum: int = 0) -> int:
         value = self.number(name, minimum)
@@ -176,13 +190,15 @@ def _tasks_on_node(v: _Vars, name: str, text: str, node: int) -> int:
     """Tasks on node ``node`` from SLURM's ``"2(x3),1"`` (2 tasks on each of 3 nodes, then 1)."""
     seen = 0
     for item in text.split(","):
-        match = re.fullmatch(r"\s*(\d+)\s*(?:\(x(\d+)\))?\s*", item)
+        match = re.fullmatch(rf"\s*(\d{{1,{MAX_DIGITS}}})\s*(?:\(x(\d{{1,{MAX_DIGITS}}})\))?\s*",
+                             item)
         if match is None:
-            v.fail(f"{name}={_show(text)} is not a tasks-per-node list like '2(x3),1'")
+            v.fail(f"{name}={shown(text)} is not a tasks-per-node list like '2(x3),1' (numbers "
+                   f"of at most {MAX_DIGITS} digits)")
         seen += int(match.group(2) or 1)
         if node < seen:
             return int(match.group(1))
-    v.fail(f"{name}={_show(text)} lists {seen} nodes but SLURM_NODEID={node}")
+    v.fail(f"{name}={shown(text)} lists {seen} nodes but SLURM_NODEID={node}")
 
 
 def _burncoll(v: _Vars) -> LaunchEnvironment:
@@ -203,7 +219,7 @@ def _torchrun(v: _Vars) -> LaunchEnvironment:
     v.check(group is None or group <= rank - local[0],
             f"GROUP_RANK={group} but RANK={rank} and LOCAL_RANK={local[0]} (each lower group "
             "runs at least one process, so GROUP_RANK must be at most RANK - LOCAL_RANK)")
-    host = v.text("MASTER_ADDR")
+    host = v.host("MASTER_ADDR")
     v.check(host is not None, "MASTER_ADDR is not set; set it to the host of rank 0 (or set "
                               "BURNCOLL_GLOBAL_ADDRESS='host:port')")
     port = v.next_port()
@@ -228,7 +244,7 @@ def _slurm(v: _Vars) -> LaunchEnvironment:
     else:
         rank, size = v.world("SLURM_PROCID", tasks_name)
         local = _slurm_local(v, node, (tasks_name, size))
-    host = v.text("MASTER_ADDR") or _first_slurm_host(v)
+    host = v.host("MASTER_ADDR") or _first_slurm_host(v)
     return v.done(rank, size, local, host, v.job_port("SLURM_JOB_ID"))
 
 
@@ -243,10 +259,10 @@ def _slurm_local(v: _Vars, node: int, world: tuple[str, int]) -> tuple[int, int]
         return 0, 1
     per_node = v.text(name) or ""
     local_size = _tasks_on_node(v, name, per_node, node)
-    v.check(local_rank < local_size, f"SLURM_LOCALID={local_rank} but {name}={_show(per_node)}"
+    v.check(local_rank < local_size, f"SLURM_LOCALID={local_rank} but {name}={shown(per_node)}"
             f" puts {local_size} tasks on node SLURM_NODEID={node} (SLURM_LOCALID must be "
             "below that)")
-    v.check(local_size <= world[1], f"{name}={_show(per_node)} puts {local_size} tasks on "
+    v.check(local_size <= world[1], f"{name}={shown(per_node)} puts {local_size} tasks on "
             f"node SLURM_NODEID={node} but {world[0]}={world[1]}")
     return local_rank, local_size
 
@@ -256,11 +272,11 @@ def _first_slurm_host(v: _Vars) -> str:
         text = v.text(name)
         if text is not None:
             try:
-                hosts = expand_hostlist(text)
+                host = first_host(text)  # the rest is never expanded
             except ConfigError as exc:
-                v.fail(f"{name}={_show(text)} is not a SLURM host list ({exc})")
-            if hosts:
-                return hosts[0]
+                v.fail(f"{name}={shown(text)} is not a SLURM host list ({exc})")
+            if host:
+                return host
     v.fail("neither MASTER_ADDR nor SLURM_STEP_NODELIST / SLURM_JOB_NODELIST names a host "
            "for burncoll's rendezvous; set MASTER_ADDR or BURNCOLL_GLOBAL_ADDRESS='host:port'")
 
@@ -290,9 +306,11 @@ def _mpi(v: _Vars) -> LaunchEnvironment:
     names, job_ids = _MPI[v.launcher]
     rank, size = v.world(names[0], names[1])
     local = v.local(names[2], names[3], (names[1], size))
-    host = v.text("MASTER_ADDR") or ("127.0.0.1" if local[1] == size else None)
+    host = v.host("MASTER_ADDR") or ("127.0.0.1" if local[1] == size else None)
     if host is None and v.launcher == "openmpi":
         host = _hnp_host(v.text("OMPI_MCA_orte_hnp_uri"))
+        v.check(host is None or len(host) <= MAX_HOST_NAME, f"OMPI_MCA_orte_hnp_uri names "
+                f"mpirun's host {shown(host or '')}, longer than {MAX_HOST_NAME} characters")
     v.check(host is not None, f"{names[1]}={size} processes are not all on this host "
             f"({names[3]}={local[1] if v.text(names[3]) else 'unset'}) and nothing names the "
             "rendezvous host; set MASTER_ADDR to the host of rank 0 (burncoll uses "

@@ -1,8 +1,9 @@
 """The secure defaults, shared by the config, the orchestrator and the CLI.
 
 A collective that listens beyond loopback must carry an auth token unless the user says
-``insecure``; an empty token is refused and a short one warned about; a token file must be
-readable, small and private; TLS settings must be ones the transport can honour.
+``insecure``; an empty token and one under :data:`MIN_TOKEN_BYTES` are refused; a token file
+must be a regular file (never a FIFO or a device: it is opened without blocking), readable,
+small and private; TLS settings must be ones the transport can honour.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import warnings
 
 from burncoll.errors import ConfigError
 
-__all__ = ["HOW_TO_SET_A_TOKEN", "MIN_TOKEN_BYTES", "TOKEN_FILE_LIMIT", "check_bind_address",
-           "check_tls_mode", "check_token", "is_loopback", "read_token_file", "resolve_token"]
+__all__ = ["HOW_TO_SET_A_TOKEN", "MAKE_A_TOKEN", "MIN_TOKEN_BYTES", "TOKEN_FILE_LIMIT",
+           "check_bind_address", "check_tls_mode", "check_token", "is_loopback", "read_token_file",
+           "resolve_token"]
 
-#: Tokens shorter than this (in UTF-8 bytes) draw a warning: an HMAC over a sniffed handshake
-#: lets anyone test guesses offline, and a 4-letter token fell in 0.2 s.
+#: Tokens shorter than this (in UTF-8 bytes) are refused: an HMAC over a sniffed handshake
+#: lets anyone test guesses offline, and a 4-letter token fell in 0.4 s.
 MIN_TOKEN_BYTES = 16
 #: Largest token file read (a token is a line; anything larger is a wrong path).
 TOKEN_FILE_LIMIT = 4096
@@ -42,11 +44,14 @@ def is_loopback(host: str) -> bool:
     return address.is_loopback
 
 
+#: The command that prints a strong token.
+MAKE_A_TOKEN = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+
 #: The advice every missing-token error ends with.
 HOW_TO_SET_A_TOKEN = (
     "set a shared token on every node and on the orchestrator: BURNCOLL_AUTH_TOKEN=<secret> "
     "or BURNCOLL_AUTH_TOKEN_FILE=<path> in the environment, or auth_token_file: <path> in the "
-    "config (make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+    "config (make one with: " + MAKE_A_TOKEN + ")"
 )
 
 
@@ -66,7 +71,7 @@ def check_bind_address(host: str, token: str | None, insecure: bool, subject: st
 
 
 def check_token(token: str | None, what: str = "auth_token") -> None:
-    """Refuse an empty token; warn (:class:`UserWarning`) about one under 16 bytes."""
+    """Refuse (:class:`ConfigError`) an empty token and one under :data:`MIN_TOKEN_BYTES` bytes."""
     if token is None:
         return
     if token == "":
@@ -76,28 +81,31 @@ def check_token(token: str | None, what: str = "auth_token") -> None:
         )
     size = len(token.encode("utf-8"))
     if size < MIN_TOKEN_BYTES:
-        warnings.warn(
+        raise ConfigError(
             f"{what} is only {size} bytes: anyone who sniffs one handshake can test guesses "
-            f"offline (a 4-letter token was recovered in 0.2 s); use at least "
-            f"{MIN_TOKEN_BYTES} random bytes, e.g. python -c 'import secrets; "
-            "print(secrets.token_urlsafe(32))'",
-            UserWarning,
-            stacklevel=3,
+            f"offline (a 4-letter token was recovered in 0.4 s); use at least "
+            f"{MIN_TOKEN_BYTES} random bytes, made with: {MAKE_A_TOKEN}"
         )
 
 
 def read_token_file(path: str) -> str:
     """The token in file ``path``, its trailing newline stripped. :class:`ConfigError` naming the
-    path when it is missing, unreadable, too large, not UTF-8 or empty; a :class:`UserWarning` when
-    group or others may read it."""
+    path when it is missing, unreadable, not a regular file (a FIFO or a device is refused
+    without blocking on it), too large, not UTF-8 or empty; a :class:`UserWarning` when group
+    or others may read it."""
     try:
-        with open(path, "rb") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            raw = f.read(TOKEN_FILE_LIMIT + 1)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
         raise ConfigError(
             f"auth_token_file={path!r}: cannot read the token file: {exc.strerror or exc}"
         ) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise ConfigError(f"auth_token_file={path!r} is not a regular file (a FIFO, device or "
+                          "directory); write the token into a plain file (chmod 600)")
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(TOKEN_FILE_LIMIT + 1)
     if len(raw) > TOKEN_FILE_LIMIT:
         raise ConfigError(f"auth_token_file={path!r}: over {TOKEN_FILE_LIMIT} bytes; a token "
                           "file holds one line, the token")
@@ -107,7 +115,7 @@ def read_token_file(path: str) -> str:
         raise ConfigError(f"auth_token_file={path!r}: the token is not UTF-8 text") from None
     if not token:
         raise ConfigError(f"auth_token_file={path!r}: the file is empty; write the token in it")
-    if os.name == "posix" and stat.S_ISREG(mode) and mode & 0o077:
+    if os.name == "posix" and mode & 0o077:
         warnings.warn(f"auth_token_file={path!r} may be read by other users (mode "
                       f"{stat.S_IMODE(mode):o}); restrict it: chmod 600 {path}", UserWarning,
                       stacklevel=3)

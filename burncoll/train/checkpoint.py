@@ -6,8 +6,9 @@ re-exported here) after every ``checkpoint_every``-th and the last step. A resta
 resumes from it and ends bitwise like an uninterrupted run. Rank 0 reads and checks the file
 and every peer gets its verdict, step, losses and leaves through collectives, so only rank 0's
 filesystem matters. Every peer raises the same :class:`~burncoll.UsageError` for a checkpoint
-that is unreadable, of another version, of another run (seed, global batch, data) or model, or
-beyond ``steps``. The world size is not compared (an elastic restart may have fewer nodes).
+that is unreadable, in a place another user can change (:mod:`burncoll.train.trusted_files`),
+of another version, of another run (seed, global batch, data) or model, or beyond ``steps``.
+The world size is not compared (an elastic restart may have fewer nodes).
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ is the file alone (``numpy`` and JSON, nothing pickled). :func:`write_checkpoint
 ``DIR/.fit-checkpoint.<pid>.<random>.tmp``, fsyncs it and renames it over
 ``DIR/fit-checkpoint.npz``, so the file is always one whole checkpoint. Temporary files of
 exactly that pattern left by a killed writer are removed once :data:`STALE_TEMP_SECONDS` old;
-nothing else in ``DIR`` is touched.
+nothing else in ``DIR`` is touched. A checkpoint is read only from a place no other user can
+change (:mod:`burncoll.train.trusted_files`), each entry checked from its header before it is
+read.
 
 Format (version 2): an uncompressed ``.npz`` (``numpy.load(path, allow_pickle=False)``):
 ``meta``, UTF-8 JSON as ``uint8``: ``{"format": "burncoll.train.fit checkpoint", "version": 2,
@@ -26,6 +28,7 @@ import os
 import re
 import tempfile
 import time
+import zipfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -35,6 +38,7 @@ import numpy as np
 
 from burncoll.dtypes import dtype_from_name, dtype_name
 from burncoll.errors import UsageError
+from burncoll.train.trusted_files import open_trusted
 
 __all__ = ["CHECKPOINT_FILE", "FORMAT_NAME", "FORMAT_VERSION", "STALE_TEMP_SECONDS", "RunInfo",
            "Spec", "Stored", "mismatch", "read_checkpoint", "write_checkpoint"]
@@ -119,10 +123,10 @@ def write_checkpoint(directory: Path, step: int, params: Sequence[NDArray],
                      state: Sequence[NDArray] | None, losses: Sequence[float],
                      run: RunInfo | None = None) -> Path:
     """Atomically replace ``directory/CHECKPOINT_FILE`` by this checkpoint; its path. Creates
-    ``directory`` when missing, and removes temporary files left by a writer that was killed (those
-    of the checkpoint's own temporary pattern older than :data:`STALE_TEMP_SECONDS`; see the
-    module's docstring)."""
-    directory.mkdir(parents=True, exist_ok=True)
+    ``directory`` when missing (mode 755 under the umask), and removes temporary files left by
+    a writer that was killed (those of the checkpoint's own temporary pattern older than
+    :data:`STALE_TEMP_SECONDS`; see the module's docstring)."""
+    directory.mkdir(mode=0o755, parents=True, exist_ok=True)  # never writable by others
     entries: dict[str, NDArray] = {"losses": np.asarray(losses, dtype=np.float64)}
     meta: dict[str, Any] = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "step": step,
                             "run": None if run is None else run.to_json()}
@@ -176,19 +180,25 @@ def _fsync_directory(directory: Path) -> None:
 
 def read_checkpoint(directory: Path) -> Stored | None:
     """The checkpoint in ``directory``; ``None`` when there is none. Raises
-    :class:`~burncoll.UsageError` when ``directory`` is not a directory, or when the file cannot be
-    read or is not a checkpoint of this format (truncated, corrupt, foreign)."""
+    :class:`~burncoll.UsageError` when ``directory`` is not a directory, when it or the file
+    could have been changed by another user (:mod:`burncoll.train.trusted_files`), or when the
+    file cannot be read or is not a checkpoint of this format (truncated, corrupt, foreign,
+    compressed). Every entry's size and shape are checked from its header before its data is
+    read."""
     if directory.exists() and not directory.is_dir():
         raise UsageError(f"checkpoint_dir {str(directory)!r} exists and is not a directory")
-    path = directory / CHECKPOINT_FILE
-    if not path.exists():
+    fd = open_trusted(directory, CHECKPOINT_FILE) if directory.exists() else None
+    if fd is None:
         return None
+    path = directory / CHECKPOINT_FILE
     try:
-        archive = np.load(path, allow_pickle=False)
-        if not isinstance(archive, np.lib.npyio.NpzFile):
-            raise ValueError("not an .npz archive")
-        with archive:
-            return _parse(archive)
+        with os.fdopen(fd, "rb") as f:
+            archive = np.load(f, allow_pickle=False)
+            if not isinstance(archive, np.lib.npyio.NpzFile):
+                raise ValueError("not an .npz archive")
+            with archive:
+                _check_members(archive, os.fstat(f.fileno()).st_size)
+                return _parse(archive)
     except _VersionError as exc:
         raise UsageError(f"the checkpoint {str(path)!r} {exc}: delete it (training then starts "
                          "from step 0) or pass another checkpoint_dir") from exc
@@ -200,12 +210,58 @@ def read_checkpoint(directory: Path) -> Stored | None:
         ) from exc
 
 
+def _check_members(archive: Any, size: int) -> None:
+    """Refuse compressed members before anything is inflated (burncoll writes none), and any
+    that claims more bytes than the file has."""
+    for info in archive.zip.infolist():
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise ValueError(f"the entry {info.filename!r} is compressed; burncoll writes "
+                             "uncompressed entries only, and a compressed one is refused before "
+                             "it is inflated")
+        if info.file_size > size:
+            raise ValueError(f"the entry {info.filename!r} claims {info.file_size} bytes, "
+                             f"more than the file's {size}")
+
+
+def _header(archive: Any, key: str) -> tuple[np.dtype[Any], tuple[int, ...]]:
+    """Entry ``key``'s dtype and shape from its ``.npy`` header alone, checked to fit the
+    entry's bytes (so that reading it allocates no more than the file holds)."""
+    name = f"{key}.npy"
+    if name not in archive.zip.namelist():
+        raise ValueError(f"the entry {name!r} is missing")
+    with archive.zip.open(name) as member:
+        version = np.lib.format.read_magic(member)
+        if version not in ((1, 0), (2, 0)):
+            raise ValueError(f"the entry {name!r} has .npy format version {version}")
+        read = (np.lib.format.read_array_header_1_0 if version == (1, 0) else
+                np.lib.format.read_array_header_2_0)
+        shape, _, dtype = read(member)
+    size = archive.zip.getinfo(name).file_size
+    if dtype.hasobject or math.prod(shape) * dtype.itemsize > size:
+        raise ValueError(f"the entry {name!r} claims {dtype} {shape}, more than its {size} "
+                         "bytes")
+    return dtype, tuple(shape)
+
+
+def _expect(archive: Any, key: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -> NDArray:
+    """Entry ``key``, read only once its header says ``dtype`` and ``shape``."""
+    got = _header(archive, key)
+    if got != (dtype, shape):
+        raise ValueError(f"{key} is {dtype_name(got[0])} {got[1]}, the metadata says "
+                         f"{dtype_name(dtype)} {shape}")
+    array: NDArray = archive[key]
+    return array
+
+
 class _VersionError(ValueError):
     """A checkpoint of another format version: not damaged, but not readable here."""
 
 
 def _parse(archive: Any) -> Stored:
-    meta = json.loads(bytes(np.asarray(archive["meta"], dtype=np.uint8)).decode())
+    dtype, shape = _header(archive, "meta")
+    if dtype != np.uint8 or len(shape) != 1:
+        raise ValueError(f"the metadata is {dtype} {shape}, not UTF-8 JSON as uint8")
+    meta = json.loads(bytes(archive["meta"]).decode())
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise ValueError(f"the metadata does not say format {FORMAT_NAME!r}")
     if meta.get("version") != FORMAT_VERSION:
@@ -216,9 +272,7 @@ def _parse(archive: Any) -> Stored:
     step = meta.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"bad step {step!r} in the metadata")
-    losses = archive["losses"]
-    if losses.dtype != np.float64 or losses.shape != (step,):
-        raise ValueError(f"losses are {losses.dtype} {losses.shape}, expected {step} float64")
+    losses = _expect(archive, "losses", np.dtype(np.float64), (step,))
     leaves: dict[str, list[NDArray] | None] = {}
     for kind in ("params", "state"):
         specs = meta.get(kind)
@@ -240,16 +294,12 @@ def _leaf(archive: Any, key: str, spec: Any) -> NDArray:
         raise ValueError(f"bad metadata for {key}: {spec!r}")
     dtype = dtype_from_name(str(spec.get("dtype")))
     shape = tuple(int(n) for n in spec["shape"])
-    array: NDArray = archive[key]
+    if len(shape) > 64 or not all(0 <= n < 2**63 for n in shape):  # as NumPy allows
+        raise ValueError(f"bad shape for {key} in the metadata: {spec['shape']!r:.200}")
     if spec.get("raw"):
-        if array.dtype != np.uint8 or array.size != math.prod(shape) * dtype.itemsize:
-            raise ValueError(f"{key} holds {array.size} {array.dtype}, not the raw bytes of "
-                             f"{dtype_name(dtype)} {shape}")
-        return array.view(dtype).reshape(shape)
-    if array.dtype != dtype or array.shape != shape:
-        raise ValueError(f"{key} is {dtype_name(array.dtype)} {array.shape}, the metadata says "
-                         f"{dtype_name(dtype)} {shape}")
-    return array
+        raw = _expect(archive, key, np.dtype(np.uint8), (math.prod(shape) * dtype.itemsize,))
+        return raw.view(dtype).reshape(shape)
+    return _expect(archive, key, dtype, shape)
 
 
 def mismatch(stored: Stored, params: list[Spec], state: list[Spec] | None) -> str | None:

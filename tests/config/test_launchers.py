@@ -367,10 +367,14 @@ def test_malformed_hostlists(spec: str) -> None:
 def test_the_hostlist_cap() -> None:
     hosts = expand_hostlist(f"n[0-{MAX_HOSTS - 1}]")
     assert MAX_HOSTS == 65536 and len(hosts) == MAX_HOSTS and hosts[-1] == "n65535"
-    for spec in (f"n[0-{MAX_HOSTS}]", "a[1-256]b[1-257]", "n[0-99999999999999999999]",
+    for spec in (f"n[0-{MAX_HOSTS}]", "a[1-256]b[1-257]", "n[0-999999999999999999]",
                  ",".join(["h"] * (MAX_HOSTS + 1)), f"n[0-{MAX_HOSTS - 1}],x"):
         with pytest.raises(ConfigError, match="more than 65536 hosts"):
             expand_hostlist(spec)
+    with pytest.raises(ConfigError, match="more than 18 digits"):
+        expand_hostlist("n[0-9999999999999999999]")
+    with pytest.raises(ConfigError, match="longer than 255 characters"):
+        expand_hostlist("n" * 250 + "[1-100000]")
 
 
 # -- derived ports ---------------------------------------------------------------------------

@@ -107,7 +107,7 @@ def test_a_key_unlike_any_field_lists_the_fields() -> None:
     ("variable", "value", "accepted"),
     [("BURNCOLL_SHARED_MEMORY", "maybe", "expected true or false (also 1/0, yes/no, on/off)"),
      ("BURNCOLL_TLS", "sometimes", "expected true, false or auto (also 1/0, yes/no, on/off)"),
-     ("BURNCOLL_NUM_NODES", "two", "expected an integer, or none"),
+     ("BURNCOLL_NUM_NODES", "two", "expected an integer of at most 18 digits, or none"),
      ("BURNCOLL_TIMEOUT", "soon", "expected a number of seconds")],
 )
 def test_a_bad_variable_value_lists_what_it_accepts(

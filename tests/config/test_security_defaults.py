@@ -1,10 +1,10 @@
 """Secure by default: what CollectiveConfig (and start_orchestrator) refuse, warn about, hide.
 
 A multi-node config that listens on a non-loopback address needs a token (or an explicit
-``insecure``); an empty token is refused, a short one warned about; the token comes from a
-file or the environment and never shows in ``repr``/``to_dict``; the TLS mode is checked
-against the transport. Nothing here opens a socket except where said (no orchestrator is
-started on a non-loopback address: the refusals come before any bind).
+``insecure``); an empty token and one under 16 bytes are refused (saying how to make one);
+the token comes from a file or the environment and never shows in ``repr``/``to_dict``; the
+TLS mode is checked against the transport. Nothing here opens a socket except where said (no
+orchestrator is started on a non-loopback address: the refusals come before any bind).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from burncoll import CollectiveConfig, ConfigError
 from burncoll.config.security import is_loopback
 
 REPO = Path(__file__).resolve().parents[2]
-TOKEN = "a-long-enough-token-for-tests"  # 29 bytes: no short-token warning
+TOKEN = "a-long-enough-token-for-tests"  # 29 bytes: over the 16-byte floor
 MULTI: dict[str, Any] = {"num_nodes": 2, "global_address": "127.0.0.1:29400"}
 HINTS = ("BURNCOLL_AUTH_TOKEN", "BURNCOLL_AUTH_TOKEN_FILE", "auth_token_file", "insecure")
 
@@ -107,10 +107,11 @@ def test_an_empty_token_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         CollectiveConfig()
 
 
-def test_a_short_token_warns_and_a_long_one_does_not() -> None:
-    with pytest.warns(UserWarning, match=r"only 4 bytes.*offline.*at least 16"):
-        cfg = CollectiveConfig(auth_token="abcd")
-    assert cfg.auth_token == "abcd"  # warned, not refused
+def test_a_short_token_is_refused_and_a_long_one_is_not() -> None:
+    with pytest.raises(ConfigError, match=r"only 4 bytes.*offline.*at least 16.*secrets"):
+        CollectiveConfig(auth_token="abcd")
+    with pytest.raises(ConfigError, match=r"only 15 bytes"):
+        CollectiveConfig(auth_token="x" * 15)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         CollectiveConfig(auth_token="x" * 16)
@@ -246,7 +247,6 @@ def test_start_orchestrator_checks_its_settings(kwargs: dict[str, Any],
         assert word in str(info.value)
 
 
-def test_start_orchestrator_warns_about_a_short_token() -> None:
-    with pytest.warns(UserWarning, match="only 3 bytes"), \
-            burncoll.start_orchestrator(auth_token="abc") as orch:  # loopback
-        assert orch.port > 0
+def test_start_orchestrator_refuses_a_short_token() -> None:
+    with pytest.raises(ConfigError, match="the orchestrator's auth token is only 3 bytes"):
+        burncoll.start_orchestrator(auth_token="abc")  # even on loopback
