@@ -20,7 +20,7 @@ import numpy as np
 
 from burncoll.ops import ReduceOp
 
-__all__ = ["Array", "Backend", "Device", "combine"]
+__all__ = ["Array", "Backend", "Device", "Elementwise", "combine"]
 
 #: An array of the backend's own type (``numpy.ndarray``, ``jax.Array``, ``cupy.ndarray``).
 Array = Any
@@ -149,6 +149,35 @@ class Backend(Protocol):
         NumPy's shares memory with ``buffer`` when that is writable and contiguous, the others copy.
         Raises :class:`~burncoll.UsageError` when the sizes disagree."""
         ...
+
+
+class Elementwise:
+    """The element-wise reductions of :class:`Backend`, each the library function of the same
+    name applied by the backend's ``_elementwise(name, a, b, out)``."""
+
+    def _elementwise(self, name: str, a: Array, b: Array, out: Array | None) -> Array:
+        raise NotImplementedError  # pragma: no cover - every backend defines it
+
+    def add(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        return self._elementwise("add", a, b, out)
+
+    def maximum(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        return self._elementwise("maximum", a, b, out)
+
+    def minimum(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        return self._elementwise("minimum", a, b, out)
+
+    def multiply(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        return self._elementwise("multiply", a, b, out)
+
+    def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        return self._elementwise("bitwise_and", a, b, out)
+
+    def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        return self._elementwise("bitwise_or", a, b, out)
+
+    def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        return self._elementwise("bitwise_xor", a, b, out)
 
 
 #: The backend method that combines two arrays for each op (MEAN sums; the division by the

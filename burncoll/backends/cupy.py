@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from burncoll.backends import _checks
-from burncoll.backends.base import Array, Backend, Device
+from burncoll.backends.base import Array, Backend, Device, Elementwise
 from burncoll.dtypes import dtype_from_name, dtype_name, host_view, is_inexact
 from burncoll.errors import BackendUnavailable, UsageError
 
 __all__ = ["CupyBackend"]
 
 
-class CupyBackend:
+class CupyBackend(Elementwise):
     """:class:`~burncoll.backends.base.Backend` for ``cupy.ndarray`` (mutable: ``out=`` works).
     Raises :class:`~burncoll.BackendUnavailable` when cupy is not installed."""
 
@@ -146,33 +146,9 @@ class CupyBackend:
         return out
 
     # -- reductions ----------------------------------------------------------------------
-    def add(self, a: Array, b: Array, out: Array | None = None) -> Array:
+    def _elementwise(self, name: str, a: Array, b: Array, out: Array | None) -> Array:
         with self.device_of(a):
-            return self._cp.add(a, b, out=out)
-
-    def maximum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        with self.device_of(a):
-            return self._cp.maximum(a, b, out=out)
-
-    def minimum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        with self.device_of(a):
-            return self._cp.minimum(a, b, out=out)
-
-    def multiply(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        with self.device_of(a):
-            return self._cp.multiply(a, b, out=out)
-
-    def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        with self.device_of(a):
-            return self._cp.bitwise_and(a, b, out=out)
-
-    def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        with self.device_of(a):
-            return self._cp.bitwise_or(a, b, out=out)
-
-    def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        with self.device_of(a):
-            return self._cp.bitwise_xor(a, b, out=out)
+            return getattr(self._cp, name)(a, b, out=out)
 
     def scale(self, x: Array, divisor: int) -> Array:
         """``x / divisor`` as a new array: float dtypes kept, integers and bool to float64."""

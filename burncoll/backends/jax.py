@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from burncoll.backends import _checks
-from burncoll.backends.base import Array, Backend, Device
+from burncoll.backends.base import Array, Backend, Device, Elementwise
 from burncoll.dtypes import dtype_from_name, dtype_name, host_view, is_inexact
 from burncoll.errors import BackendUnavailable, UsageError
 
@@ -25,7 +25,7 @@ _MORE_CPU_DEVICES = ("on the CPU, set XLA_FLAGS=--xla_force_host_platform_device
                      "in the environment before jax is imported")
 
 
-class JaxBackend:
+class JaxBackend(Elementwise):
     """:class:`~burncoll.backends.base.Backend` for ``jax.Array`` (immutable: ``out`` ignored).
     Raises :class:`~burncoll.BackendUnavailable` when jax is not installed."""
 
@@ -128,26 +128,8 @@ class JaxBackend:
         return self._jnp.array(self._array(x), copy=True)
 
     # -- reductions ----------------------------------------------------------------------
-    def add(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._jnp.add(a, b)
-
-    def maximum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._jnp.maximum(a, b)
-
-    def minimum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._jnp.minimum(a, b)
-
-    def multiply(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._jnp.multiply(a, b)
-
-    def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._jnp.bitwise_and(a, b)
-
-    def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._jnp.bitwise_or(a, b)
-
-    def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._jnp.bitwise_xor(a, b)
+    def _elementwise(self, name: str, a: Array, b: Array, out: Array | None) -> Array:
+        return getattr(self._jnp, name)(a, b)  # (immutable: out is ignored)
 
     def scale(self, x: Array, divisor: int) -> Array:
         """``x / divisor``: float dtypes kept; integers and bool become JAX's default float. The

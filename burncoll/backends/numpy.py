@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from burncoll.backends import _checks
-from burncoll.backends.base import Array, Backend
+from burncoll.backends.base import Array, Backend, Elementwise
 from burncoll.backends.pool import fresh
 from burncoll.dtypes import dtype_from_name, dtype_name, host_view, is_inexact
 from burncoll.errors import UsageError
@@ -41,7 +41,7 @@ class CpuDevice:
 _CPU0 = CpuDevice(0)
 
 
-class NumpyBackend:
+class NumpyBackend(Elementwise):
     """:class:`~burncoll.backends.base.Backend` for ``numpy.ndarray`` (mutable: ``out=`` works)."""
 
     name = "numpy"
@@ -131,26 +131,8 @@ class NumpyBackend:
         return _array(out)
 
     # -- reductions ----------------------------------------------------------------------
-    def add(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
-        return np.asarray(np.add(a, b, out=out))
-
-    def maximum(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
-        return np.asarray(np.maximum(a, b, out=out))
-
-    def minimum(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
-        return np.asarray(np.minimum(a, b, out=out))
-
-    def multiply(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
-        return np.asarray(np.multiply(a, b, out=out))
-
-    def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
-        return np.asarray(np.bitwise_and(a, b, out=out))
-
-    def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
-        return np.asarray(np.bitwise_or(a, b, out=out))
-
-    def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
-        return np.asarray(np.bitwise_xor(a, b, out=out))
+    def _elementwise(self, name: str, a: Array, b: Array, out: Array | None) -> NDArray:
+        return np.asarray(getattr(np, name)(a, b, out=out))
 
     def scale(self, x: Array, divisor: int) -> NDArray:
         """``x / divisor`` as a new array: float dtypes kept, integers and bool to float64."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from burncoll.backends import _checks
-from burncoll.backends.base import Array, Backend, Device
+from burncoll.backends.base import Array, Backend, Device, Elementwise
 from burncoll.backends.numpy import CpuDevice, NumpyBackend
 from burncoll.dtypes import dtype_from_name, dtype_name
 from burncoll.errors import BackendUnavailable, UsageError
@@ -133,7 +133,7 @@ def _name(dtype: Any) -> str:
 _CPU = CpuDevice(0)
 
 
-class TorchBackend:
+class TorchBackend(Elementwise):
     """:class:`~burncoll.backends.base.Backend` for ``torch.Tensor`` (mutable: ``out=`` works).
     Raises :class:`~burncoll.BackendUnavailable` when torch is not installed."""
 
@@ -217,26 +217,8 @@ class TorchBackend:
         return self._apply("copy", x, out=out)
 
     # -- reductions ----------------------------------------------------------------------
-    def add(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._apply("add", a, b, out=out)
-
-    def maximum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._apply("maximum", a, b, out=out)
-
-    def minimum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._apply("minimum", a, b, out=out)
-
-    def multiply(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._apply("multiply", a, b, out=out)
-
-    def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._apply("bitwise_and", a, b, out=out)
-
-    def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._apply("bitwise_or", a, b, out=out)
-
-    def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._apply("bitwise_xor", a, b, out=out)
+    def _elementwise(self, name: str, a: Array, b: Array, out: Array | None) -> Array:
+        return self._apply(name, a, b, out=out)
 
     def scale(self, x: Array, divisor: int) -> Array:
         """``x / divisor`` as a new tensor: float dtypes kept, integers and bool to float64."""
