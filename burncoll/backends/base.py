@@ -13,6 +13,7 @@ backends (JAX) ignore ``out`` and return a new array. Callers always use the ret
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -151,12 +152,13 @@ class Backend(Protocol):
         ...
 
 
-class Elementwise:
+class Elementwise(abc.ABC):
     """The element-wise reductions of :class:`Backend`, each the library function of the same
     name applied by the backend's ``_elementwise(name, a, b, out)``."""
 
+    @abc.abstractmethod
     def _elementwise(self, name: str, a: Array, b: Array, out: Array | None) -> Array:
-        raise NotImplementedError  # pragma: no cover - every backend defines it
+        """The library's function ``name`` of ``a`` and ``b`` (into ``out`` where mutable)."""
 
     def add(self, a: Array, b: Array, out: Array | None = None) -> Array:
         return self._elementwise("add", a, b, out)
