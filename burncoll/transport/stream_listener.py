@@ -17,9 +17,8 @@ from burncoll.errors import TransportError
 from burncoll.transport.admission import Admission, Ticket, stranger_log
 from burncoll.transport.base import Handler, format_address
 from burncoll.transport.listening import HANDLER_GRACE, ServingListener
-from burncoll.transport.stream import StreamProtocol
+from burncoll.transport.stream import StreamProtocol, host_of
 from burncoll.transport.stream_connection import StreamConnection
-from burncoll.transport.stream_send import host_of
 
 __all__ = ["StreamListener", "TlsGate", "listen_stream"]
 

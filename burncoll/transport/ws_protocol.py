@@ -25,8 +25,7 @@ from websockets.uri import parse_uri
 from burncoll.errors import ProtocolError, TransportError
 from burncoll.transport.admission import Admission, stranger_log
 from burncoll.transport.base import Buffer
-from burncoll.transport.stream import StreamProtocol
-from burncoll.transport.stream_send import JOIN_BYTES
+from burncoll.transport.stream import JOIN_BYTES, StreamProtocol
 from burncoll.transport.writer import fresh_error
 from burncoll.transport.ws_frames import (
     CLOSE_NORMAL,
