@@ -12,7 +12,7 @@ its gradients are ready, while backward computes the next ones::
 Every peer issues bucket ``k`` once it and every bucket before it are complete, so gradients
 may arrive in any order. The bucket plan is a pure function of ``like`` and ``order``, which
 every peer must pass alike; ``fit`` rebuilds it in the order rank 0's ``grad_fn`` yielded
-(:mod:`burncoll.train.fit_step`).
+(:class:`burncoll.train.fit.StepReducer`).
 """
 
 from __future__ import annotations
