@@ -27,7 +27,7 @@ import numpy as np
 from burncoll.backends.base import Array
 from burncoll.dtypes import dtype_name
 from burncoll.levels import Exchange, GlobalOp, HostArray, Route
-from burncoll.local.plans import steps as steps_of
+from burncoll.local.plans import phases
 from burncoll.local.plans.phases import (
     LocalBroadcast,
     LocalReduce,
@@ -152,7 +152,7 @@ class ReduceGlobalBroadcast:
     def prepare(self, rv: Rendezvous, state: OpState) -> ReduceGlobalBroadcastRun:
         return ReduceGlobalBroadcastRun(
             self, rv, state, LocalReduce(rv, state, self.reduce, self.leader),
-            LocalBroadcast(rv, state, steps_of.broadcast_steps(self.broadcast, rv.size,
+            LocalBroadcast(rv, state, phases.broadcast_steps(self.broadcast, rv.size,
                                                                self.leader)))
 
 
@@ -192,7 +192,7 @@ class GlobalBroadcast:
     global_strategy: Strategy
 
     def prepare(self, rv: Rendezvous, state: OpState) -> GlobalBroadcastRun:
-        steps = steps_of.broadcast_steps(self.strategy, rv.size, self.leader)
+        steps = phases.broadcast_steps(self.strategy, rv.size, self.leader)
         return GlobalBroadcastRun(self, rv, state, LocalBroadcast(rv, state, steps))
 
 
@@ -240,7 +240,7 @@ class GlobalAllGather:
     global_strategy: Strategy
 
     def prepare(self, rv: Rendezvous, state: OpState) -> GlobalAllGatherRun:
-        steps = steps_of.broadcast_steps(self.strategy, rv.size, _GATHERER)
+        steps = phases.broadcast_steps(self.strategy, rv.size, _GATHERER)
         return GlobalAllGatherRun(self, rv, state, LocalBroadcast(rv, state, steps))
 
 
