@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from burncoll.backends import _checks
+from burncoll.backends import checks
 from burncoll.backends.base import Array, Backend, Device, Elementwise
 from burncoll.backends.numpy import CpuDevice, NumpyBackend
 from burncoll.dtypes import dtype_from_name, dtype_name
@@ -151,7 +151,7 @@ class TorchBackend(Elementwise):
         count = self._cuda_count()
         if count == 0:
             return self._host.devices(n)
-        _checks.check_devices(self.name, n, count)  # pragma: no cover - no CUDA device here
+        checks.check_devices(self.name, n, count)  # pragma: no cover - no CUDA device here
         return [self._torch.device("cuda", i) for i in range(n)]  # pragma: no cover
 
     def device_of(self, x: Array) -> Device:
@@ -204,12 +204,12 @@ class TorchBackend(Elementwise):
 
     def concat(self, xs: Sequence[Array]) -> Array:
         """A new flat tensor: the flat tensors ``xs`` end to end, on the device of ``xs[0]``."""
-        _checks.check_nonempty(xs, "concat")
+        checks.check_nonempty(xs, "concat")
         return as_tensor(self._inner(xs[0]).concat([as_array(x) for x in xs]))
 
     def concat_rows(self, xs: Sequence[Array]) -> Array:
         """A new tensor: ``xs`` stacked along axis 0, on the device of ``xs[0]``."""
-        _checks.check_nonempty(xs, "concat_rows")
+        checks.check_nonempty(xs, "concat_rows")
         return as_tensor(self._inner(xs[0]).concat_rows([as_array(x) for x in xs]))
 
     def copy(self, x: Array, out: Array | None = None) -> Array:

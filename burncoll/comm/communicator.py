@@ -10,7 +10,7 @@ import numpy as np
 
 from burncoll.backends import get_backend
 from burncoll.backends.base import Array, Device
-from burncoll.backends.out_arrays import check_out
+from burncoll.backends.checks import check_out
 from burncoll.comm import objects
 from burncoll.comm.buckets import all_reduce_tree
 from burncoll.comm.groups import Groups
