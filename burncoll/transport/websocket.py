@@ -21,8 +21,8 @@ from burncoll.errors import TransportError
 from burncoll.protocol.wire import DEFAULT_MAX_MESSAGE_BYTES
 from burncoll.transport.admission import Admission
 from burncoll.transport.base import Handler, TlsSettings, Transport, format_address
+from burncoll.transport.listening import StreamListener, listen_stream
 from burncoll.transport.stream_connection import StreamConnection
-from burncoll.transport.stream_listener import StreamListener, listen_stream
 from burncoll.transport.tls import client_ssl_context, listener_binding, server_ssl_context
 from burncoll.transport.ws_protocol import WebSocketProtocol
 
