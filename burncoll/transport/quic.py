@@ -3,7 +3,7 @@
 A connection is one QUIC connection carrying one bidirectional stream of length-prefixed
 messages (:mod:`burncoll.transport.quic_connection`). Until it is authenticated the other side
 gets :data:`~burncoll.transport.base.PREAUTH_BYTES` of flow-control credit and nothing larger
-is allocated on its word (:mod:`burncoll.transport.quic_credit`); listeners screen handshakes
+is allocated on its word (:mod:`burncoll.transport.quic_connection`); listeners screen handshakes
 (:mod:`burncoll.transport.quic_server`). A silent peer is declared gone after
 ``idle_timeout`` (pings every third of it keep a live one open); a client's UDP socket is
 connected, so an ICMP "port unreachable" fails it at once. Throughput: aioquic's defaults give
@@ -30,8 +30,13 @@ from burncoll.errors import ConfigError, TransportError
 from burncoll.protocol.wire import DEFAULT_MAX_MESSAGE_BYTES
 from burncoll.transport.admission import Admission
 from burncoll.transport.base import PREAUTH_SECONDS, Handler, TlsSettings, Transport, format_address
-from burncoll.transport.quic_connection import PREAMBLE, QuicProtocol, QuicStreamConnection
-from burncoll.transport.quic_credit import PREAUTH_WINDOW, GatedConnection
+from burncoll.transport.quic_connection import (
+    PREAMBLE,
+    PREAUTH_WINDOW,
+    GatedConnection,
+    QuicProtocol,
+    QuicStreamConnection,
+)
 from burncoll.transport.quic_server import (
     HANDSHAKE_SECONDS,
     MAX_HANDSHAKES,

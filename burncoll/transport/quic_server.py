@@ -39,10 +39,10 @@ from burncoll.transport.listening import ServingListener
 from burncoll.transport.quic_connection import (
     ERR_NO_ERROR,
     PREAMBLE,
+    GatedConnection,
     QuicProtocol,
     QuicStreamConnection,
 )
-from burncoll.transport.quic_credit import GatedConnection
 
 __all__ = ["GuardedServer", "QuicListener", "source_of"]
 

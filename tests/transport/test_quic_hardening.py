@@ -47,8 +47,12 @@ from burncoll.transport.assembler import MessageAssembler, MessageTooBig
 from burncoll.transport.auth import authenticate_client, authenticate_server
 from burncoll.transport.base import PREAUTH_BYTES, Connection, TlsSettings
 from burncoll.transport.quic import ALPN, QuicTransport
-from burncoll.transport.quic_connection import PREAMBLE, QuicStreamConnection
-from burncoll.transport.quic_credit import PREAUTH_WINDOW, working_window
+from burncoll.transport.quic_connection import (
+    PREAMBLE,
+    PREAUTH_WINDOW,
+    QuicStreamConnection,
+    working_window,
+)
 from burncoll.transport.quic_server import QuicListener, source_of
 from burncoll.transport.tls import listener_binding, make_self_signed
 
