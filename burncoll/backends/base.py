@@ -30,8 +30,46 @@ Array = Any
 Device = Any
 
 
+class Elementwise(Protocol):
+    """The element-wise reductions of :class:`Backend` (inputs are never modified), each the
+    library function of the same name applied by the backend's ``_elementwise``; a backend
+    subclasses this to inherit them."""
+
+    @abc.abstractmethod
+    def _elementwise(self, name: str, a: Array, b: Array, out: Array | None) -> Array:
+        """The library's function ``name`` of ``a`` and ``b`` (into ``out`` where mutable)."""
+
+    def add(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a + b``."""
+        return self._elementwise("add", a, b, out)
+
+    def maximum(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """Element-wise maximum (NaN propagates, as ``numpy.maximum``)."""
+        return self._elementwise("maximum", a, b, out)
+
+    def minimum(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """Element-wise minimum (NaN propagates, as ``numpy.minimum``)."""
+        return self._elementwise("minimum", a, b, out)
+
+    def multiply(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a * b``."""
+        return self._elementwise("multiply", a, b, out)
+
+    def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a & b`` (integer and bool arrays)."""
+        return self._elementwise("bitwise_and", a, b, out)
+
+    def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a | b`` (integer and bool arrays)."""
+        return self._elementwise("bitwise_or", a, b, out)
+
+    def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a ^ b`` (integer and bool arrays)."""
+        return self._elementwise("bitwise_xor", a, b, out)
+
+
 @runtime_checkable
-class Backend(Protocol):
+class Backend(Elementwise, Protocol):
     """What burncoll needs from an array library. See the module docstring for conventions."""
 
     #: The name used in configs: ``"numpy"``, ``"jax"`` or ``"cupy"``.
@@ -102,35 +140,7 @@ class Backend(Protocol):
         """A copy of ``x`` (written into ``out`` on mutable backends)."""
         ...
 
-    # -- reductions (element-wise; inputs are never modified) -----------------------------
-    def add(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a + b``."""
-        ...
-
-    def maximum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """Element-wise maximum (NaN propagates, as ``numpy.maximum``)."""
-        ...
-
-    def minimum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """Element-wise minimum (NaN propagates, as ``numpy.minimum``)."""
-        ...
-
-    def multiply(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a * b``."""
-        ...
-
-    def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a & b`` (integer and bool arrays)."""
-        ...
-
-    def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a | b`` (integer and bool arrays)."""
-        ...
-
-    def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a ^ b`` (integer and bool arrays)."""
-        ...
-
+    # -- the mean's division (the element-wise reductions: :class:`Elementwise`) -------------
     def scale(self, x: Array, divisor: int) -> Array:
         """``x / divisor`` for the mean, as a new array. Floating dtypes keep their dtype. Integer
         arrays become the backend's default float (float64 for NumPy, as ``numpy.mean`` does)."""
@@ -150,36 +160,6 @@ class Backend(Protocol):
         NumPy's shares memory with ``buffer`` when that is writable and contiguous, the others copy.
         Raises :class:`~burncoll.UsageError` when the sizes disagree."""
         ...
-
-
-class Elementwise(abc.ABC):
-    """The element-wise reductions of :class:`Backend`, each the library function of the same
-    name applied by the backend's ``_elementwise(name, a, b, out)``."""
-
-    @abc.abstractmethod
-    def _elementwise(self, name: str, a: Array, b: Array, out: Array | None) -> Array:
-        """The library's function ``name`` of ``a`` and ``b`` (into ``out`` where mutable)."""
-
-    def add(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._elementwise("add", a, b, out)
-
-    def maximum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._elementwise("maximum", a, b, out)
-
-    def minimum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._elementwise("minimum", a, b, out)
-
-    def multiply(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._elementwise("multiply", a, b, out)
-
-    def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._elementwise("bitwise_and", a, b, out)
-
-    def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._elementwise("bitwise_or", a, b, out)
-
-    def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._elementwise("bitwise_xor", a, b, out)
 
 
 #: The backend method that combines two arrays for each op (MEAN sums; the division by the
