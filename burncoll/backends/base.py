@@ -162,7 +162,7 @@ class Backend(Elementwise, Protocol):
         ...
 
 
-#: The backend method that combines two arrays for each op (MEAN sums; the division by the
+#: The library function that combines two arrays for each op (MEAN sums; the division by the
 #: peer count comes at the end).
 _COMBINERS: dict[ReduceOp, str] = {ReduceOp.SUM: "add", ReduceOp.MEAN: "add",
                                    ReduceOp.MAX: "maximum", ReduceOp.MIN: "minimum",
@@ -172,4 +172,4 @@ _COMBINERS: dict[ReduceOp, str] = {ReduceOp.SUM: "add", ReduceOp.MEAN: "add",
 
 def combine(backend: Backend, op: ReduceOp, a: Array, b: Array, out: Array | None = None) -> Array:
     """Apply the element-wise part of ``op`` (MEAN sums; the division comes at the end)."""
-    return getattr(backend, _COMBINERS[op])(a, b, out)
+    return backend._elementwise(_COMBINERS[op], a, b, out)
