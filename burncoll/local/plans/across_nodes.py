@@ -27,10 +27,10 @@ import numpy as np
 from burncoll.backends.base import Array
 from burncoll.dtypes import dtype_name
 from burncoll.levels import Exchange, GlobalOp, HostArray, Route
-from burncoll.local.plans import phases
 from burncoll.local.plans.phases import (
     LocalBroadcast,
     LocalReduce,
+    broadcast_steps,
     finish_reduce,
     global_op,
     link_of,
@@ -152,8 +152,7 @@ class ReduceGlobalBroadcast:
     def prepare(self, rv: Rendezvous, state: OpState) -> ReduceGlobalBroadcastRun:
         return ReduceGlobalBroadcastRun(
             self, rv, state, LocalReduce(rv, state, self.reduce, self.leader),
-            LocalBroadcast(rv, state, phases.broadcast_steps(self.broadcast, rv.size,
-                                                               self.leader)))
+            LocalBroadcast(rv, state, broadcast_steps(self.broadcast, rv.size, self.leader)))
 
 
 @dataclass(slots=True)
@@ -192,7 +191,7 @@ class GlobalBroadcast:
     global_strategy: Strategy
 
     def prepare(self, rv: Rendezvous, state: OpState) -> GlobalBroadcastRun:
-        steps = phases.broadcast_steps(self.strategy, rv.size, self.leader)
+        steps = broadcast_steps(self.strategy, rv.size, self.leader)
         return GlobalBroadcastRun(self, rv, state, LocalBroadcast(rv, state, steps))
 
 
@@ -240,7 +239,7 @@ class GlobalAllGather:
     global_strategy: Strategy
 
     def prepare(self, rv: Rendezvous, state: OpState) -> GlobalAllGatherRun:
-        steps = phases.broadcast_steps(self.strategy, rv.size, _GATHERER)
+        steps = broadcast_steps(self.strategy, rv.size, _GATHERER)
         return GlobalAllGatherRun(self, rv, state, LocalBroadcast(rv, state, steps))
 
 
