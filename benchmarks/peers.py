@@ -22,7 +22,7 @@ from burncoll.bench.options import (
     parse_size,
     size_sweep,
 )
-from burncoll.bench.peer_driver import PEER_NAMES, parse_peers, run_peers
+from burncoll.bench.peers import PEER_NAMES, parse_peers, run_peers
 from burncoll.bench.results import write_json
 from burncoll.bench.table import peer_table
 

@@ -5,8 +5,7 @@ collectives of its :class:`Communicator`. See the README for the tour.
 """
 
 from burncoll.backends import get_backend
-from burncoll.comm.communicator import Communicator, register
-from burncoll.comm.ranks import node_rank, peer_ids
+from burncoll.comm.communicator import Communicator, node_rank, peer_ids, register
 from burncoll.config import CollectiveConfig
 from burncoll.errors import (
     AuthenticationError,

@@ -13,6 +13,7 @@ backends (JAX) ignore ``out`` and return a new array. Callers always use the ret
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from burncoll.ops import ReduceOp
 
-__all__ = ["Array", "Backend", "Device", "combine"]
+__all__ = ["Array", "Backend", "Device", "Elementwise", "combine"]
 
 #: An array of the backend's own type (``numpy.ndarray``, ``jax.Array``, ``cupy.ndarray``).
 Array = Any
@@ -29,8 +30,46 @@ Array = Any
 Device = Any
 
 
+class Elementwise(Protocol):
+    """The element-wise reductions of :class:`Backend` (inputs are never modified), each the
+    library function of the same name applied by the backend's ``_elementwise``; a backend
+    subclasses this to inherit them."""
+
+    @abc.abstractmethod
+    def _elementwise(self, name: str, a: Array, b: Array, out: Array | None) -> Array:
+        """The library's function ``name`` of ``a`` and ``b`` (into ``out`` where mutable)."""
+
+    def add(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a + b``."""
+        return self._elementwise("add", a, b, out)
+
+    def maximum(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """Element-wise maximum (NaN propagates, as ``numpy.maximum``)."""
+        return self._elementwise("maximum", a, b, out)
+
+    def minimum(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """Element-wise minimum (NaN propagates, as ``numpy.minimum``)."""
+        return self._elementwise("minimum", a, b, out)
+
+    def multiply(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a * b``."""
+        return self._elementwise("multiply", a, b, out)
+
+    def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a & b`` (integer and bool arrays)."""
+        return self._elementwise("bitwise_and", a, b, out)
+
+    def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a | b`` (integer and bool arrays)."""
+        return self._elementwise("bitwise_or", a, b, out)
+
+    def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """``a ^ b`` (integer and bool arrays)."""
+        return self._elementwise("bitwise_xor", a, b, out)
+
+
 @runtime_checkable
-class Backend(Protocol):
+class Backend(Elementwise, Protocol):
     """What burncoll needs from an array library. See the module docstring for conventions."""
 
     #: The name used in configs: ``"numpy"``, ``"jax"`` or ``"cupy"``.
@@ -101,35 +140,7 @@ class Backend(Protocol):
         """A copy of ``x`` (written into ``out`` on mutable backends)."""
         ...
 
-    # -- reductions (element-wise; inputs are never modified) -----------------------------
-    def add(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a + b``."""
-        ...
-
-    def maximum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """Element-wise maximum (NaN propagates, as ``numpy.maximum``)."""
-        ...
-
-    def minimum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """Element-wise minimum (NaN propagates, as ``numpy.minimum``)."""
-        ...
-
-    def multiply(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a * b``."""
-        ...
-
-    def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a & b`` (integer and bool arrays)."""
-        ...
-
-    def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a | b`` (integer and bool arrays)."""
-        ...
-
-    def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        """``a ^ b`` (integer and bool arrays)."""
-        ...
-
+    # -- the mean's division (the element-wise reductions: :class:`Elementwise`) -------------
     def scale(self, x: Array, divisor: int) -> Array:
         """``x / divisor`` for the mean, as a new array. Floating dtypes keep their dtype. Integer
         arrays become the backend's default float (float64 for NumPy, as ``numpy.mean`` does)."""
@@ -151,7 +162,7 @@ class Backend(Protocol):
         ...
 
 
-#: The backend method that combines two arrays for each op (MEAN sums; the division by the
+#: The library function that combines two arrays for each op (MEAN sums; the division by the
 #: peer count comes at the end).
 _COMBINERS: dict[ReduceOp, str] = {ReduceOp.SUM: "add", ReduceOp.MEAN: "add",
                                    ReduceOp.MAX: "maximum", ReduceOp.MIN: "minimum",
@@ -161,4 +172,4 @@ _COMBINERS: dict[ReduceOp, str] = {ReduceOp.SUM: "add", ReduceOp.MEAN: "add",
 
 def combine(backend: Backend, op: ReduceOp, a: Array, b: Array, out: Array | None = None) -> Array:
     """Apply the element-wise part of ``op`` (MEAN sums; the division comes at the end)."""
-    return getattr(backend, _COMBINERS[op])(a, b, out)
+    return backend._elementwise(_COMBINERS[op], a, b, out)

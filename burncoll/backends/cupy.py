@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from burncoll.backends import _checks
-from burncoll.backends.base import Array, Backend, Device
+from burncoll.backends import checks
+from burncoll.backends.base import Array, Backend, Device, Elementwise
 from burncoll.dtypes import dtype_from_name, dtype_name, host_view, is_inexact
 from burncoll.errors import BackendUnavailable, UsageError
 
 __all__ = ["CupyBackend"]
 
 
-class CupyBackend:
+class CupyBackend(Elementwise):
     """:class:`~burncoll.backends.base.Backend` for ``cupy.ndarray`` (mutable: ``out=`` works).
     Raises :class:`~burncoll.BackendUnavailable` when cupy is not installed."""
 
@@ -50,7 +50,7 @@ class CupyBackend:
 
     def devices(self, n: int) -> list[Device]:
         """``[cupy.cuda.Device(0), ..., cupy.cuda.Device(n - 1)]``."""
-        _checks.check_devices(self.name, n, self.device_count())
+        checks.check_devices(self.name, n, self.device_count())
         return [self._cp.cuda.Device(i) for i in range(n)]
 
     def device_of(self, x: Array) -> Device:
@@ -84,7 +84,7 @@ class CupyBackend:
     # -- creation and layout -------------------------------------------------------------
     def empty(self, count: int, dtype: str, device: Device) -> Array:
         """A new uninitialised flat array of ``count`` elements on ``device``."""
-        _checks.check_count(count)
+        checks.check_count(count)
         np_dtype = dtype_from_name(dtype)
         with device:
             try:
@@ -114,19 +114,19 @@ class CupyBackend:
         arr = self._array(x)
         if arr.ndim != 1:
             raise UsageError(f"expected a flat (1-D) array, got shape {tuple(arr.shape)}")
-        _checks.check_slice(start, stop, arr.shape[0])
+        checks.check_slice(start, stop, arr.shape[0])
         return arr[start:stop]
 
     def concat(self, xs: Sequence[Array]) -> Array:
         """A new flat array: the flat arrays ``xs`` end to end, on the device of ``xs[0]``."""
-        _checks.check_nonempty(xs, "concat")
+        checks.check_nonempty(xs, "concat")
         device = self.device_of(xs[0])
         with device:
             return self._cp.concatenate([self.to_device(x, device).reshape(-1) for x in xs])
 
     def concat_rows(self, xs: Sequence[Array]) -> Array:
         """A new array: ``xs`` stacked along axis 0, on the device of ``xs[0]``."""
-        _checks.check_nonempty(xs, "concat_rows")
+        checks.check_nonempty(xs, "concat_rows")
         device = self.device_of(xs[0])
         with device:
             parts = [self.to_device(x, device) for x in xs]
@@ -146,37 +146,13 @@ class CupyBackend:
         return out
 
     # -- reductions ----------------------------------------------------------------------
-    def add(self, a: Array, b: Array, out: Array | None = None) -> Array:
+    def _elementwise(self, name: str, a: Array, b: Array, out: Array | None) -> Array:
         with self.device_of(a):
-            return self._cp.add(a, b, out=out)
-
-    def maximum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        with self.device_of(a):
-            return self._cp.maximum(a, b, out=out)
-
-    def minimum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        with self.device_of(a):
-            return self._cp.minimum(a, b, out=out)
-
-    def multiply(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        with self.device_of(a):
-            return self._cp.multiply(a, b, out=out)
-
-    def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        with self.device_of(a):
-            return self._cp.bitwise_and(a, b, out=out)
-
-    def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        with self.device_of(a):
-            return self._cp.bitwise_or(a, b, out=out)
-
-    def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        with self.device_of(a):
-            return self._cp.bitwise_xor(a, b, out=out)
+            return getattr(self._cp, name)(a, b, out=out)
 
     def scale(self, x: Array, divisor: int) -> Array:
         """``x / divisor`` as a new array: float dtypes kept, integers and bool to float64."""
-        _checks.check_divisor(divisor)
+        checks.check_divisor(divisor)
         arr = self._array(x)
         dtype = arr.dtype if is_inexact(np.dtype(arr.dtype)) else np.dtype(np.float64)
         with arr.device:

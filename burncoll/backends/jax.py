@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from burncoll.backends import _checks
-from burncoll.backends.base import Array, Backend, Device
+from burncoll.backends import checks
+from burncoll.backends.base import Array, Backend, Device, Elementwise
 from burncoll.dtypes import dtype_from_name, dtype_name, host_view, is_inexact
 from burncoll.errors import BackendUnavailable, UsageError
 
@@ -25,7 +25,7 @@ _MORE_CPU_DEVICES = ("on the CPU, set XLA_FLAGS=--xla_force_host_platform_device
                      "in the environment before jax is imported")
 
 
-class JaxBackend:
+class JaxBackend(Elementwise):
     """:class:`~burncoll.backends.base.Backend` for ``jax.Array`` (immutable: ``out`` ignored).
     Raises :class:`~burncoll.BackendUnavailable` when jax is not installed."""
 
@@ -50,7 +50,7 @@ class JaxBackend:
         hint = ""
         if available and available[0].platform == "cpu":
             hint = _MORE_CPU_DEVICES.format(n=n)
-        _checks.check_devices(self.name, n, len(available), hint)
+        checks.check_devices(self.name, n, len(available), hint)
         return available[:n]
 
     def device_of(self, x: Array) -> Device:
@@ -87,7 +87,7 @@ class JaxBackend:
     # -- creation and layout -------------------------------------------------------------
     def empty(self, count: int, dtype: str, device: Device) -> Array:
         """A flat array of ``count`` zeros on ``device`` (JAX has no uninitialised arrays)."""
-        _checks.check_count(count)
+        checks.check_count(count)
         return self._jnp.zeros(count, dtype=self._dtype(dtype), device=device)
 
     def flatten(self, x: Array) -> Array:
@@ -107,17 +107,17 @@ class JaxBackend:
         arr = self._array(x)
         if arr.ndim != 1:
             raise UsageError(f"expected a flat (1-D) array, got shape {tuple(arr.shape)}")
-        _checks.check_slice(start, stop, arr.shape[0])
+        checks.check_slice(start, stop, arr.shape[0])
         return self._jax.lax.slice(arr, (start,), (stop,))
 
     def concat(self, xs: Sequence[Array]) -> Array:
         """The flat arrays ``xs`` end to end, on the device of ``xs[0]``."""
-        _checks.check_nonempty(xs, "concat")
+        checks.check_nonempty(xs, "concat")
         return self._jnp.concatenate([self._jnp.ravel(a) for a in self._gather(xs)])
 
     def concat_rows(self, xs: Sequence[Array]) -> Array:
         """``xs`` joined along axis 0, on the device of ``xs[0]``."""
-        _checks.check_nonempty(xs, "concat_rows")
+        checks.check_nonempty(xs, "concat_rows")
         try:
             return self._jnp.concatenate(self._gather(xs), axis=0)
         except (TypeError, ValueError) as exc:
@@ -128,31 +128,13 @@ class JaxBackend:
         return self._jnp.array(self._array(x), copy=True)
 
     # -- reductions ----------------------------------------------------------------------
-    def add(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._jnp.add(a, b)
-
-    def maximum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._jnp.maximum(a, b)
-
-    def minimum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._jnp.minimum(a, b)
-
-    def multiply(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._jnp.multiply(a, b)
-
-    def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._jnp.bitwise_and(a, b)
-
-    def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._jnp.bitwise_or(a, b)
-
-    def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._jnp.bitwise_xor(a, b)
+    def _elementwise(self, name: str, a: Array, b: Array, out: Array | None) -> Array:
+        return getattr(self._jnp, name)(a, b)  # (immutable: out is ignored)
 
     def scale(self, x: Array, divisor: int) -> Array:
         """``x / divisor``: float dtypes kept; integers and bool become JAX's default float. The
         default float is float32, or float64 when x64 mode is on."""
-        _checks.check_divisor(divisor)
+        checks.check_divisor(divisor)
         arr = self._array(x)
         if is_inexact(np.dtype(arr.dtype)):
             dtype = arr.dtype

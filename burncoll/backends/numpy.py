@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from burncoll.backends import _checks
-from burncoll.backends.base import Array, Backend
+from burncoll.backends import checks
+from burncoll.backends.base import Array, Backend, Elementwise
 from burncoll.backends.pool import fresh
 from burncoll.dtypes import dtype_from_name, dtype_name, host_view, is_inexact
 from burncoll.errors import UsageError
@@ -41,7 +41,7 @@ class CpuDevice:
 _CPU0 = CpuDevice(0)
 
 
-class NumpyBackend:
+class NumpyBackend(Elementwise):
     """:class:`~burncoll.backends.base.Backend` for ``numpy.ndarray`` (mutable: ``out=`` works)."""
 
     name = "numpy"
@@ -51,7 +51,7 @@ class NumpyBackend:
     def devices(self, n: int) -> list[CpuDevice]:
         """``[cpu:0, ..., cpu:n-1]``; any ``n >= 1`` works (they are logical)."""
         if n < 1:
-            _checks.check_devices(self.name, n, n)
+            checks.check_devices(self.name, n, n)
         return [CpuDevice(i) for i in range(n)]
 
     def device_of(self, x: Array) -> CpuDevice:
@@ -87,7 +87,7 @@ class NumpyBackend:
     def empty(self, count: int, dtype: str, device: Any) -> NDArray:
         """A new uninitialised flat array of ``count`` elements (large ones reuse memory its
         earlier holders released: :mod:`burncoll.backends.pool`)."""
-        _checks.check_count(count)
+        checks.check_count(count)
         _check_device(device)
         return fresh(count, dtype_from_name(dtype))
 
@@ -107,17 +107,17 @@ class NumpyBackend:
     def slice(self, x: Array, start: int, stop: int) -> NDArray:
         """A view of elements ``start:stop`` of the flat array ``x``."""
         arr = _flat(x)
-        _checks.check_slice(start, stop, arr.shape[0])
+        checks.check_slice(start, stop, arr.shape[0])
         return arr[start:stop]
 
     def concat(self, xs: Sequence[Array]) -> NDArray:
         """A new flat array: the flat arrays ``xs`` end to end."""
-        _checks.check_nonempty(xs, "concat")
+        checks.check_nonempty(xs, "concat")
         return np.concatenate([_array(x).reshape(-1) for x in xs])
 
     def concat_rows(self, xs: Sequence[Array]) -> NDArray:
         """A new array: ``xs`` stacked along axis 0."""
-        _checks.check_nonempty(xs, "concat_rows")
+        checks.check_nonempty(xs, "concat_rows")
         try:
             return np.concatenate([_array(x) for x in xs], axis=0)
         except ValueError as exc:
@@ -131,30 +131,12 @@ class NumpyBackend:
         return _array(out)
 
     # -- reductions ----------------------------------------------------------------------
-    def add(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
-        return np.asarray(np.add(a, b, out=out))
-
-    def maximum(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
-        return np.asarray(np.maximum(a, b, out=out))
-
-    def minimum(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
-        return np.asarray(np.minimum(a, b, out=out))
-
-    def multiply(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
-        return np.asarray(np.multiply(a, b, out=out))
-
-    def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
-        return np.asarray(np.bitwise_and(a, b, out=out))
-
-    def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
-        return np.asarray(np.bitwise_or(a, b, out=out))
-
-    def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> NDArray:
-        return np.asarray(np.bitwise_xor(a, b, out=out))
+    def _elementwise(self, name: str, a: Array, b: Array, out: Array | None) -> NDArray:
+        return np.asarray(getattr(np, name)(a, b, out=out))
 
     def scale(self, x: Array, divisor: int) -> NDArray:
         """``x / divisor`` as a new array: float dtypes kept, integers and bool to float64."""
-        _checks.check_divisor(divisor)
+        checks.check_divisor(divisor)
         arr = _array(x)
         dtype = arr.dtype if is_inexact(arr.dtype) else np.dtype(np.float64)
         return np.asarray(np.divide(arr, divisor, dtype=dtype))

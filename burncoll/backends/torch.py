@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from burncoll.backends import _checks
-from burncoll.backends.base import Array, Backend, Device
+from burncoll.backends import checks
+from burncoll.backends.base import Array, Backend, Device, Elementwise
 from burncoll.backends.numpy import CpuDevice, NumpyBackend
 from burncoll.dtypes import dtype_from_name, dtype_name
 from burncoll.errors import BackendUnavailable, UsageError
@@ -133,7 +133,7 @@ def _name(dtype: Any) -> str:
 _CPU = CpuDevice(0)
 
 
-class TorchBackend:
+class TorchBackend(Elementwise):
     """:class:`~burncoll.backends.base.Backend` for ``torch.Tensor`` (mutable: ``out=`` works).
     Raises :class:`~burncoll.BackendUnavailable` when torch is not installed."""
 
@@ -151,7 +151,7 @@ class TorchBackend:
         count = self._cuda_count()
         if count == 0:
             return self._host.devices(n)
-        _checks.check_devices(self.name, n, count)  # pragma: no cover - no CUDA device here
+        checks.check_devices(self.name, n, count)  # pragma: no cover - no CUDA device here
         return [self._torch.device("cuda", i) for i in range(n)]  # pragma: no cover
 
     def device_of(self, x: Array) -> Device:
@@ -204,12 +204,12 @@ class TorchBackend:
 
     def concat(self, xs: Sequence[Array]) -> Array:
         """A new flat tensor: the flat tensors ``xs`` end to end, on the device of ``xs[0]``."""
-        _checks.check_nonempty(xs, "concat")
+        checks.check_nonempty(xs, "concat")
         return as_tensor(self._inner(xs[0]).concat([as_array(x) for x in xs]))
 
     def concat_rows(self, xs: Sequence[Array]) -> Array:
         """A new tensor: ``xs`` stacked along axis 0, on the device of ``xs[0]``."""
-        _checks.check_nonempty(xs, "concat_rows")
+        checks.check_nonempty(xs, "concat_rows")
         return as_tensor(self._inner(xs[0]).concat_rows([as_array(x) for x in xs]))
 
     def copy(self, x: Array, out: Array | None = None) -> Array:
@@ -217,26 +217,8 @@ class TorchBackend:
         return self._apply("copy", x, out=out)
 
     # -- reductions ----------------------------------------------------------------------
-    def add(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._apply("add", a, b, out=out)
-
-    def maximum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._apply("maximum", a, b, out=out)
-
-    def minimum(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._apply("minimum", a, b, out=out)
-
-    def multiply(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._apply("multiply", a, b, out=out)
-
-    def bitwise_and(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._apply("bitwise_and", a, b, out=out)
-
-    def bitwise_or(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._apply("bitwise_or", a, b, out=out)
-
-    def bitwise_xor(self, a: Array, b: Array, out: Array | None = None) -> Array:
-        return self._apply("bitwise_xor", a, b, out=out)
+    def _elementwise(self, name: str, a: Array, b: Array, out: Array | None) -> Array:
+        return self._apply(name, a, b, out=out)
 
     def scale(self, x: Array, divisor: int) -> Array:
         """``x / divisor`` as a new tensor: float dtypes kept, integers and bool to float64."""

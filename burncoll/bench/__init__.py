@@ -3,8 +3,7 @@
 * :mod:`~burncoll.bench.runner` measures (thread per device, as burncoll runs);
 * :mod:`~burncoll.bench.check` builds the inputs and the NumPy float64 reference;
 * :mod:`~burncoll.bench.table` prints the nccl-tests layout;
-* :mod:`~burncoll.bench.peers` and :mod:`~burncoll.bench.peer_driver` run the baselines
-  (Gloo, MPI, TCP loopback, ``np.add``);
+* :mod:`~burncoll.bench.peers` runs the baselines (Gloo, MPI, TCP loopback, ``np.add``);
 * :mod:`~burncoll.bench.cli` is the glue behind ``burncoll bench``.
 
 How a time is measured is stated once, in :data:`burncoll.bench.results.TIMING_METHOD`.

@@ -29,7 +29,7 @@ from burncoll.bench.options import (
     parse_size,
     size_sweep,
 )
-from burncoll.bench.peer_driver import PEER_NAMES, parse_peers, run_peers
+from burncoll.bench.peers import PEER_NAMES, parse_peers, run_peers
 from burncoll.bench.plot import MISSING_MATPLOTLIB, matplotlib_missing, plot_busbw
 from burncoll.bench.results import TIMING_METHOD, PeerResult, Row, write_json
 from burncoll.bench.runner import BenchSpec, run_node

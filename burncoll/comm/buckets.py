@@ -50,7 +50,7 @@ class TreeCommunicator(Protocol):
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "LeafSpec", "all_reduce_flat", "all_reduce_tree",
            "broadcast_tree", "flatten_tree", "in_place_ok", "leaf_spec", "leaf_specs", "pack",
-           "plan_buckets", "unpack_bucket"]
+           "plan_buckets", "plan_stream_buckets", "unpack_bucket"]
 
 T = TypeVar("T")
 
@@ -187,26 +187,44 @@ def plan_buckets(specs: Sequence[LeafSpec], bucket_bytes: int = DEFAULT_BUCKET_B
     fill a bucket in flattening order until the next one would take it past ``bucket_bytes``.
     A leaf larger than ``bucket_bytes`` gets a bucket of its own. Every leaf is in exactly one
     bucket. Raises :class:`~burncoll.UsageError` when ``bucket_bytes`` is not a positive int.
+    (:func:`plan_stream_buckets`' buckets for leaves ready in flattening order, by dtype.)
+    """
+    first: dict[str, int] = {}
+    for spec in specs:
+        first.setdefault(spec.dtype, len(first))
+    return sorted(plan_stream_buckets(specs, range(len(specs)), bucket_bytes),
+                  key=lambda bucket: first[bucket.dtype])
+
+
+def plan_stream_buckets(specs: Sequence[LeafSpec], order: Sequence[int],
+                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
+    """Buckets for leaves that become ready in ``order`` (leaf indices), in the order they
+    fill up; a pure function of its arguments.
+
+    As DDP's bucket assignment: one open bucket per dtype takes the leaves in ``order`` until
+    the next would take it past ``bucket_bytes`` (a larger leaf gets a bucket of its own);
+    buckets are ordered by the position of their last leaf in ``order``, i.e. by when they are
+    complete when the leaves arrive in ``order``.
     """
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise UsageError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
-    by_dtype: dict[str, list[int]] = {}
-    for i, spec in enumerate(specs):
-        by_dtype.setdefault(spec.dtype, []).append(i)
-    buckets: list[Bucket] = []
-    for dtype, indices in by_dtype.items():
-        current: list[int] = []
-        current_bytes = 0
-        for i in indices:
-            nbytes = specs[i].nbytes
-            if current and current_bytes + nbytes > bucket_bytes:
-                buckets.append(Bucket.of(dtype, current, specs))
-                current, current_bytes = [], 0
-            current.append(i)
-            current_bytes += nbytes
-        if current:
-            buckets.append(Bucket.of(dtype, current, specs))
-    return buckets
+    if sorted(order) != list(range(len(specs))):
+        raise UsageError(f"order must list each of the {len(specs)} leaf indices once, "
+                         f"got {list(order)}")
+    open_: dict[str, tuple[list[int], int]] = {}
+    done: list[tuple[int, str, list[int]]] = []
+    last: dict[str, int] = {}
+    for position, i in enumerate(order):
+        dtype, nbytes = specs[i].dtype, specs[i].nbytes
+        leaves, size = open_.get(dtype, ([], 0))
+        if leaves and size + nbytes > bucket_bytes:
+            done.append((last[dtype], dtype, leaves))
+            leaves, size = [], 0
+        open_[dtype] = ([*leaves, i], size + nbytes)
+        last[dtype] = position
+    done += [(last[dtype], dtype, leaves) for dtype, (leaves, _) in open_.items()]
+    return [Bucket.of(dtype, leaves, specs)
+            for _, dtype, leaves in sorted(done, key=lambda entry: entry[0])]
 
 
 # -- the collectives ----------------------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""The public entry points: :func:`register` and the per-peer :class:`Communicator`."""
+"""The public entry points: :func:`register` and the per-peer :class:`Communicator`; and which
+node this process is and which peer ids its devices take, under every launcher
+(:func:`node_rank`, :func:`peer_ids`: a script computes its peer ids the same way whether
+``burncoll launch``, torchrun, SLURM, mpirun or Ray started it, from the config, which reads
+the launcher's variables, see :mod:`burncoll.config`)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import numpy as np
 
 from burncoll.backends import get_backend
 from burncoll.backends.base import Array, Device
-from burncoll.backends.out_arrays import check_out
+from burncoll.backends.checks import check_out
 from burncoll.comm import objects
 from burncoll.comm.buckets import all_reduce_tree
 from burncoll.comm.groups import Groups
@@ -23,7 +27,7 @@ from burncoll.dtypes import dtype_from_name, is_inexact
 from burncoll.errors import UsageError
 from burncoll.ops import OpKind, ReduceOp, parse_reduce_op
 
-__all__ = ["Communicator", "register"]
+__all__ = ["Communicator", "node_rank", "peer_ids", "register"]
 
 T = TypeVar("T")
 
@@ -275,3 +279,31 @@ def register(peer_id: int, device: Device | int, config: CollectiveConfig) -> Co
         device = devices[device]
     server, index = REGISTRY.join(peer_id, device, config)
     return Communicator(server, index, device)
+
+
+def node_rank(config: CollectiveConfig | None = None) -> int:
+    """This process's node rank: ``config.node_rank``, which ``BURNCOLL_NODE_RANK`` or the
+    launcher's variables (torchrun's ``RANK``, SLURM's ``SLURM_PROCID``, ...) set when the code
+    does not; 0 on a single node. ``config`` defaults to ``CollectiveConfig()``, i.e. the
+    environment's settings.
+
+    Raises :class:`~burncoll.ConfigError` when those variables are not a valid rank.
+    """
+    cfg = CollectiveConfig() if config is None else config
+    return cfg.node_rank or 0
+
+
+def peer_ids(config: CollectiveConfig | None = None,
+             num_devices: int | None = None) -> tuple[int, ...]:
+    """The peer ids of this node's devices: ``node_rank * num_devices + i`` for device ``i``.
+
+    ``num_devices`` defaults to ``config.num_devices``; every node must use as many devices.
+    Peer ids numbered this way order the nodes by rank, so node ``r`` of the launcher is node
+    ``r`` of the collective.
+    """
+    cfg = CollectiveConfig() if config is None else config
+    count = cfg.num_devices if num_devices is None else num_devices
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise UsageError(f"num_devices must be an int >= 1, got {count!r}")
+    first = node_rank(cfg) * count
+    return tuple(range(first, first + count))

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from burncoll.backends.base import Array
-from burncoll.backends.out_arrays import check_out
+from burncoll.backends.checks import check_out
 from burncoll.comm.core import CommunicatorCore
 from burncoll.dtypes import dtype_name
 from burncoll.errors import (

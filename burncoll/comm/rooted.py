@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from burncoll.backends.base import Array, Backend
-from burncoll.backends.out_arrays import check_out
+from burncoll.backends.checks import check_out
 from burncoll.comm import objects
 from burncoll.comm.core import CommunicatorCore
 from burncoll.errors import UsageError

@@ -40,11 +40,9 @@ class Call(NamedTuple):
         """What must agree between peers (for the operations whose peers' arrays differ in
         length -- all_gather, gather, all_to_all -- only the trailing shape; a scatter's and
         a broadcast's only the root, the receivers having no array)."""
-        shape: tuple[int, ...] | None = self.shape
-        if self.kind in (OpKind.ALL_GATHER, OpKind.GATHER, OpKind.ALL_TO_ALL) and shape:
-            shape = shape[1:]
         if self.kind in (OpKind.BROADCAST, OpKind.SCATTER):
             return (self.kind, self.root)
+        shape = _agreed_shape(self)
         if self.kind is OpKind.REDUCE_SCATTER:
             return (self.kind, self.reduce_op, self.root, self.dtype, shape, self.counts)
         if self.kind is OpKind.ALL_REDUCE:
@@ -94,7 +92,7 @@ def find_mismatch(calls: Sequence[Call]) -> str | None:
 
 
 def _broadcast_mismatch(calls: Sequence[Call]) -> str | None:
-    root = next((c for c in calls if c.peer_id == first_root(calls)), None)
+    root = next((c for c in calls if c.peer_id == calls[0].root), None)  # (roots agree)
     if root is None:
         return None
     for c in calls:
@@ -104,11 +102,6 @@ def _broadcast_mismatch(calls: Sequence[Call]) -> str | None:
                 f"different arrays: {describe_calls(calls)}"
             )
     return None
-
-
-def first_root(calls: Sequence[Call]) -> int | None:
-    """The root every call names (they agree once the signatures match)."""
-    return calls[0].root
 
 
 def _what_differs(calls: Sequence[Call]) -> str:

@@ -18,8 +18,7 @@ from typing import Any, TypeVar
 
 from burncoll.backends import get_backend
 from burncoll.backends.base import Device
-from burncoll.comm import ranks
-from burncoll.comm.communicator import Communicator, register
+from burncoll.comm.communicator import Communicator, node_rank, register
 from burncoll.config import CollectiveConfig
 from burncoll.errors import CollectiveAborted, ConfigError, UsageError
 from burncoll.train.fit import FitResult, GradFn, Update, fit
@@ -30,16 +29,6 @@ R = TypeVar("R")
 
 #: The environment variable holding this process's node rank (0 when unset).
 NODE_RANK_ENV = "BURNCOLL_NODE_RANK"
-
-
-def node_rank(config: CollectiveConfig | None = None) -> int:
-    """This process's node rank (:func:`burncoll.node_rank`): ``config.node_rank``, which
-    ``BURNCOLL_NODE_RANK`` or the launcher's variables (torchrun's ``RANK``, SLURM's
-    ``SLURM_PROCID``, ...) set when the code does not; 0 on a single node.
-
-    Raises :class:`~burncoll.ConfigError` when those variables are not a valid rank.
-    """
-    return ranks.node_rank(config)
 
 
 def ddp(devices: Sequence[Device | int], config: CollectiveConfig) -> DataParallel:

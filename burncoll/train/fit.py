@@ -1,4 +1,4 @@
-"""The data-parallel training loop behind :meth:`DataParallel.fit`.
+"""The data-parallel training loop behind :meth:`DataParallel.fit`, and its steps.
 
 Each step, every peer computes the loss and gradients of its shard of the global batch with the
 user's ``grad_fn``, averages them over all peers with one bucketed all-reduce
@@ -7,6 +7,12 @@ gradients are bitwise identical everywhere, so the replicas stay so. With equal 
 of per-shard mean gradients is the full-batch one (``grad_fn`` returns the *mean* loss): ``fit``
 computes what single-device training does, up to rounding. With ``checkpoint_dir`` a restarted
 run resumes bitwise (:mod:`burncoll.train.checkpoint`).
+
+``grad_fn`` returns its gradients as a tree (one bucketed all-reduce after it returns) or as
+an iterator of ``(key, grad)`` pairs, last layer first, fed to a
+:class:`~burncoll.train.overlap.GradientBuckets` so buckets reduce while backward runs
+(:class:`StepReducer`). As DDP does, the first step's buckets follow the reverse flattening
+order; then the order rank 0's generator yielded is broadcast and used by every peer.
 """
 
 from __future__ import annotations
@@ -14,21 +20,27 @@ from __future__ import annotations
 import hashlib
 import numbers
 import os
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
 from burncoll.backends import get_backend
-from burncoll.backends.base import Backend
-from burncoll.comm.buckets import DEFAULT_BUCKET_BYTES, broadcast_tree, flatten_tree
+from burncoll.backends.base import Array, Backend, Device
+from burncoll.comm.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    all_reduce_tree,
+    broadcast_tree,
+    flatten_tree,
+)
 from burncoll.comm.communicator import Communicator
 from burncoll.config import CollectiveConfig
-from burncoll.dtypes import dtype_name
+from burncoll.dtypes import dtype_from_name, dtype_name, is_inexact
 from burncoll.errors import UsageError
 from burncoll.train.checkpoint import Checkpointer, RunInfo, Spec, checkpointer, from_numpy
-from burncoll.train.fit_step import Progress, StepReducer, apply_updates
+from burncoll.train.overlap import GradientBuckets
 
 R = TypeVar("R")
 
@@ -43,13 +55,14 @@ class Replicas(Protocol):
     def run(self, fn: Callable[[Communicator], R]) -> list[R]: ...
 
 
-__all__ = ["FitResult", "GradFn", "GradientTransformation", "Update", "fit", "replicas_identical"]
+__all__ = ["FitResult", "GradFn", "GradientTransformation", "Progress", "StepReducer", "Update",
+           "apply_updates", "fit", "loss_leaf", "replicas_identical"]
 
 #: ``grad_fn(params, batch) -> (loss, grads)``: the mean loss over ``batch`` (a scalar or 0-d
 #: array) and its gradient, a tree shaped like ``params`` (``jax.value_and_grad`` fits), or
 #: an iterator of ``(key, grad)`` pairs, every leaf once, that backward yields layer by layer,
 #: last layer first (``key``: the leaf's path in ``params``, or its dict key): each bucket is
-#: then reduced while the next gradients are computed (:mod:`burncoll.train.fit_step`).
+#: then reduced while the next gradients are computed (:class:`StepReducer`).
 #: ``bucket_bytes`` is DDP's ``bucket_cap_mb``, in bytes (25 MiB by default); about one
 #: layer's gradients lets each layer's reduction start as soon as backward has produced it.
 GradFn = Callable[[Any, Any], tuple[Any, Any]]
@@ -302,3 +315,111 @@ class _Sampler:
         if self._backend.is_array(x):
             return self._backend.to_device(x, self._device)
         return from_numpy(self._backend, np.asarray(x), self._device)
+
+
+class StepReducer:
+    """Averages each step's loss and gradients over every peer, for one replica of ``fit``
+    (see the module: a tree at once, an iterator of ``(key, grad)`` bucket by bucket)."""
+
+    def __init__(self, comm: Communicator, bucket_bytes: int) -> None:
+        self._comm = comm
+        self._backend = get_backend(comm.config.backend)
+        self._bucket_bytes = bucket_bytes
+        #: The agreed bucket order (leaf indices of ``(loss, params)``) after the first
+        #: streamed step; ``None`` before it.
+        self.order: list[int] | None = None
+
+    def __call__(self, params: Any, loss: Any, grads: Any) -> tuple[Array, Any]:
+        """``(mean loss, mean gradients)`` over every peer; the gradients shaped as
+        ``params`` when ``grads`` is an iterator, as ``grads`` otherwise."""
+        comm, backend = self._comm, self._backend
+        if not isinstance(grads, Iterator):
+            leaf = loss_leaf(backend, loss, grads, comm.device)
+            return all_reduce_tree(comm, (leaf, grads), "mean", self._bucket_bytes)
+        leaf = loss_leaf(backend, loss, params, comm.device)
+        buckets = GradientBuckets(comm, (leaf, params), "mean", self._bucket_bytes,
+                                  order=self.order, keys_under=(1,))
+        buckets.ready_leaf(0, leaf)
+        for item in grads:
+            if not isinstance(item, tuple) or len(item) != 2:
+                raise UsageError("a grad_fn returning an iterator must yield (key, grad) pairs, "
+                                 f"got {type(item).__name__}")
+            buckets.ready(*item)
+        loss_mean, reduced = buckets.wait()
+        if self.order is None:
+            self.order = self._rank0_order(buckets.arrival_order)
+        return loss_mean, reduced
+
+    def _rank0_order(self, mine: list[int]) -> list[int]:
+        """Rank 0's ``mine``, on every peer (one broadcast)."""
+        comm, backend = self._comm, self._backend
+        root = comm.peer_ids[0]
+        host = np.asarray(mine, dtype=np.int32)
+        got = comm.broadcast(from_numpy(backend, host, comm.device) if comm.peer_id == root
+                             else None, root)
+        return [int(i) for i in np.asarray(backend.to_host(got))]
+
+
+def loss_leaf(backend: Backend, loss: Any, grads: Any, device: Device) -> Array:
+    """The loss as a 0-d array of ``backend``, in the first float dtype of ``grads`` (a tree)
+    when it is not an array."""
+    if backend.is_array(loss):
+        if backend.shape(loss) != ():
+            raise UsageError(f"grad_fn must return a scalar loss, got shape {backend.shape(loss)}")
+        return loss
+    like = "float64"
+    for leaf in flatten_tree(grads)[0]:
+        if backend.is_array(leaf) and is_inexact(dtype_from_name(backend.dtype_name(leaf))):
+            like = backend.dtype_name(leaf)
+            break
+    host = np.asarray(loss, dtype=dtype_from_name(like))
+    if host.shape != ():
+        raise UsageError(f"grad_fn must return a scalar loss, got shape {host.shape}")
+    return from_numpy(backend, host, device)
+
+
+def apply_updates(params: Any, updates: Any) -> Any:
+    """``params + updates`` leaf by leaf, in the params' dtypes, as ``optax.apply_updates``. Written
+    out rather than calling optax, which would turn NumPy leaves into JAX arrays."""
+    p_leaves, unflatten = flatten_tree(params)
+    u_leaves, _ = flatten_tree(updates)
+    if len(p_leaves) != len(u_leaves):
+        raise UsageError(
+            f"the optimizer returned {len(u_leaves)} updates for {len(p_leaves)} parameters"
+        )
+    return unflatten([(p + u).astype(p.dtype) for p, u in zip(p_leaves, u_leaves, strict=True)])
+
+
+class Progress:
+    """A tqdm bar with the loss; plain lines on stderr when tqdm is not installed or stderr
+    is no terminal (a log file, or ``burncoll launch``, which prefixes each node's lines: a
+    bar's redraws would each become a line there)."""
+
+    def __init__(self, total: int, desc: str, enabled: bool, done: int = 0) -> None:
+        self._total = total
+        self._desc = desc
+        self._enabled = enabled
+        self._done = done
+        self._bar: Any = None
+        if enabled and sys.stderr.isatty():
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:
+                return
+            self._bar = tqdm(total=total, initial=min(done, total), desc=desc, unit="step",
+                             dynamic_ncols=True)
+
+    def step(self, loss: float) -> None:
+        if not self._enabled:
+            return
+        self._done += 1
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+            self._bar.update(1)
+        elif self._done % max(1, self._total // 10) == 0 or self._done == self._total:
+            print(f"{self._desc}: step {self._done}/{self._total} loss {loss:.4g}", file=sys.stderr)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

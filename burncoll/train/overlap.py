@@ -12,7 +12,7 @@ its gradients are ready, while backward computes the next ones::
 Every peer issues bucket ``k`` once it and every bucket before it are complete, so gradients
 may arrive in any order. The bucket plan is a pure function of ``like`` and ``order``, which
 every peer must pass alike; ``fit`` rebuilds it in the order rank 0's ``grad_fn`` yielded
-(:mod:`burncoll.train.fit_step`).
+(:class:`burncoll.train.fit.StepReducer`).
 """
 
 from __future__ import annotations
@@ -28,13 +28,12 @@ from burncoll.backends.base import Array
 from burncoll.comm.buckets import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
-    LeafSpec,
     all_reduce_flat,
     flatten_tree,
     leaf_spec,
     leaf_specs,
     pack,
-    plan_buckets,
+    plan_stream_buckets,
     unpack_bucket,
 )
 from burncoll.comm.communicator import Communicator
@@ -86,36 +85,6 @@ def _walk(node: Any, path: Path, paths: list[Path]) -> None:
             _walk(child, (*path, i), paths)
     else:
         paths.append(path)
-
-
-def plan_stream_buckets(specs: Sequence[LeafSpec], order: Sequence[int],
-                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
-    """Buckets for leaves that become ready in ``order`` (leaf indices), in the order they
-    fill up; a pure function of its arguments.
-
-    As DDP's bucket assignment: one open bucket per dtype takes the leaves in ``order`` until
-    the next would take it past ``bucket_bytes`` (a larger leaf gets a bucket of its own);
-    buckets are ordered by the position of their last leaf in ``order``, i.e. by when they are
-    complete when the leaves arrive in ``order``.
-    """
-    plan_buckets([], bucket_bytes)  # the same check of bucket_bytes
-    if sorted(order) != list(range(len(specs))):
-        raise UsageError(f"order must list each of the {len(specs)} leaf indices once, "
-                         f"got {list(order)}")
-    open_: dict[str, tuple[list[int], int]] = {}
-    done: list[tuple[int, str, list[int]]] = []
-    last: dict[str, int] = {}
-    for position, i in enumerate(order):
-        dtype, nbytes = specs[i].dtype, specs[i].nbytes
-        leaves, size = open_.get(dtype, ([], 0))
-        if leaves and size + nbytes > bucket_bytes:
-            done.append((last[dtype], dtype, leaves))
-            leaves, size = [], 0
-        open_[dtype] = ([*leaves, i], size + nbytes)
-        last[dtype] = position
-    done += [(last[dtype], dtype, leaves) for dtype, (leaves, _) in open_.items()]
-    return [Bucket.of(dtype, leaves, specs)
-            for _, dtype, leaves in sorted(done, key=lambda entry: entry[0])]
 
 
 class GradientBuckets(Generic[T]):

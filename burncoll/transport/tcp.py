@@ -19,10 +19,9 @@ from burncoll.errors import ProtocolError, TransportError
 from burncoll.protocol.wire import DEFAULT_MAX_MESSAGE_BYTES, LENGTH_PREFIX_BYTES
 from burncoll.transport.admission import Admission, stranger_log
 from burncoll.transport.base import Handler, Transport, format_address
-from burncoll.transport.stream import StreamProtocol
+from burncoll.transport.listening import StreamListener, listen_stream
+from burncoll.transport.stream import JOIN_BYTES, StreamProtocol
 from burncoll.transport.stream_connection import StreamConnection
-from burncoll.transport.stream_listener import StreamListener, listen_stream
-from burncoll.transport.stream_send import JOIN_BYTES
 
 __all__ = ["PREAMBLE", "TcpProtocol", "TcpTransport"]
 

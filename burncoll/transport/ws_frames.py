@@ -2,7 +2,7 @@
 frames and masks out.
 
 Testable on plain bytes (``tests/transport/test_ws_frames.py``);
-:class:`~burncoll.transport.ws_protocol.WebSocketProtocol` drives it. A breach earns its close
+:class:`~burncoll.transport.websocket.WebSocketProtocol` drives it. A breach earns its close
 code (section 7.4.1): 1002 for reserved bits (no extension is negotiated), an unknown opcode, a
 frame masked in the wrong direction (5.1), a fragmented or oversized control frame (5.5,
 :data:`MAX_CONTROL_PAYLOAD`), a stray continuation or a new message inside one (5.4); 1003 for

@@ -35,18 +35,20 @@ from burncoll.backends import get_backend
 from burncoll.backends.base import Backend
 from burncoll.levels import Exchange, HostReduce, Medium
 from burncoll.local.calls import Call
+from burncoll.local.plans.across_nodes import (
+    GlobalAllGather,
+    GlobalBarrier,
+    GlobalBroadcast,
+    GlobalReduce,
+    GlobalReduceScatter,
+    ReduceGlobalBroadcast,
+)
 from burncoll.local.plans.barrier import LocalBarrier
 from burncoll.local.plans.choose import OpPlan, choose, plan_key
 from burncoll.local.plans.fused import Fused
-from burncoll.local.plans.global_all_gather import GlobalAllGather
-from burncoll.local.plans.global_barrier import GlobalBarrier
-from burncoll.local.plans.global_broadcast import GlobalBroadcast
-from burncoll.local.plans.global_reduce import GlobalReduce
-from burncoll.local.plans.global_reduce_scatter import GlobalReduceScatter
 from burncoll.local.plans.hierarchical_ring import HierarchicalRing
 from burncoll.local.plans.inline import Inline
 from burncoll.local.plans.out_of_place import OutOfPlace
-from burncoll.local.plans.reduce_broadcast import ReduceGlobalBroadcast
 from burncoll.local.plans.scheduled import LocalSchedule
 from burncoll.local.world import World
 from burncoll.node.membership import NodeInfo, number_hosts

@@ -14,9 +14,8 @@ from websockets.uri import parse_uri
 
 from burncoll.errors import TransportError
 from burncoll.transport.tcp import TcpTransport
-from burncoll.transport.websocket import WebSocketTransport
+from burncoll.transport.websocket import MAX_FRAGMENTS, WebSocketTransport
 from burncoll.transport.ws_frames import frame_header
-from burncoll.transport.ws_protocol import MAX_FRAGMENTS
 from tests.transport.support import HOST, run, serving
 
 

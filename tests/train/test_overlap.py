@@ -22,7 +22,7 @@ import pytest
 import burncoll
 from burncoll.comm.buckets import LeafSpec, flatten_tree
 from burncoll.train import GradientBuckets, ddp, leaf_paths, plan_stream_buckets
-from burncoll.train.fit_step import StepReducer
+from burncoll.train.fit import StepReducer
 from tests.train._util import bitwise_equal, config, ddp_threads, max_abs_diff
 
 NDArray = np.ndarray[Any, Any]

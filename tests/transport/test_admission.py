@@ -21,7 +21,7 @@ from burncoll.protocol.wire import Placed
 from burncoll.transport.admission import LOG_BURST, Admission, source_group
 from burncoll.transport.auth import authenticate_client, authenticate_server
 from burncoll.transport.base import Connection, TlsSettings, Transport
-from burncoll.transport.stream_listener import StreamListener
+from burncoll.transport.listening import StreamListener
 from burncoll.transport.tcp import TcpTransport
 from burncoll.transport.websocket import WebSocketTransport
 from tests.transport.support import HOST, run, serving

@@ -46,10 +46,13 @@ from burncoll.protocol.wire import Placed
 from burncoll.transport.assembler import MessageAssembler, MessageTooBig
 from burncoll.transport.auth import authenticate_client, authenticate_server
 from burncoll.transport.base import PREAUTH_BYTES, Connection, TlsSettings
-from burncoll.transport.quic import ALPN, QuicTransport
-from burncoll.transport.quic_connection import PREAMBLE, QuicStreamConnection
-from burncoll.transport.quic_credit import PREAUTH_WINDOW, working_window
-from burncoll.transport.quic_server import QuicListener, source_of
+from burncoll.transport.quic import ALPN, QuicListener, QuicTransport, source_of
+from burncoll.transport.quic_connection import (
+    PREAMBLE,
+    PREAUTH_WINDOW,
+    QuicStreamConnection,
+    working_window,
+)
 from burncoll.transport.tls import listener_binding, make_self_signed
 
 from .support import HOST, run

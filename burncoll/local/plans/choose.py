@@ -47,18 +47,20 @@ from burncoll.dtypes import ITEMSIZES, dtype_from_name, is_inexact
 from burncoll.errors import UsageError
 from burncoll.levels import Exchange, HostReduce, Medium, Route
 from burncoll.local.calls import ARGUMENTS, Call
+from burncoll.local.plans.across_nodes import (
+    GlobalAllGather,
+    GlobalBarrier,
+    GlobalBroadcast,
+    GlobalReduce,
+    GlobalReduceScatter,
+    ReduceGlobalBroadcast,
+)
 from burncoll.local.plans.barrier import LocalBarrier
 from burncoll.local.plans.fused import Fused
-from burncoll.local.plans.global_all_gather import GlobalAllGather
-from burncoll.local.plans.global_barrier import GlobalBarrier
-from burncoll.local.plans.global_broadcast import GlobalBroadcast
-from burncoll.local.plans.global_reduce import GlobalReduce
-from burncoll.local.plans.global_reduce_scatter import GlobalReduceScatter
 from burncoll.local.plans.hierarchical_ring import HierarchicalRing
 from burncoll.local.plans.inline import Inline
 from burncoll.local.plans.out_of_place import OutOfPlace
 from burncoll.local.plans.personal import PERSONAL_KINDS, Personal
-from burncoll.local.plans.reduce_broadcast import ReduceGlobalBroadcast
 from burncoll.local.plans.scheduled import LocalSchedule
 from burncoll.local.rendezvous import OpState, Prepared, Rendezvous
 from burncoll.local.world import World

@@ -14,7 +14,7 @@ import numpy as np
 from burncoll.backends.base import Array
 from burncoll.levels import Route
 from burncoll.local.buffers import ChunkBuffer
-from burncoll.local.plans import steps as steps_of
+from burncoll.local.plans import phases
 from burncoll.local.plans.phases import (
     count,
     finish_reduce,
@@ -23,8 +23,8 @@ from burncoll.local.plans.phases import (
     link_of,
     new_buffers,
     peer_call,
+    walk,
 )
-from burncoll.local.plans.steps import walk
 from burncoll.local.rendezvous import OpState, Rendezvous
 from burncoll.strategies import Strategy
 from burncoll.strategies.layout import even_layout
@@ -60,7 +60,7 @@ class HierarchicalRingRun:
         call = peer_call(state, index)
         backend = rv.backend
         strategy = self.plan.strategy
-        walk(rv, state, index, deadline, steps_of.reduce_scatter_steps(strategy, rv.size),
+        walk(rv, state, index, deadline, phases.reduce_scatter_steps(strategy, rv.size),
              buffers, call.reduce_op, "local reduce-scatter")
         mine = buffers[index]
         shard = mine.own(index)
@@ -74,7 +74,7 @@ class HierarchicalRingRun:
             mine.assign(index, backend.from_host(host, call.dtype or "float32", (host.size,),
                                                  mine.device))
         rv.sync(state, index, deadline, "global all_reduce of shards")
-        walk(rv, state, index, deadline, steps_of.all_gather_steps(strategy, rv.size),
+        walk(rv, state, index, deadline, phases.all_gather_steps(strategy, rv.size),
              buffers, None, "local all-gather")
         result = backend.reshape(mine.result(), call.shape or ())
         return finish_reduce(rv, result, call.reduce_op)

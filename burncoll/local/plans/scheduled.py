@@ -10,16 +10,17 @@ from dataclasses import dataclass
 
 from burncoll.backends.base import Array
 from burncoll.local.buffers import ChunkBuffer
-from burncoll.local.plans import steps as steps_of
+from burncoll.local.plans import phases
 from burncoll.local.plans.phases import (
+    StepIndex,
     count,
     finish_reduce,
     first_call,
     flat_input,
     new_buffers,
     peer_call,
+    walk,
 )
-from burncoll.local.plans.steps import StepIndex, walk
 from burncoll.local.rendezvous import OpState, Rendezvous
 from burncoll.ops import OpKind
 from burncoll.strategies import Strategy
@@ -45,13 +46,13 @@ class LocalSchedule:
         call = first_call(state)
         dtype, shape, d = call.dtype or "float32", call.shape or (), rv.size
         if self.kind is OpKind.REDUCE_SCATTER:
-            steps = steps_of.reduce_scatter_steps(self.strategy, d)
+            steps = phases.reduce_scatter_steps(self.strategy, d)
             layout = row_layout(shape, d)
         else:
             if self.kind is OpKind.ALL_REDUCE:
-                steps = steps_of.all_reduce_steps(self.strategy, d)
+                steps = phases.all_reduce_steps(self.strategy, d)
             else:
-                steps = steps_of.reduce_steps(self.strategy, d, self._root())
+                steps = phases.reduce_steps(self.strategy, d, self._root())
             layout = even_layout(count(shape), steps.schedule.num_chunks)
         return LocalScheduleRun(self, rv, state, steps,
                                 new_buffers(rv, state, dtype, layout, True), None)
@@ -66,7 +67,7 @@ class LocalSchedule:
         root_call = state.calls[root]
         if root_call is None or root_call.array is None or root_call.dtype is None:
             raise RuntimeError("broadcast root has no array")  # validated in the API
-        steps = steps_of.broadcast_steps(self.strategy, rv.size, root)
+        steps = phases.broadcast_steps(self.strategy, rv.size, root)
         layout = even_layout(count(root_call.shape), steps.schedule.num_chunks)
         buffers = [
             ChunkBuffer(rv.backend, rv.devices[i], root_call.dtype, layout,
@@ -81,7 +82,7 @@ class LocalSchedule:
         trailing = (call.shape or ())[1:]
         row = count(trailing)
         sizes = [(c.shape or (0,))[0] * row for c in calls]
-        steps = steps_of.all_gather_steps(self.strategy, rv.size)
+        steps = phases.all_gather_steps(self.strategy, rv.size)
         buffers = new_buffers(rv, state, call.dtype or "float32", sizes_layout(sizes), False)
         for i, c in enumerate(calls):
             buffers[i].assign(i, flat_input(rv, c))
