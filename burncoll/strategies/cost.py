@@ -63,27 +63,38 @@ class RoundCost:
 
 @dataclass(frozen=True, slots=True)
 class Cost:
-    """An operation's rounds (in order), total messages and total bytes."""
+    """An operation's rounds (in order), and its total messages, bytes and bytes reduced."""
 
     rounds: tuple[RoundCost, ...]
     messages: int
     bytes: Fraction
+    reduced: Fraction = Fraction(0)
 
-    def time(self, p: Params) -> float:
-        """The predicted seconds: the sum of the rounds' times."""
-        return sum(r.time(p) for r in self.rounds)
+    def time(self, p: Params, cores: int | None = None) -> float:
+        """The predicted seconds: the sum of the rounds' times -- or, with the participants
+        sharing ``cores`` processors (node processes of one host), at least all of their
+        work (both ends of every message and byte, every reduction) spread over them."""
+        path = sum(r.time(p) for r in self.rounds)
+        if cores is None:
+            return path
+        work = (2 * p.overhead * self.messages + 2 * p.beta * float(self.bytes)
+                + p.gamma * float(self.reduced))
+        return max(path, work / cores)
 
     def then(self, other: Cost) -> Cost:
         return Cost(self.rounds + other.rounds, self.messages + other.messages,
-                    self.bytes + other.bytes)
+                    self.bytes + other.bytes, self.reduced + other.reduced)
 
 
 _NONE = Cost((), 0, Fraction(0))
 
 
 def _uniform(count: int, messages: int, chunk: Fraction, per_round: RoundCost) -> Cost:
-    """``count`` rounds like ``per_round``, of ``messages`` steps of ``chunk`` bytes each."""
-    return Cost((per_round,) * count, count * messages, count * messages * chunk)
+    """``count`` rounds like ``per_round``, of ``messages`` steps of ``chunk`` bytes each
+    (all REDUCE if ``per_round`` reduces, else all COPY)."""
+    moved = count * messages * chunk
+    return Cost((per_round,) * count, count * messages, moved, moved if per_round.reduced else
+                Fraction(0))
 
 
 def _one(messages: int, chunk: Fraction, busiest: int, reduces: bool) -> Cost:
@@ -139,7 +150,7 @@ def _tree(arity: int, op: str, n: int, s: Fraction) -> Cost:
     chunks = n if op == "reduce_scatter" else 1
     c = s / chunks
     up = Cost(tuple(RoundCost(f * chunks, f * s, f * s) for f in reversed(fan)),
-              (n - 1) * chunks, (n - 1) * s)
+              (n - 1) * chunks, (n - 1) * s, (n - 1) * s)
     down = Cost(tuple(RoundCost(f, f * s) for f in fan), n - 1, (n - 1) * s)
     if op == "reduce_scatter":
         return up.then(_one(n - 1, c, n - 1, False))
@@ -183,7 +194,7 @@ def cost(strategy: Strategy | str, operation: str, world: int, size: int) -> Cos
         return _NONE
     if strategy == EXCHANGE:
         busiest = RoundCost(2 * (n - 1), 2 * (n - 1) * s, (n - 1) * s)  # N - 1 out, N - 1 in
-        return Cost((busiest,), n * (n - 1), n * (n - 1) * s)
+        return Cost((busiest,), n * (n - 1), n * (n - 1) * s, n * (n - 1) * s)
     if isinstance(strategy, Centralized):
         return _centralized(operation, n, s)
     if isinstance(strategy, Ring):

@@ -154,4 +154,5 @@ def tally(schedule: Schedule, size: int) -> Cost:
         busiest = max(messages.values())
         rounds.append(RoundCost(busiest, busiest * chunk, max(reduced.values(), default=0) * chunk))
     steps = sum(map(len, schedule.rounds))
-    return Cost(tuple(rounds), steps, steps * chunk)
+    reducing = sum(s.action is Action.REDUCE for rnd in schedule.rounds for s in rnd)
+    return Cost(tuple(rounds), steps, steps * chunk, reducing * chunk)

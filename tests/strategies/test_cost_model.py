@@ -72,6 +72,8 @@ def test_time_sums_the_rounds() -> None:
     assert c.time(p) == 6 * (1.0 + 2 * 0.5 + 4 * 0.25) + 3 * 2 * 0.125
     assert c.bytes == Fraction(2 * 3 * 8)
     assert cost(Ring(), "all_reduce", 1, 8).time(p) == 0
+    # 4 participants on 1 core: all of their work, 24 messages and 48 bytes at both ends
+    assert c.time(p, cores=1) == 2 * 0.5 * 24 + 2 * 0.25 * 48 + 0.125 * 24
 
 
 @pytest.mark.parametrize("bad", [("tree:2", "all_reduce", 4, 8), (Ring(), "scan", 4, 8),
