@@ -131,6 +131,23 @@ def report(samples: Sequence[Sample], cores: int) -> None:
         print(f"| {nodes} | {route} | {size} | {path * 1e6:.0f} | {host * 1e6:.0f} | "
               f"{seconds * 1e6:.0f}{fitted} | {seconds / host:.2f} |")
     picks(walk, exchange)
+    one_host(samples)
+
+
+def one_host(samples: Sequence[Sample]) -> None:
+    """Where the doubling's work drops below the exchange's among the node processes of one
+    host (they share its cores: work, not the critical path, sets the time), from the cost
+    of one message of each at the most nodes measured, at the smallest size."""
+    nodes, size = max(s[0] for s in samples), min(s[2] for s in samples)
+    seconds = {r: t for n, r, s, t in samples if (n, s) == (nodes, size)}
+    if EXCHANGE not in seconds or "doubling" not in seconds:
+        return
+    per = {r: seconds[r] / route_cost(r, nodes, size).messages for r in (EXCHANGE, "doubling")}
+    cross = next(n for n in range(2, 4097) if route_cost(EXCHANGE, n, size).messages
+                 * per[EXCHANGE] > route_cost("doubling", n, size).messages * per["doubling"])
+    print(f"\none host, {nodes} nodes, {size} B: a message costs {per[EXCHANGE] * 1e6:.0f} us "
+          f"in the exchange, {per['doubling'] * 1e6:.0f} us in the doubling; the doubling's "
+          f"work is the smaller from {cross} nodes")
 
 
 def picks(walk: Params, exchange: Params) -> None:

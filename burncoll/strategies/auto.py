@@ -78,10 +78,10 @@ def exchange_limit(world: int, one_host: bool = False, host_reduce: bool = False
 #: (docs/scale.md; the exchange stays faster at 8 nodes, the doubling from 16).
 DOUBLING_NODES = 16
 #: The same among the node processes of one host, whose exchange goes through the host mail
-#: (a message costs a sixth of the walk's, measured at 8 nodes on 2 cores) and whose nodes
-#: share the host's cores: their work, ``N (N - 1)`` messages against ``N log2 N``, crosses
-#: over between 32 and 40 nodes (docs/scale.md).
-DOUBLING_NODES_ONE_HOST = 32
+#: (a message cost a sixth of the walk's at 8 nodes on 2 cores) and whose nodes share the
+#: host's cores: their work, ``N (N - 1)`` messages against about ``N log2 N``, crosses over
+#: at 23 nodes (``benchmarks/cost_model.py``, docs/scale.md).
+DOUBLING_NODES_ONE_HOST = 24
 #: The largest all-reduce (bytes per node) that takes the doubling past its number of nodes,
 #: where no host reduction takes over sooner: the tree's limit (the model puts the doubling
 #: ahead of the tree at every size, and of the ring up to ~1 MiB at 16 nodes).
