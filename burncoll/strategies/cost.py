@@ -106,12 +106,12 @@ def _one(messages: int, chunk: Fraction, busiest: int, reduces: bool) -> Cost:
 
 
 def _centralized(op: str, n: int, s: Fraction) -> Cost:
-    up, down = _one(n - 1, s, n - 1, True), _one(n - 1, s, n - 1, False)
     c = s / n
     if op == "reduce_scatter":
         return _one(n * (n - 1), c, n * (n - 1), True).then(_one(n - 1, c, n - 1, False))
     if op == "all_gather":
         return _one(n - 1, c, n - 1, False).then(_one((n - 1) ** 2, c, (n - 1) ** 2, False))
+    up, down = _one(n - 1, s, n - 1, True), _one(n - 1, s, n - 1, False)
     return {"reduce": up, "broadcast": down, "all_reduce": up.then(down)}[op]
 
 
@@ -133,7 +133,7 @@ def _heap(arity: int, n: int) -> tuple[list[list[int]], list[int]]:
     """The tree's levels (virtual ranks by depth) and every node's subtree size."""
     levels, first = [[0]], 1
     while first < n:
-        width = len(levels[-1]) * arity if arity > 1 else 1
+        width = len(levels[-1]) * arity
         levels.append(list(range(first, min(first + width, n))))
         first += width
     sizes = [1] * n
@@ -144,9 +144,9 @@ def _heap(arity: int, n: int) -> tuple[list[list[int]], list[int]]:
 
 def _tree(arity: int, op: str, n: int, s: Fraction) -> Cost:
     levels, sizes = _heap(arity, n)
-    fan = [min(arity, len(level)) for level in levels[1:]]  # the fullest parent's children
     if op == "all_gather":
         return _tree_all_gather(arity, n, s, levels, sizes)
+    fan = [min(arity, len(level)) for level in levels[1:]]  # the fullest parent's children
     chunks = n if op == "reduce_scatter" else 1
     c = s / chunks
     up = Cost(tuple(RoundCost(f * chunks, f * s, f * s) for f in reversed(fan)),

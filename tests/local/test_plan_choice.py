@@ -480,7 +480,7 @@ CASES: list[tuple[str, Case, World, OpPlan]] = [
 
 def test_a_compressed_all_reduce_refuses_a_configured_doubling() -> None:
     case, world = Case(AR, 16, compression="bf16", strategies=GLOBAL_DOUBLING), nodes([1] * 4)
-    with pytest.raises(burncoll.UsageError, match="compressed.*'doubling'.*'tree'"):
+    with pytest.raises(burncoll.UsageError, match=r"compressed.*'doubling'.*'tree'"):
         choose(case.calls(world), world, _backend("numpy"), case.config())
 
 
