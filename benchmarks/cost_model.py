@@ -13,6 +13,8 @@ cores (``host``). Last, what the model picks per number of nodes and size, one n
 
     python benchmarks/cost_model.py [--nodes 2,4,8] [--sizes 8,512,32K,2M] [--iters 15]
         [--strategies centralized,tree,ring,doubling,auto] [--transport websocket]
+        [--samples run1.json]    # keeps the run's samples
+    python benchmarks/cost_model.py --samples run1.json --samples run2.json  # their medians
 
 Do not run more than 8 node processes on a machine others share (docs/scale.md).
 """
@@ -173,15 +175,25 @@ def main() -> None:
                         type=lambda t: t.split(","))
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--transport", default="websocket")
-    parser.add_argument("--samples", type=Path, help="reuse the samples (JSON) of a run")
+    parser.add_argument("--samples", type=Path, action="append", default=[],
+                        help="keep a run's samples in this JSON file; given files that exist "
+                        "(one or more runs), report the median of their samples instead")
     args = parser.parse_args()
-    if args.samples is not None and args.samples.exists():
-        samples = [tuple(s) for s in json.loads(args.samples.read_text())]
-    else:
-        samples = run(args)
-        if args.samples is not None:
-            args.samples.write_text(json.dumps(samples))
-    report(samples, os.cpu_count() or 1)  # type: ignore[arg-type]
+    runs = [json.loads(p.read_text()) for p in args.samples if p.exists()]
+    if not runs:
+        runs = [run(args)]
+        if args.samples:
+            args.samples[0].write_text(json.dumps(runs[0]))
+    report(medians(runs), os.cpu_count() or 1)
+
+
+def medians(runs: Sequence[Sequence[Sequence[object]]]) -> list[Sample]:
+    """Each (nodes, route, size)'s median time over ``runs``, in the first run's order."""
+    times: dict[tuple[int, str, int], list[float]] = {}
+    for samples in runs:
+        for n, r, s, t in samples:
+            times.setdefault((int(n), str(r), int(s)), []).append(float(t))  # type: ignore
+    return [(*key, float(np.median(t))) for key, t in times.items()]
 
 
 if __name__ == "__main__":

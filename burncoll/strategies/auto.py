@@ -75,13 +75,15 @@ def exchange_limit(world: int, one_host: bool = False, host_reduce: bool = False
 #: doubling (:class:`~burncoll.strategies.doubling.Doubling`: ``log2 N`` rounds of one message
 #: in and one out a node) instead of the one-round exchange (``N - 1`` each way) and the tree:
 #: where the cost model, calibrated on loopback, puts the crossover with one node per host
-#: (docs/scale.md; the exchange stays faster at 8 nodes, the doubling from 16).
+#: (docs/scale.md: the exchange stays faster at 8 nodes, the doubling from 16 -- from 32 in
+#: one of two runs).
 DOUBLING_NODES = 16
 #: The same among the node processes of one host, whose exchange goes through the host mail
-#: (a message cost a sixth of the walk's at 8 nodes on 2 cores) and whose nodes share the
+#: (a message cost a tenth of the walk's at 8 nodes on 2 cores) and whose nodes share the
 #: host's cores: their work, ``N (N - 1)`` messages against about ``N log2 N``, crosses over
-#: at 23 nodes (``benchmarks/cost_model.py``, docs/scale.md).
-DOUBLING_NODES_ONE_HOST = 24
+#: at 44 nodes (``benchmarks/cost_model.py``, the median of two runs: 23 and 58 alone;
+#: docs/scale.md).
+DOUBLING_NODES_ONE_HOST = 44
 #: The largest all-reduce (bytes per node) that takes the doubling past its number of nodes,
 #: where no host reduction takes over sooner: the tree's limit (the model puts the doubling
 #: ahead of the tree at every size, and of the ring up to ~1 MiB at 16 nodes).

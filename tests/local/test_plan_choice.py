@@ -446,7 +446,7 @@ CASES: list[tuple[str, Case, World, OpPlan]] = [
     ("route: barrier with lanes", Case(BAR), nodes([2, 2], lanes=True), GlobalBarrier(XL)),
     ("route: barrier with host memory, global ring", Case(BAR, strategies=GLOBAL_RING),
      nodes([1] * 3, segments=True), GlobalBarrier(R)),
-    # -- many nodes (issue 32): from DOUBLING_NODES = 16 (24 of one host) the small all-reduces
+    # -- many nodes (issue 32): from DOUBLING_NODES = 16 (44 of one host) the small all-reduces
     #    and the barriers take the recursive doubling instead of the exchange and the tree, up
     #    to DOUBLING_BYTES = 64 KiB (the exchange's limit where the host reduction follows)
     ("route: 8 nodes, 8 B: still the exchange", Case(AR, 8), nodes([1] * 8, lanes=True),
@@ -457,14 +457,14 @@ CASES: list[tuple[str, Case, World, OpPlan]] = [
      OutOfPlace(D)),
     ("route: 16 nodes, past 64 KiB: the ring", Case(AR, 64 * KiB + 4), nodes([1] * 16),
      OutOfPlace(R)),
-    ("route: 23 nodes of one host, 8 B: still the mail", Case(AR, 8),
-     nodes([1] * 23, segments=True), OutOfPlace(XH)),
-    ("route: 24 nodes of one host, 8 B: the doubling", Case(AR, 8),
-     nodes([1] * 24, 23, segments=True), OutOfPlace(D)),
-    ("route: 32 nodes of one host, 32 KiB: the doubling", Case(AR, 32 * KiB),
-     nodes([1] * 32, segments=True), OutOfPlace(D)),
-    ("route: 32 nodes of one host, past 32 KiB: the host reduction", Case(AR, 32 * KiB + 4),
-     nodes([1] * 32, segments=True), OutOfPlace(H)),
+    ("route: 43 nodes of one host, 8 B: still the mail", Case(AR, 8),
+     nodes([1] * 43, segments=True), OutOfPlace(XH)),
+    ("route: 44 nodes of one host, 8 B: the doubling", Case(AR, 8),
+     nodes([1] * 44, 43, segments=True), OutOfPlace(D)),
+    ("route: 64 nodes of one host, 32 KiB: the doubling", Case(AR, 32 * KiB),
+     nodes([1] * 64, segments=True), OutOfPlace(D)),
+    ("route: 64 nodes of one host, past 32 KiB: the host reduction", Case(AR, 32 * KiB + 4),
+     nodes([1] * 64, segments=True), OutOfPlace(H)),
     ("route: 16 nodes, 2 peers each, small: inline, then the doubling", Case(AR),
      nodes([2] * 16), Inline(D)),
     ("route: 16 nodes, compressed: the tree", Case(AR, 16, compression="bf16"),
@@ -473,6 +473,8 @@ CASES: list[tuple[str, Case, World, OpPlan]] = [
      GlobalBarrier(D)),
     ("route: barrier of 16 nodes of one host: the mail", Case(BAR),
      nodes([1] * 16, segments=True), GlobalBarrier(XH)),
+    ("route: barrier of 44 nodes of one host: the doubling", Case(BAR),
+     nodes([1] * 44, segments=True), GlobalBarrier(D)),
     ("route: configured, 2 nodes, 8 B", Case(AR, 8, strategies=GLOBAL_DOUBLING),
      nodes([1, 1], lanes=True), OutOfPlace(D)),
 ]
