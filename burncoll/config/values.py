@@ -70,14 +70,21 @@ def parse_strategy_field(name: str, value: object) -> Strategy:
     """A strategy field's value: a :class:`Strategy`, or its name (``"tree:3"``)."""
     if isinstance(value, str) and len(value) > 64:
         raise ConfigError(f"{name}={shown(value)}: not a strategy name; expected one of "
-                          "'centralized', 'tree', 'tree:K', 'ring'")
+                          "'centralized', 'tree', 'tree:K', 'ring', 'doubling'")
     if isinstance(value, (Strategy, str)):
         try:
-            return parse_strategy(value)
+            strategy = parse_strategy(value)
         except ConfigError as exc:
             raise ConfigError(f"{name}: {exc}") from None
-    raise ConfigError(f"{name}={shown(value)}: expected burncoll.Centralized(), Tree(k), Ring() or "
-                      "one of 'centralized', 'tree', 'tree:K', 'ring'")
+        if strategy.exchanges and name.startswith("local_"):
+            raise ConfigError(
+                f"{name}={strategy.spec!r}: the recursive doubling runs between nodes only (its "
+                "rounds exchange chunks, which the threads of one node cannot); name it for a "
+                "global_* strategy, and 'auto', 'centralized', 'tree', 'tree:K' or 'ring' here")
+        return strategy
+    raise ConfigError(f"{name}={shown(value)}: expected burncoll.Centralized(), Tree(k), Ring(), "
+                      "burncoll.strategies.Doubling() or one of 'centralized', 'tree', "
+                      "'tree:K', 'ring', 'doubling'")
 
 
 def _parse_int(text: str) -> int:

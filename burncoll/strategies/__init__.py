@@ -1,6 +1,7 @@
 """Strategies: pure functions from (world, root or owners) to a :class:`Schedule`.
 
-Three families: :class:`Centralized`, :class:`Tree` (``arity``) and :class:`Ring`. They import
+Four families: :class:`Centralized`, :class:`Tree` (``arity``), :class:`Ring` and
+:class:`Doubling` (the recursive-doubling all-reduce, between nodes only). They import
 no threading, asyncio, transport or array library; the executors walk the schedules they make.
 :func:`parse_strategy` turns a config spelling into a strategy.
 """
@@ -12,25 +13,26 @@ from burncoll.strategies.auto import Auto, resolve
 from burncoll.strategies.base import Strategy
 from burncoll.strategies.by_host import ByHost
 from burncoll.strategies.centralized import Centralized
+from burncoll.strategies.doubling import Doubling
 from burncoll.strategies.ring import Ring
 from burncoll.strategies.schedule import Action, Schedule, Step
 from burncoll.strategies.tree import Tree
 
-__all__ = ["Action", "Auto", "ByHost", "Centralized", "Ring", "Schedule", "Step", "Strategy",
-           "Tree", "parse_strategy", "resolve"]
+__all__ = ["Action", "Auto", "ByHost", "Centralized", "Doubling", "Ring", "Schedule", "Step",
+           "Strategy", "Tree", "parse_strategy", "resolve"]
 
-_ACCEPTED = "'centralized', 'tree', 'tree:K' (K >= 1), 'ring', 'auto'"
+_ACCEPTED = "'centralized', 'tree', 'tree:K' (K >= 1), 'ring', 'doubling' (global only), 'auto'"
 #: The spellings without an argument (strategies are immutable values: one of each serves all).
 _NAMED: dict[str, Strategy] = {"centralized": Centralized(), "ring": Ring(), "auto": Auto(),
-                               "tree": Tree(2)}
+                               "tree": Tree(2), "doubling": Doubling()}
 
 
 def parse_strategy(value: Strategy | str) -> Strategy:
     """Return the strategy ``value`` names.
 
     A :class:`Strategy` is returned as is. Strings are stripped and case-insensitive:
-    ``"centralized"``, ``"ring"``, ``"tree"`` (= ``Tree(2)``) and ``"tree:K"`` (= ``Tree(K)``,
-    ``K`` a decimal integer ``>= 1``; blanks around the colon are allowed).
+    ``"centralized"``, ``"ring"``, ``"doubling"``, ``"tree"`` (= ``Tree(2)``) and ``"tree:K"``
+    (= ``Tree(K)``, ``K`` a decimal integer ``>= 1``; blanks around the colon are allowed).
 
     Raises :class:`~burncoll.errors.ConfigError` for anything else; its message lists the
     accepted spellings (and says that the arity must be ``>= 1`` for ``"tree:0"``).

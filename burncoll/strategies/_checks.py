@@ -40,12 +40,14 @@ def drop_empty(rounds: list[Round]) -> tuple[Round, ...]:
     return tuple(r for r in rounds if r)
 
 
-def validate_schedule(schedule: Schedule) -> None:
+def validate_schedule(schedule: Schedule, exchanges: bool = False) -> None:
     """Raise :class:`ValueError` if ``schedule`` breaks the contract of
     :mod:`burncoll.strategies.schedule`. Checked per step: ``src`` and ``dst`` in ``[0, world)``,
     ``src != dst``, ``chunk`` in ``[0, num_chunks)``, ``action`` an :class:`Action`. Checked per
     round: no (participant, chunk) is both read and written, and a (participant, chunk) written by a
-    ``COPY`` is written by no other step of the round."""
+    ``COPY`` is written by no other step of the round. ``exchanges`` (a schedule of a strategy
+    whose :attr:`~burncoll.strategies.Strategy.exchanges` is true) allows a REDUCE into a
+    (participant, chunk) that the participant sends in the same round."""
     check_world(schedule.world)
     if schedule.num_chunks < 0:
         raise ValueError(f"num_chunks must be >= 0, got {schedule.num_chunks}")
@@ -53,6 +55,7 @@ def validate_schedule(schedule: Schedule) -> None:
         reads: set[tuple[int, int]] = set()
         writes: dict[tuple[int, int], int] = {}
         copies: set[tuple[int, int]] = set()
+        reduces: set[tuple[int, int]] = set()
         for s in rnd:
             where = f"round {r}, step {s}"
             if not (0 <= s.src < schedule.world and 0 <= s.dst < schedule.world):
@@ -66,9 +69,10 @@ def validate_schedule(schedule: Schedule) -> None:
             reads.add((s.src, s.chunk))
             key = (s.dst, s.chunk)
             writes[key] = writes.get(key, 0) + 1
-            if s.action is Action.COPY:
-                copies.add(key)
+            (copies if s.action is Action.COPY else reduces).add(key)
         both = reads & writes.keys()
+        if exchanges:
+            both -= reduces
         if both:
             raise ValueError(f"round {r}: (participant, chunk) read and written: {sorted(both)}")
         clobbered = sorted(k for k in copies if writes[k] > 1)

@@ -20,8 +20,9 @@ from burncoll.strategies.ring import Ring
 from burncoll.strategies.schedule import Schedule
 from burncoll.strategies.tree import Tree
 
-__all__ = ["CROSSOVERS", "EXCHANGE_BYTES", "EXCHANGE_BYTES_ONE_HOST", "EXCHANGE_BYTES_SEGMENTS",
-           "INLINE_BYTES", "MAIL_BYTES", "MOST_PIECES", "PIECE_BYTES", "SEGMENT_NODES", "Auto",
+__all__ = ["CROSSOVERS", "DOUBLING_BYTES", "DOUBLING_NODES", "DOUBLING_NODES_ONE_HOST",
+           "EXCHANGE_BYTES", "EXCHANGE_BYTES_ONE_HOST", "EXCHANGE_BYTES_SEGMENTS", "INLINE_BYTES",
+           "MAIL_BYTES", "MOST_PIECES", "PIECE_BYTES", "SEGMENT_NODES", "Auto", "doubling_limit",
            "exchange_limit", "resolve"]
 
 #: Local operations of at most this many bytes run inline in one thread under ``auto``.
@@ -68,6 +69,34 @@ def exchange_limit(world: int, one_host: bool = False, host_reduce: bool = False
         table = EXCHANGE_BYTES_SEGMENTS
     fitting = [limit for w, limit in table.items() if w <= world]
     return fitting[-1] if fitting else 0
+
+
+#: From this many nodes, ``auto``'s small all-reduces and its barriers take the recursive
+#: doubling (:class:`~burncoll.strategies.doubling.Doubling`: ``log2 N`` rounds of one message
+#: in and one out a node) instead of the one-round exchange (``N - 1`` each way) and the tree:
+#: where the cost model, calibrated on loopback, puts the crossover with one node per host
+#: (docs/scale.md: the exchange stays faster at 8 nodes, the doubling from 16 -- from 32 in
+#: one of two runs).
+DOUBLING_NODES = 16
+#: The same among the node processes of one host, whose exchange goes through the host mail
+#: (a message cost a tenth of the walk's at 8 nodes on 2 cores) and whose nodes share the
+#: host's cores: their work, ``N (N - 1)`` messages against about ``N log2 N``, crosses over
+#: at 44 nodes (``benchmarks/cost_model.py``, the median of two runs: 23 and 58 alone;
+#: docs/scale.md).
+DOUBLING_NODES_ONE_HOST = 44
+#: The largest all-reduce (bytes per node) that takes the doubling past its number of nodes,
+#: where no host reduction takes over sooner: the tree's limit (the model puts the doubling
+#: ahead of the tree at every size, and of the ring up to ~1 MiB at 16 nodes).
+DOUBLING_BYTES = 64 << 10
+
+
+def doubling_limit(world: int, one_host: bool = False, host_reduce: bool = False) -> int:
+    """The largest all-reduce (bytes per node) that ``auto`` runs as the recursive doubling
+    among ``world`` nodes (0 for none; arguments as :func:`exchange_limit`'s): past it, the
+    host reduction where it serves, else the tree or the ring."""
+    if world < (DOUBLING_NODES_ONE_HOST if one_host else DOUBLING_NODES):
+        return 0
+    return exchange_limit(world, one_host, host_reduce) if host_reduce else DOUBLING_BYTES
 
 #: level -> ((largest size in bytes, strategy), ...): the first row whose size is >= the
 #: operation's wins; the last row has no limit.

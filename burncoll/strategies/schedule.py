@@ -8,8 +8,12 @@ starts and stops). A :class:`Schedule` is a sequence of rounds, a round a tuple 
 Every step of a round reads what its source held *at the start of the round*: a valid schedule
 never reads and writes one (participant, chunk) in the same round, so executors may interleave
 a round's steps freely; steps with the same destination run in the order listed (a fixed,
-reproducible reduction order). Executors may synchronise between rounds (threads) or not at
-all (the network executor matches messages by round).
+reproducible reduction order). The one exception is an *exchange* schedule (a strategy whose
+``exchanges`` is true: :class:`~burncoll.strategies.doubling.Doubling`), where a participant
+may send a chunk and REDUCE into it in the same round: only an executor that performs a
+participant's sends of a round before its receives (the node walk) may run it. Executors may
+synchronise between rounds (threads) or not at all (the network executor matches messages by
+round).
 """
 
 from __future__ import annotations

@@ -53,12 +53,12 @@ from burncoll.local.plans.scheduled import LocalSchedule
 from burncoll.local.world import World
 from burncoll.node.membership import NodeInfo, number_hosts
 from burncoll.ops import OpKind, ReduceOp
-from burncoll.strategies import ByHost, Centralized, Ring, Tree
+from burncoll.strategies import ByHost, Centralized, Doubling, Ring, Tree
 from burncoll.strategies.auto import MOST_PIECES, PIECE_BYTES
 
 MiB = 1 << 20
 KiB = 1 << 10
-C, R, T, T3 = Centralized(), Ring(), Tree(2), Tree(3)
+C, R, T, T3, D = Centralized(), Ring(), Tree(2), Tree(3), Doubling()
 #: The exchange on the member connections, on the lanes, in the host mail; the host reduction.
 X, XL, XH, H = (Exchange(Medium.CONNECTIONS), Exchange(Medium.LANE), Exchange(Medium.HOST),
                 HostReduce())
@@ -129,6 +129,7 @@ def _local(name: str) -> dict[str, Any]:
 
 RING = _local("ring")
 GLOBAL_RING: dict[str, Any] = {"global_all_reduce_strategy": "ring"}
+GLOBAL_DOUBLING: dict[str, Any] = {"global_all_reduce_strategy": "doubling"}
 
 CASES: list[tuple[str, Case, World, OpPlan]] = [
     # -- one node: inline up to INLINE_BYTES under auto, for every operation but a barrier
@@ -447,7 +448,44 @@ CASES: list[tuple[str, Case, World, OpPlan]] = [
     ("route: barrier with lanes", Case(BAR), nodes([2, 2], lanes=True), GlobalBarrier(XL)),
     ("route: barrier with host memory, global ring", Case(BAR, strategies=GLOBAL_RING),
      nodes([1] * 3, segments=True), GlobalBarrier(R)),
+    # -- many nodes (issue 32): from DOUBLING_NODES = 16 (44 of one host) the small all-reduces
+    #    and the barriers take the recursive doubling instead of the exchange and the tree, up
+    #    to DOUBLING_BYTES = 64 KiB (the exchange's limit where the host reduction follows)
+    ("route: 8 nodes, 8 B: still the exchange", Case(AR, 8), nodes([1] * 8, lanes=True),
+     OutOfPlace(XL)),
+    ("route: 16 nodes, 8 B: the doubling", Case(AR, 8), nodes([1] * 16, 5, lanes=True),
+     OutOfPlace(D)),
+    ("route: 16 nodes, 64 KiB: the doubling", Case(AR, 64 * KiB), nodes([1] * 16),
+     OutOfPlace(D)),
+    ("route: 16 nodes, past 64 KiB: the ring", Case(AR, 64 * KiB + 4), nodes([1] * 16),
+     OutOfPlace(R)),
+    ("route: 43 nodes of one host, 8 B: still the mail", Case(AR, 8),
+     nodes([1] * 43, segments=True), OutOfPlace(XH)),
+    ("route: 44 nodes of one host, 8 B: the doubling", Case(AR, 8),
+     nodes([1] * 44, 43, segments=True), OutOfPlace(D)),
+    ("route: 64 nodes of one host, 32 KiB: the doubling", Case(AR, 32 * KiB),
+     nodes([1] * 64, segments=True), OutOfPlace(D)),
+    ("route: 64 nodes of one host, past 32 KiB: the host reduction", Case(AR, 32 * KiB + 4),
+     nodes([1] * 64, segments=True), OutOfPlace(H)),
+    ("route: 16 nodes, 2 peers each, small: inline, then the doubling", Case(AR),
+     nodes([2] * 16), Inline(D)),
+    ("route: 16 nodes, compressed: the tree", Case(AR, 16, compression="bf16"),
+     nodes([1] * 16), OutOfPlace(T)),
+    ("route: barrier of 16 nodes: the doubling", Case(BAR), nodes([1] * 16, lanes=True),
+     GlobalBarrier(D)),
+    ("route: barrier of 16 nodes of one host: the mail", Case(BAR),
+     nodes([1] * 16, segments=True), GlobalBarrier(XH)),
+    ("route: barrier of 44 nodes of one host: the doubling", Case(BAR),
+     nodes([1] * 44, segments=True), GlobalBarrier(D)),
+    ("route: configured, 2 nodes, 8 B", Case(AR, 8, strategies=GLOBAL_DOUBLING),
+     nodes([1, 1], lanes=True), OutOfPlace(D)),
 ]
+
+
+def test_a_compressed_all_reduce_refuses_a_configured_doubling() -> None:
+    case, world = Case(AR, 16, compression="bf16", strategies=GLOBAL_DOUBLING), nodes([1] * 4)
+    with pytest.raises(burncoll.UsageError, match=r"compressed.*'doubling'.*'tree'"):
+        choose(case.calls(world), world, _backend("numpy"), case.config())
 
 
 def _backend(name: str) -> Backend:

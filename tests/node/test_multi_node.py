@@ -56,6 +56,10 @@ COMBOS = [
     (3, 3, "ring", "tree", "quic"),
     (3, 2, "auto", "auto", "websocket"),
     (3, 1, "centralized", "tree", "quic"),
+    # the recursive doubling (issue 32): a fold and unfold around a core of 4, and a core of 4
+    (5, 1, "tree", "doubling", "websocket"),
+    (4, 2, "ring", "doubling", "tcp"),  # sharded: a doubling per shard, on its channel
+    (3, 2, "auto", "doubling", "quic"),
 ]
 
 

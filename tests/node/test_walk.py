@@ -34,10 +34,10 @@ from burncoll.node.walk import AwaitChunk, ReceivePart, SendPart, Transfer, Walk
 from burncoll.ops import OpKind, ReduceOp
 from burncoll.protocol.checks import header_check
 from burncoll.protocol.wire import DataHeader, Frame, FrameType
-from burncoll.strategies import ByHost, Centralized, Ring, Schedule, Strategy, Tree
+from burncoll.strategies import ByHost, Centralized, Doubling, Ring, Schedule, Strategy, Tree
 from burncoll.strategies.layout import even_layout, sizes_layout
 
-STRATEGIES: list[Strategy] = [Centralized(), Tree(2), Tree(3), Ring()]
+STRATEGIES: list[Strategy] = [Centralized(), Tree(2), Tree(3), Ring(), Doubling()]
 WORLDS = range(2, 10)
 #: Bytes per part: 3 float64 (chunks of several parts: the pipelined walk), or enough for
 #: every chunk here (the sequential walk).
@@ -247,6 +247,8 @@ def test_compressed_all_reduce_ends_bitwise_identical_on_every_node(kind: str) -
     rounded as it is sent, part by part; one it never sends, at the end -- so every node's
     result is the same, every value a 16-bit one, within the documented error bound."""
     for strategy, world in _cases():
+        if strategy.exchanges:
+            continue  # its partners round differently: choose() refuses it with compression
         schedule = strategy.all_reduce(world)
         for size, part in _sizes(world):
             xs = [x.astype(np.float32) for x in _inputs(world, size, 7)]

@@ -17,7 +17,7 @@ import burncoll.strategies
 PACKAGE_DIR = Path(burncoll.strategies.__file__).parent
 SOURCES = sorted(PACKAGE_DIR.glob("*.py"))
 ALLOWED_STDLIB = {"__future__", "abc", "collections.abc", "dataclasses", "enum", "functools",
-                  "math", "typing"}  # fmt: skip
+                  "fractions", "math", "typing"}  # fmt: skip
 ALLOWED_BURNCOLL = ("burncoll.strategies", "burncoll.errors")
 
 

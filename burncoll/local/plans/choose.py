@@ -8,10 +8,11 @@ and each global part's whole route (:data:`~burncoll.levels.Route`): whether a g
 all-reduce or barrier runs as the one-round exchange
 (:func:`~burncoll.strategies.auto.exchange_limit`) and on which medium (the host mail up to
 :data:`~burncoll.strategies.auto.MAIL_BYTES` on channel 0, else the lanes on channel 0, else
-the member connections), as the host reduction, or otherwise which strategy's schedule
-(``auto``'s tree or ring by size). Its inputs are the call and the capabilities every node
-agreed at join (:class:`~burncoll.local.world.World`), so every node computes the same
-route; the node then only executes it.
+the member connections), as the recursive doubling among many nodes
+(:func:`~burncoll.strategies.auto.doubling_limit`), as the host reduction, or otherwise which
+strategy's schedule (``auto``'s tree or ring by size). Its inputs are the call and the
+capabilities every node agreed at join (:class:`~burncoll.local.world.World`), so every node
+computes the same route; the node then only executes it.
 
 The plan kinds, by when they are chosen (first match):
 
@@ -72,9 +73,11 @@ from burncoll.strategies.auto import (
     MOST_PIECES,
     PIECE_BYTES,
     SEGMENT_NODES,
+    doubling_limit,
     exchange_limit,
 )
 from burncoll.strategies.by_host import ByHost
+from burncoll.strategies.doubling import Doubling
 from burncoll.strategies.layout import even_layout
 
 __all__ = ["OpPlan", "choose", "plan_key", "prepare"]
@@ -198,6 +201,14 @@ def _exchanges(config: CollectiveConfig, world: World, nbytes: int, host_reduce:
             and nbytes <= exchange_limit(world.num_nodes, world.one_host, host_reduce))
 
 
+def _doubles(config: CollectiveConfig, world: World, nbytes: int, host_reduce: bool) -> bool:
+    """Whether ``auto`` runs a global all-reduce of ``nbytes`` (per node) as the recursive
+    doubling: many nodes, small arrays (:func:`~burncoll.strategies.auto.doubling_limit`)."""
+    limit = doubling_limit(world.num_nodes, world.one_host, host_reduce)
+    return isinstance(config.strategy("global_all_reduce_strategy"), Auto) and limit > 0 and (
+        nbytes <= limit)
+
+
 def _host_reduces(config: CollectiveConfig, world: World, channel: int) -> bool:
     """Whether ``auto``'s all-reduces past the exchange on ``channel`` go through the host
     memory: channel 0, node processes of one host that mapped it at join."""
@@ -238,15 +249,27 @@ def _route(config: CollectiveConfig, world: World, nbytes: int, compressed: bool
     all-reduces past the exchange on channel 0 among the node processes of one host (no wire:
     nothing to compress), of at most :data:`MOST_PIECES` pieces."""
     host_reduce = not compressed and _host_reduces(config, world, channel)
+    if not compressed and _doubles(config, world, nbytes, host_reduce):
+        return Doubling()
     if not compressed and _exchanges(config, world, nbytes, host_reduce):
         return Exchange(_medium(world, nbytes, channel))
     if host_reduce and -(-nbytes // PIECE_BYTES) <= MOST_PIECES:
         return HostReduce()
-    return _global(config, OpKind.ALL_REDUCE, nbytes, world)
+    strategy = _global(config, OpKind.ALL_REDUCE, nbytes, world)
+    if compressed and strategy.exchanges:
+        raise UsageError(
+            f"a compressed all-reduce cannot take global_all_reduce_strategy={strategy.spec!r}: "
+            "the two nodes of a doubling round would round their 16-bit values apart and end "
+            "with different results; configure 'auto', 'tree', 'tree:K', 'ring' or "
+            "'centralized', or all-reduce without compression")
+    return strategy
 
 
 def _barrier_route(config: CollectiveConfig, world: World) -> Exchange | Strategy:
-    """A barrier is a 0-byte all-reduce: the exchange of empty messages under ``auto``."""
+    """A barrier is a 0-byte all-reduce: under ``auto`` the exchange of empty messages, or
+    from :data:`~burncoll.strategies.auto.DOUBLING_NODES` the recursive doubling."""
+    if _doubles(config, world, 0, False):
+        return Doubling()
     if isinstance(config.strategy("global_all_reduce_strategy"), Auto):
         return Exchange(_medium(world, 0, 0))
     return _global(config, OpKind.ALL_REDUCE, 0, world)
