@@ -13,6 +13,12 @@ object (UTF-8, at most :data:`MAX_MESSAGE_BYTES`), so that every peer raises the
 :class:`~burncoll.UsageError` at once. An all-gather's result is every peer's record in rank
 order. Bytes this module would not have written raise :class:`~burncoll.ProtocolError`
 naming what was wrong, never another exception.
+
+Decoding is bounded by the record and a cap: :mod:`burncoll.comm.object_scan` checks the
+body's shape before msgpack allocates anything (containers and dict entries at most
+``max(cap, bytes // 16)``, nesting, counts against the bytes left, keys and ext types where
+:func:`encode` puts them); a dict whose keys share a hash value more than
+:data:`MAX_SAME_HASH` times is refused before it is built; bool arrays hold only 0 and 1.
 """
 
 from __future__ import annotations
