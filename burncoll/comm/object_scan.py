@@ -120,7 +120,7 @@ def _check(body: memoryview, limit: int, max_depth: int) -> None:
                     else _VALUE
                 continue
         elif frames or kind == _BAD or role == _KEY:  # not where a leaf reader stopped
-            raise ProtocolError(_misplaced(body[pos], role, pos))
+            raise ProtocolError(_misplaced(body[pos], pos))
         else:  # the root is a leaf
             pos = _leaves(body, pos, 1, _LIST, False)[0]
         if frames:
@@ -233,7 +233,7 @@ def _refuse_open(count: int, limit: int, depth: int, max_depth: int, owed: int, 
                             f"{left} bytes follow (each item takes at least one)")
 
 
-def _misplaced(first: int, role: int, pos: int) -> str:
+def _misplaced(first: int, pos: int) -> str:
     """Why the value at ``pos`` (first byte ``first``) cannot stand there."""
     kind = _TABLE[first][0]
     if kind == _BAD:

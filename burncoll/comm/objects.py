@@ -34,6 +34,7 @@ import msgpack
 import numpy as np
 
 from burncoll.comm.object_scan import check
+from burncoll.config.collective import CollectiveConfig
 from burncoll.dtypes import SUPPORTED_DTYPES, dtype_from_name, dtype_name
 from burncoll.errors import ProtocolError, UsageError
 
@@ -60,9 +61,9 @@ MAX_DEPTH = 100
 #: The most dimensions an array may have.
 MAX_NDIM = 32
 #: How many containers (lists, tuples, dicts) and dict entries a received object may hold, by
-#: default: :attr:`~burncoll.CollectiveConfig.max_object_containers`. A record of more than
+#: default (:attr:`~burncoll.CollectiveConfig.max_object_containers`). A record of more than
 #: 16 times as many bytes may hold one per 16 bytes.
-MAX_CONTAINERS = 2**19
+MAX_CONTAINERS: int = CollectiveConfig.max_object_containers
 #: How many keys of one received dict may share a hash value.
 MAX_SAME_HASH = 8
 #: The longest reason a peer may give for not sending its object, in UTF-8 bytes.
