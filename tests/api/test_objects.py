@@ -287,6 +287,24 @@ def test_limits_follow_the_cap_and_the_record() -> None:
         objects.decode(many, cap=10)
 
 
+def test_the_configured_cap_reaches_every_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(burncoll.ConfigError, match="max_object_containers=0: expected an int"):
+        burncoll.CollectiveConfig(max_object_containers=0)
+    monkeypatch.setenv("BURNCOLL_MAX_OBJECT_CONTAINERS", "3")
+    assert burncoll.CollectiveConfig().max_object_containers == 3
+
+    def work(comm: burncoll.Communicator) -> tuple[object, str]:
+        small = comm.all_gather_object([[comm.rank]])  # 2 containers each
+        with pytest.raises(ProtocolError) as info:
+            comm.all_gather_object([[[[comm.rank]]]])  # 4 each
+        return small, str(info.value)
+
+    for small, error in ddp(range(2), burncoll.CollectiveConfig(timeout=10)).run(work):
+        assert small == [[[0]], [[1]]]
+        assert error.startswith("all_gather_object: the object from peer 0: more than 3 "
+                                "containers and dict entries"), error
+
+
 def test_honest_shapes_the_scan_reads_at_once_or_one_by_one() -> None:
     """Runs of small ints and of floats are read at once; everything else item by item."""
     for obj in ([1.5] * 100 + [None], [0, -32, 127, None, True, False] * 20,
