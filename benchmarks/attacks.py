@@ -2,6 +2,7 @@
 
     python benchmarks/attacks.py            # the issue's sizes (several minutes)
     python benchmarks/attacks.py --quick    # the test suite's sizes
+    python benchmarks/attacks.py --objects-only   # a member's hostile objects (issue 33)
 
 Each attack runs against a live collective (an orchestrator process and 2 member nodes x 2
 devices looping over all-reduces checked exactly against NumPy float64; see
@@ -9,7 +10,9 @@ devices looping over all-reduces checked exactly against NumPy float64; see
 attacked process's peak RSS growth (``VmRSS``), and what the legitimate operations saw
 (how many ran during the attack, wrong results, failures). An attack stops early when the
 victim grows past its safety ceiling (the table says so). A man in the middle holding no token
-runs against each transport mode. Prints a Markdown table:
+runs against each transport mode. A member holding the token sends hostile object records
+(``tests/security/test_hostile_objects.py``, at the issue's sizes: the test's). Prints a
+Markdown table:
 
     attack | transport | target | memory growth (bound) | legitimate ops affected
 """
@@ -29,6 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.security import attacks as a  # noqa: E402
 from tests.security import test_attacks as suite  # noqa: E402
+from tests.security import test_hostile_objects as hostile_objects  # noqa: E402
 from tests.security.victims import (  # noqa: E402
     LiveCollective,
     Measured,
@@ -148,20 +152,54 @@ def relay_rows() -> list[Row]:
     return rows
 
 
+#: What each hostile object record is, for the table.
+OBJECT_ATTACKS = {
+    "empty_lists": "an 8 MiB object record of empty lists",
+    "colliding_keys": "a dict of 40,000 tuple keys sharing one hash (727 KB)",
+    "bool_byte_2": "a bool array carrying 0x02",
+    "deep": "lists nested 1,048,576 deep (1 MiB)",
+    "declared": "1,000 nested lists declaring 16,000 items each, in 16 KB",
+}
+
+
+def object_rows() -> list[Row]:
+    """A member (node 1 of 3) sends each hostile object record in an ``all_gather_object``."""
+    run = hostile_objects._hostile_run()
+    controls = all(r["ok"] for r in run["control"] + run["done"])
+    rows: list[Row] = []
+    for kind, what in OBJECT_ATTACKS.items():
+        got = sorted((r for r in run["attack"] if r["kind"] == kind), key=lambda r: r["node"])
+        honest = [r for r in got if r["node"] != hostile_objects.LIAR]
+        growth = " / ".join(f"+{r['growth_mb']:.0f}" for r in honest)
+        named = all(r["error"] == "ProtocolError" and "from peer 1" in r["message"]
+                    for r in got)
+        slowest = max((r["elapsed"] for r in got), default=float("nan"))
+        rows.append((what, "websocket", "the 2 honest members", f"{growth} MiB (100)",
+                     f"{'ProtocolError naming node 1' if named else 'NOT refused'} on all "
+                     f"{len(got)} members within {slowest:.2f} s (timeout "
+                     f"{hostile_objects.TIMEOUT:.0f} s); honest objects before and after: "
+                     f"{'exact' if controls else 'WRONG'}"))
+        print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the test suite's sizes")
     parser.add_argument("--transports", default="tcp,websocket,quic")
     parser.add_argument("--no-relay", action="store_true", help="skip the man in the middle")
+    parser.add_argument("--objects-only", action="store_true",
+                        help="only a member's hostile objects")
     args = parser.parse_args()
     a.raise_nofile()
     sizes = QUICK if args.quick else FULL
     started = time.monotonic()
     rows: list[Row] = []
-    for transport in args.transports.split(","):
+    for transport in [] if args.objects_only else args.transports.split(","):
         rows.extend(preauth_rows(transport, sizes))
-    if not args.no_relay:
+    if not (args.no_relay or args.objects_only):
         rows.extend(relay_rows())
+    rows.extend(object_rows())
     print("| attack | transport | target | memory growth (bound) | legitimate ops affected |")
     print("|---|---|---|---|---|")
     for row in rows:

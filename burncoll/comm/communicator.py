@@ -140,7 +140,7 @@ class Communicator(RootedOps, Groups, PointToPoint):
         broadcast of msgpack bytes, never pickle; :mod:`burncoll.comm.objects` says what may go."""
         mine = objects.payload(obj, self._backend, self.device) if root == self.peer_id else None
         got = self._backend.to_host(self.broadcast(mine, root))
-        return objects.unpack(got, [root], "broadcast_object")[0]
+        return objects.unpack(got, [root], "broadcast_object", self.config.max_object_containers)[0]
 
     def all_gather_object(self, obj: object) -> list[object]:
         """Every peer's ``obj`` in rank order: one all_gather of msgpack bytes, never pickle;

@@ -166,4 +166,5 @@ class CommunicatorCore:
         :func:`~burncoll.comm.objects.payload`): one all-gather of msgpack bytes, never pickle."""
         sent = self._backend.from_host(record, "uint8", record.shape, self.device)
         got = self._issue(label, lambda: self._run(OpKind.ALL_GATHER, sent, None, None), False)
-        return objects.unpack(self._backend.to_host(got), self.peer_ids, label)
+        return objects.unpack(self._backend.to_host(got), self.peer_ids, label,
+                              self.config.max_object_containers)

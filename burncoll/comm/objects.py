@@ -13,26 +13,38 @@ object (UTF-8, at most :data:`MAX_MESSAGE_BYTES`), so that every peer raises the
 :class:`~burncoll.UsageError` at once. An all-gather's result is every peer's record in rank
 order. Bytes this module would not have written raise :class:`~burncoll.ProtocolError`
 naming what was wrong, never another exception.
+
+Decoding is bounded by the record and a cap: :mod:`burncoll.comm.object_scan` checks the
+body's shape before msgpack allocates anything (containers and dict entries at most
+``max(cap, bytes // 16)``, nesting, counts against the bytes left, keys and ext types where
+:func:`encode` puts them); a dict whose keys share a hash value more than
+:data:`MAX_SAME_HASH` times is refused before it is built; bool arrays hold only 0 and 1.
 """
 
 from __future__ import annotations
 
 import math
 import struct
+from collections import Counter
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import Any, Protocol
 
 import msgpack
 import numpy as np
 
+from burncoll.comm.object_scan import check
+from burncoll.config.collective import CollectiveConfig
 from burncoll.dtypes import SUPPORTED_DTYPES, dtype_from_name, dtype_name
 from burncoll.errors import ProtocolError, UsageError
 
 __all__ = [
+    "MAX_CONTAINERS",
     "MAX_DEPTH",
     "MAX_MESSAGE_BYTES",
     "MAX_NDIM",
     "MAX_OBJECT_BYTES",
+    "MAX_SAME_HASH",
     "Host",
     "decode",
     "encode",
@@ -48,6 +60,12 @@ MAX_OBJECT_BYTES = 2**30
 MAX_DEPTH = 100
 #: The most dimensions an array may have.
 MAX_NDIM = 32
+#: How many containers (lists, tuples, dicts) and dict entries a received object may hold, by
+#: default (:attr:`~burncoll.CollectiveConfig.max_object_containers`). A record of more than
+#: 16 times as many bytes may hold one per 16 bytes.
+MAX_CONTAINERS: int = CollectiveConfig.max_object_containers
+#: How many keys of one received dict may share a hash value.
+MAX_SAME_HASH = 8
 #: The longest reason a peer may give for not sending its object, in UTF-8 bytes.
 MAX_MESSAGE_BYTES = 2000
 
@@ -67,6 +85,7 @@ class _TupleMark:
 
 
 _TUPLE = _TupleMark()
+_first = itemgetter(0)
 
 
 class _Refused(UsageError):
@@ -238,8 +257,8 @@ def _array_ext(array: np.ndarray[Any, Any], code: int) -> msgpack.ExtType:
 # -- decoding -----------------------------------------------------------------------------------
 
 
-def decode(data: bytes | bytearray | memoryview) -> object:
-    """The object of one record from :func:`encode`.
+def decode(data: bytes | bytearray | memoryview, cap: int = MAX_CONTAINERS) -> object:
+    """The object of one record from :func:`encode` (``cap``: as for :func:`unpack`).
 
     Raises :class:`~burncoll.ProtocolError` for bytes :func:`encode` would not have written,
     and :class:`~burncoll.UsageError` for a refusal record (carrying the sender's reason).
@@ -250,12 +269,14 @@ def decode(data: bytes | bytearray | memoryview) -> object:
         raise ProtocolError(f"{len(view) - end} bytes follow the record")
     if tag == _REFUSED:
         raise UsageError(f"the sender could not send its object: {_reason(body)}")
-    return _object(body)
+    return _object(body, cap)
 
 
-def unpack(data: Any, peers: Sequence[int], label: str) -> list[object]:
+def unpack(data: Any, peers: Sequence[int], label: str, cap: int = MAX_CONTAINERS
+           ) -> list[object]:
     """The objects of ``len(peers)`` records laid end to end (host bytes or a uint8 array), in
-    the order of ``peers``.
+    the order of ``peers``; each may hold ``max(cap, its bytes // 16)`` containers and dict
+    entries (:mod:`burncoll.comm.object_scan` checks a record before it is decoded).
 
     Raises :class:`~burncoll.UsageError` naming every peer that sent a refusal, and
     :class:`~burncoll.ProtocolError` naming the peer whose bytes are not a valid record.
@@ -280,7 +301,7 @@ def unpack(data: Any, peers: Sequence[int], label: str) -> list[object]:
     objects = []
     for peer, _, body in records:
         try:
-            objects.append(_object(body))
+            objects.append(_object(body, cap))
         except ProtocolError as exc:
             raise ProtocolError(f"{label}: the object from peer {peer}: {exc}") from None
     return objects
@@ -311,28 +332,24 @@ def _reason(body: memoryview) -> str:
         raise ProtocolError("a refusal record whose reason is not UTF-8") from None
 
 
-def _object(body: memoryview) -> object:
-    """Unpack a record's body (limits on lengths follow the body's size) and verify it."""
+def _object(body: memoryview, cap: int) -> object:
+    """Unpack a record's body once :func:`~burncoll.comm.object_scan.check` passed it: at most
+    ``max(cap, len(body) // 16)`` containers and dict entries."""
+    check(body, max(cap, len(body) // 16), MAX_DEPTH)
     try:
-        obj = msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True,
-                              ext_hook=_ext, list_hook=_list, object_pairs_hook=_pairs)
+        return msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True,
+                               ext_hook=_ext, list_hook=_list, object_pairs_hook=_pairs)
     except (ProtocolError, UsageError):
         raise
-    except Exception as exc:  # msgpack's errors, unhashable keys, bad UTF-8, ...
+    except Exception as exc:  # msgpack's errors: bad UTF-8, ...
         raise ProtocolError(f"not a valid object encoding: {type(exc).__name__}: {exc}"
                             ) from None
-    _verify(obj)
-    return obj
 
 
 def _ext(code: int, data: bytes) -> object:
-    if code == _EXT_TUPLE:
-        if data:
-            raise ProtocolError(f"a tuple ext type carries {len(data)} bytes; it carries none")
+    if code == _EXT_TUPLE:  # where it may stand, and that it is empty: checked already
         return _TUPLE
-    if code in (_EXT_ARRAY, _EXT_SCALAR):
-        return _array(data, code == _EXT_SCALAR)
-    raise ProtocolError(f"unknown msgpack ext type {code}")
+    return _array(data, code == _EXT_SCALAR)
 
 
 def _list(items: list[object]) -> object:
@@ -342,6 +359,15 @@ def _list(items: list[object]) -> object:
 
 
 def _pairs(pairs: list[tuple[object, object]]) -> dict[object, object]:
+    """A dict, once no hash value is shared by more than :data:`MAX_SAME_HASH` of its keys
+    (ints, floats and tuples of them hash alike in every process: a dict of keys chosen to
+    share one hash would take time growing with the square of their number to build)."""
+    hashes = list(map(hash, map(_first, pairs)))
+    if len(set(hashes)) < len(hashes):
+        top = max(Counter(hashes).values())
+        if top > MAX_SAME_HASH:
+            raise ProtocolError(f"a dict of {len(pairs)} keys, {top} of which share one hash "
+                                f"value (at most {MAX_SAME_HASH} may: keys chosen to collide)")
     result = dict(pairs)
     if len(result) != len(pairs):
         raise ProtocolError("a map with a repeated key")
@@ -372,30 +398,10 @@ def _array(data: bytes, scalar: bool) -> object:
     if want != len(data) - start:
         raise ProtocolError(f"an array of {name} with shape {shape} needs {want} bytes, "
                             f"{len(data) - start} came")
+    if name == "bool" and want and np.frombuffer(data, np.uint8, offset=start).max() > 1:
+        raise ProtocolError(f"a bool array with shape {shape} holding a byte other than 0 or 1")
     try:
         array = np.frombuffer(data, dtype, offset=start).reshape(shape).copy()
     except ValueError as exc:  # a shape NumPy cannot hold ((0, 2**62) of float32)
         raise ProtocolError(f"an array of {name} with shape {shape}: {exc}") from None
     return array[()] if scalar else array
-
-
-def _verify(obj: object) -> None:
-    """Only what :func:`encode` writes, at most :data:`MAX_DEPTH` containers deep."""
-    stack: list[tuple[object, int, bool]] = [(obj, 0, False)]  # (item, its depth, a key?)
-    while stack:
-        item, depth, key = stack.pop()
-        items: Any = item
-        kind = type(item)
-        if kind is tuple or (kind in (list, dict) and not key):
-            if depth >= MAX_DEPTH:
-                raise ProtocolError(f"containers nested deeper than {MAX_DEPTH}")
-            if kind is dict:
-                stack.extend((k, depth + 1, True) for k in items)
-                stack.extend((v, depth + 1, False) for v in items.values())
-            else:
-                stack.extend((v, depth + 1, key) for v in items)
-        elif key and kind not in _KEYS:
-            raise ProtocolError(f"a dict key of type {kind.__name__}")
-        elif not (kind in _LEAVES or kind is int or kind is np.ndarray
-                  or isinstance(item, np.generic)):
-            raise ProtocolError(f"a value of type {kind.__name__} (an ext type out of place?)")

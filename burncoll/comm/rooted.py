@@ -145,7 +145,8 @@ class RootedOps(CommunicatorCore):
         got = self.gather(backend.from_host(record, "uint8", record.shape, device), root)
         if got is None:
             return None
-        return objects.unpack(backend.to_host(got), self.peer_ids, "gather_object")
+        return objects.unpack(backend.to_host(got), self.peer_ids, "gather_object",
+                              self.config.max_object_containers)
 
     def scatter_object(self, objs: Sequence[object] | None, root: int) -> object:
         """``objs[r]`` of peer ``root`` on the peer of rank ``r`` (others pass ``None``),
@@ -166,4 +167,5 @@ class RootedOps(CommunicatorCore):
             data = np.concatenate(records)
             mine = self._backend.from_host(data, "uint8", data.shape, self.device)
         got = self.scatter(mine, root, counts)
-        return objects.unpack(self._backend.to_host(got), [root], "scatter_object")[0]
+        return objects.unpack(self._backend.to_host(got), [root], "scatter_object",
+                              self.config.max_object_containers)[0]

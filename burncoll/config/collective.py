@@ -137,6 +137,11 @@ class CollectiveConfig:
     #: through the event loop; tcp and plain websocket only (not with TLS or ``integrity``).
     #: Used only when every node has it on.
     caller_sockets: bool = True
+    #: How many containers (lists, tuples, dicts) and dict entries an object received from a
+    #: peer may hold (``all_gather_object`` and the other object collectives); a record of
+    #: more than 16 bytes per container may hold one per 16 bytes. More is refused before it
+    #: is decoded (:mod:`burncoll.comm.object_scan`), with a ``ProtocolError`` naming the peer.
+    max_object_containers: int = 2**19
 
     def __new__(cls, *args: Any, **kwargs: Any) -> CollectiveConfig:
         """Remember which fields the caller gave: those win over every environment variable."""
@@ -336,6 +341,7 @@ def _validate(cfg: CollectiveConfig) -> None:
     if cfg.num_devices > MAX_NUM_DEVICES:
         raise ConfigError(f"num_devices={cfg.num_devices}: expected at most {MAX_NUM_DEVICES} "
                           "local peers (one thread each)")
+    _require_int(cfg, "max_object_containers", 1, optional=False)
     _require_int(cfg, "num_nodes", 1, optional=True)
     _require_int(cfg, "data_service_port", 0, optional=True)
     if cfg.data_service_port is not None and cfg.data_service_port > 65535:

@@ -126,6 +126,7 @@ def _parse_optional_bool(text: str) -> bool | None:
 
 _ENV_PARSERS: dict[str, Callable[[str], Any]] = {
     "num_devices": _parse_int, "timeout": float,
+    "max_object_containers": _parse_int,
     "auth_token": str,  # "" stays "": an empty token is refused, never read as "no token"
     **dict.fromkeys(("num_nodes", "data_service_port", "node_rank"), _parse_optional_int),
     **dict.fromkeys(("global_address", "node_address", "auth_token_file", "compression",

@@ -26,6 +26,7 @@ from burncoll.comm import objects
 from burncoll.errors import ProtocolError, UsageError
 from burncoll.train import ddp
 from tests.harness import run_nodes
+from tests.security.object_member import colliding_pairs
 
 SUPPORTED_NOTE = "supported: None, bool, int, float, str, bytes, list, tuple, dict"
 
@@ -241,6 +242,26 @@ HOSTILE = {
     "bytes as a key": _pack({b"k": 1}),
     "array scalar as a key": _record(b"\x81" + msgpack.packb(msgpack.ExtType(
         3, b"\x04int8\x00\x01")) + b"\x01"),
+    "bool array holding 2": _array(b"bool", (3,), b"\x01\x02\x00"),
+    "bool scalar holding 255": _array(b"bool", (), b"\xff", code=3),
+    "32-bit float": _record(b"\xca\x3f\x80\x00\x00"),
+    "reserved byte 0xc1": _record(b"\x91\xc1"),
+    "tuple mark as ext16": _record(b"\x92\xc8\x00\x00\x01\x01"),
+    "tuple mark as fixext": _record(b"\x92\xd4\x01\x00\x01"),
+    "list of marks": _pack([TUPLE, TUPLE]),
+    "tuple key without its mark": _record(b"\x81\x92\x01\x02\xc0"),
+    "empty array as a key": _record(b"\x81\x90\xc0"),
+    "map as a key": _record(b"\x81\x80\xc0"),
+    "array value as a key": _record(b"\x81" + msgpack.packb(msgpack.ExtType(
+        2, b"\x04int8\x01" + struct.pack("<Q", 1) + b"\x01")) + b"\xc0"),
+    "declared past the end": _record(b"\xdd\x00\x01\x00\x00" + b"\xc0" * 100),
+    "nested declarations past the end": _record(b"\xdc\x00\x80" * 100 + b"\xc0" * 200),
+    "map declared past the end": _record(b"\xdf\x00\x00\x01\x00" + b"\x00" * 300),
+    "ends inside a length": _record(b"\x91\xdd\x00"),
+    "ends inside a str": _record(b"\x91\xd9\x10ab"),
+    "float keys sharing a hash": _pack({2.0 ** (61 * k): k for k in range(9)}),  # hash 1
+    "tuple keys sharing a hash": objects.encode(dict.fromkeys(colliding_pairs(9))),
+    "too many empty lists": _record(b"\xdd" + struct.pack(">I", 2**19 + 1) + b"\x90" * (2**19 + 1)),
     "refusal not utf-8": _record(b"\xff\xfe", tag=2),
     "refusal too long": _record(b"x" * (objects.MAX_MESSAGE_BYTES + 1), tag=2),
 }
@@ -250,6 +271,49 @@ HOSTILE = {
 def test_hostile_bytes_raise_protocol_error(name: str) -> None:
     with pytest.raises(ProtocolError):
         objects.decode(HOSTILE[name])
+
+
+def test_limits_follow_the_cap_and_the_record() -> None:
+    # a cap of 7: 7 containers and entries pass; 6 do not
+    seven = [[], (), {"a": 1}, [[1]]]  # 1 + 1 + 1 + 2 (a dict and its entry) + 2
+    assert objects.decode(objects.encode(seven), cap=7) == seven
+    with pytest.raises(ProtocolError, match="more than 6 containers and dict entries"):
+        objects.decode(objects.encode(seven), cap=6)
+    # past the cap, one per 16 bytes of the record
+    big = [("x" * 20, i) for i in range(2000)]  # 2,001 containers in ~54 KB
+    assert objects.decode(objects.encode(big), cap=10) == big
+    many = objects.encode([(i,) for i in range(2000)])  # 2,001 containers in 13.6 KB
+    with pytest.raises(ProtocolError, match=f"more than {(len(many) - 9) // 16} containers"):
+        objects.decode(many, cap=10)
+
+
+def test_the_configured_cap_reaches_every_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(burncoll.ConfigError, match="max_object_containers=0: expected an int"):
+        burncoll.CollectiveConfig(max_object_containers=0)
+    monkeypatch.setenv("BURNCOLL_MAX_OBJECT_CONTAINERS", "3")
+    assert burncoll.CollectiveConfig().max_object_containers == 3
+
+    def work(comm: burncoll.Communicator) -> tuple[object, str]:
+        small = comm.all_gather_object([[comm.rank]])  # 2 containers each
+        with pytest.raises(ProtocolError) as info:
+            comm.all_gather_object([[[[comm.rank]]]])  # 4 each
+        return small, str(info.value)
+
+    for small, error in ddp(range(2), burncoll.CollectiveConfig(timeout=10)).run(work):
+        assert small == [[[0]], [[1]]]
+        assert error.startswith("all_gather_object: the object from peer 0: more than 3 "
+                                "containers and dict entries"), error
+
+
+def test_honest_shapes_the_scan_reads_at_once_or_one_by_one() -> None:
+    """Runs of small ints and of floats are read at once; everything else item by item."""
+    for obj in ([1.5] * 100 + [None], [0, -32, 127, None, True, False] * 20,
+                [1.0] * 50 + [2**40], [[(i, -i) for i in range(20)], {"k": [0.5] * 30}],
+                {(1, (2, "x")): [b"", b"x" * 300], -1: -2, -2: -1, 0.0: "", "": 0},
+                [(), [], {}, ((),), [[[]]]], "x" * 70_000, [np.zeros(3, bool), np.True_],
+                {5 + i * (2**61 - 1): i for i in range(8)},
+                {2.0 ** (61 * k): k for k in range(8)}, dict.fromkeys(colliding_pairs(8))):
+        _same(objects.decode(objects.encode(obj)), obj)
 
 
 def test_mutated_bytes_never_raise_anything_but_protocol_error() -> None:
