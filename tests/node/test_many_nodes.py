@@ -1,0 +1,102 @@
+"""A session of many node processes on one host (issue 32): 32 real node processes of one
+device each meet at a real orchestrator (this file, run as a script, is one node), register
+(every node dials many others at once from one address: :mod:`burncoll.node.dialing`),
+all-reduce an 8 B and a 256 KiB array, each input its own, compared with NumPy in float64,
+and hold no more open descriptors than :func:`burncoll.node.descriptors.descriptors_needed`
+says. Then, in child processes, the descriptor limit: raised where the hard limit allows,
+and a clear error at registration where it does not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+import burncoll
+from burncoll.node.descriptors import BASE, PER_NODE, descriptors_needed
+from tests.harness import run_node_processes
+
+NODES = 32
+SIZES = (2, 1 << 16)  # float32 elements: 8 B and 256 KiB
+
+
+def _input(node: int, size: int) -> np.ndarray:
+    return np.random.default_rng(1000 * node + size).standard_normal(size).astype(np.float32)
+
+
+def _node_main(argv: list[str]) -> None:
+    """``NODE NODES ORCH_ADDRESS TRANSPORT DIES``: print one JSON record."""
+    node, nodes, address, transport = int(argv[0]), int(argv[1]), argv[2], argv[3]
+    config = burncoll.CollectiveConfig(num_devices=1, num_nodes=nodes, global_address=address,
+                                       node_address="127.0.0.1", transport=transport,
+                                       timeout=90.0)
+    comm = burncoll.register(node, 0, config)
+    record: dict[str, Any] = {"node": node, "error": 0.0}
+    for size in SIZES:
+        got = comm.all_reduce(_input(node, size)).astype(np.float64)
+        want = np.sum([_input(n, size).astype(np.float64) for n in range(nodes)], axis=0)
+        record["error"] = max(record["error"], float(np.max(np.abs(got - want))))
+    record["fds"] = len(os.listdir("/proc/self/fd"))
+    comm.finish()
+    print(json.dumps(record), flush=True)
+
+
+def test_32_node_processes_of_one_host_register_and_all_reduce() -> None:
+    records = run_node_processes(__file__, NODES, "tcp")
+    assert sorted(r["node"] for r in records) == list(range(NODES))
+    for record in records:
+        assert record["error"] <= 1e-3, record  # (float32 sums of 32 normal values)
+        assert record["fds"] <= descriptors_needed(NODES), record
+
+
+_LIMIT = """
+import resource, sys
+import burncoll
+from burncoll.node.descriptors import ensure_descriptors
+soft, hard = {soft}, {hard}
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+if {register}:
+    config = burncoll.CollectiveConfig(num_devices=1, num_nodes={nodes}, global_address=
+        "127.0.0.1:9", node_address="127.0.0.1", transport="tcp", timeout=5.0)
+    try:
+        burncoll.register(0, 0, config)
+    except burncoll.ConfigError as exc:
+        print("ConfigError:", exc)
+else:
+    print(ensure_descriptors({nodes}), resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+
+
+def _limited(soft: int, hard: int, nodes: int, register: bool) -> str:
+    script = _LIMIT.format(soft=soft, hard=hard, nodes=nodes, register=register)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+def test_a_node_raises_its_soft_descriptor_limit_as_far_as_its_session_needs() -> None:
+    need = descriptors_needed(64)
+    assert need == BASE + 63 * PER_NODE
+    assert _limited(100, need + 10, 64, register=False) == f"{need} {need}"
+    assert _limited(need + 5, need + 10, 64, register=False) == f"{need + 5} {need + 5}"
+
+
+@pytest.mark.parametrize("nodes", [64, 1024])
+def test_a_hard_descriptor_limit_too_low_fails_registration_naming_limit_need_and_fix(
+        nodes: int) -> None:
+    out = _limited(100, 100, nodes, register=True)
+    need = descriptors_needed(nodes)
+    assert out.startswith("ConfigError: register: a node of a session of "
+                          f"{nodes} nodes needs about {need} open file descriptors"), out
+    assert "at most 100 (its hard limit, RLIMIT_NOFILE" in out and "ulimit -Hn" in out, out
+
+
+if __name__ == "__main__":
+    _node_main(sys.argv[1:])
