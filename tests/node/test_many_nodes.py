@@ -1,10 +1,13 @@
 """A session of many node processes on one host (issue 32): 32 real node processes of one
 device each meet at a real orchestrator (this file, run as a script, is one node), register
 (every node dials many others at once from one address: :mod:`burncoll.node.dialing`),
-all-reduce an 8 B and a 256 KiB array, each input its own, compared with NumPy in float64,
-and hold no more open descriptors than :func:`burncoll.node.descriptors.descriptors_needed`
-says. Then, in child processes, the descriptor limit: raised where the hard limit allows,
-and a clear error at registration where it does not.
+all-reduce an 8 B and a 256 KiB array, broadcast 1 MiB from a node and all-gather 128 KiB
+from each (large messages between region peers through their stream regions, between the
+others on the socket: :func:`burncoll.node.host_memory.region_peers`), each input its own,
+compared with NumPy in float64, and hold no more open descriptors than
+:func:`burncoll.node.descriptors.descriptors_needed` says. Then, in child processes, the
+descriptor limit: raised where the hard limit allows, and a clear error at registration where
+it does not.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import pytest
 
 import burncoll
 from burncoll.node.descriptors import BASE, PER_NODE, descriptors_needed
+from burncoll.node.host_memory import host_memory_bytes, region_peers, region_slots, regions_at
+from burncoll.transport.shm import RING_BYTES
 from tests.harness import run_node_processes
 
 NODES = 32
@@ -42,6 +47,15 @@ def _node_main(argv: list[str]) -> None:
         got = comm.all_reduce(_input(node, size)).astype(np.float64)
         want = np.sum([_input(n, size).astype(np.float64) for n in range(nodes)], axis=0)
         record["error"] = max(record["error"], float(np.max(np.abs(got - want))))
+    root = nodes // 2 + 1
+    mine = _input(node, 1 << 18)
+    got = comm.broadcast(mine if node == root else None, root=root)
+    record["broadcast"] = bool(np.array_equal(got, _input(root, 1 << 18)))
+    got = comm.all_gather(_input(node, 1 << 15))
+    want = np.concatenate([_input(n, 1 << 15) for n in range(nodes)])
+    record["all_gather"] = bool(np.array_equal(got, want))
+    memory = comm._server.link._host_memory  # type: ignore[attr-defined]
+    record["region_peers"] = sorted(memory.region_peers)
     record["fds"] = len(os.listdir("/proc/self/fd"))
     comm.finish()
     print(json.dumps(record), flush=True)
@@ -52,7 +66,25 @@ def test_32_node_processes_of_one_host_register_and_all_reduce() -> None:
     assert sorted(r["node"] for r in records) == list(range(NODES))
     for record in records:
         assert record["error"] <= 1e-3, record  # (float32 sums of 32 normal values)
+        assert record["broadcast"] and record["all_gather"], record
+        assert record["region_peers"] == region_peers(record["node"], NODES), record
         assert record["fds"] <= descriptors_needed(NODES), record
+
+
+@pytest.mark.parametrize("count", [2, 3, 4, 5, 8, 31, 32, 64, 1000, 1024])
+def test_region_peers_pair_up_and_grow_with_log_of_the_host_s_node_processes(count: int
+                                                                             ) -> None:
+    peers = [region_peers(p, count) for p in range(count)]
+    assert all(p in peers[q] for p in range(count) for q in peers[p])  # (both ways)
+    assert all(peers[p] == sorted(set(peers[p]) - {p}) for p in range(count))
+    assert max(map(len, peers)) == region_slots(count) <= min(count - 1, 5 + count.bit_length())
+    if count <= 4:
+        assert all(len(p) == count - 1 for p in peers)  # (every other node)
+    for p in range(count):  # the ring's neighbours, the tree's and recursive doubling's
+        assert {(p - 1) % count, (p + 1) % count} - {p} <= set(peers[p])
+        assert {p ^ 1, 2 * p + 1} & set(range(count)) - {p} <= set(peers[p])
+    assert host_memory_bytes(count) == regions_at(count) + region_slots(count) * RING_BYTES
+    assert host_memory_bytes(64, 4) == regions_at(64) + 3 * RING_BYTES  # (4 on its host)
 
 
 _LIMIT = """
