@@ -1,6 +1,7 @@
 """A session of many node processes on one host (issue 32): 32 real node processes of one
 device each meet at a real orchestrator (this file, run as a script, is one node), register
-(every node dials many others at once from one address: :mod:`burncoll.node.dialing`),
+(every node dials many others from one address, a few at a time and in turn, so that no
+listener evicts a dial: :mod:`burncoll.node.dialing`),
 all-reduce an 8 B and a 256 KiB array, broadcast 1 MiB from a node and all-gather 128 KiB
 from each (large messages between region peers through their stream regions, between the
 others on the socket: :func:`burncoll.node.host_memory.region_peers`), each input its own,
@@ -13,6 +14,7 @@ it does not.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -35,14 +37,27 @@ def _input(node: int, size: int) -> np.ndarray:
     return np.random.default_rng(1000 * node + size).standard_normal(size).astype(np.float32)
 
 
+class _Evictions(logging.Handler):
+    """Counts the dials a listener evicted: more pending from one address than it holds."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += "max_pending_per_source" in record.getMessage()
+
+
 def _node_main(argv: list[str]) -> None:
     """``NODE NODES ORCH_ADDRESS TRANSPORT DIES``: print one JSON record."""
     node, nodes, address, transport = int(argv[0]), int(argv[1]), argv[2], argv[3]
     config = burncoll.CollectiveConfig(num_devices=1, num_nodes=nodes, global_address=address,
                                        node_address="127.0.0.1", transport=transport,
                                        timeout=90.0)
+    evictions = _Evictions()
+    logging.getLogger("burncoll").addHandler(evictions)
     comm = burncoll.register(node, 0, config)
-    record: dict[str, Any] = {"node": node, "error": 0.0}
+    record: dict[str, Any] = {"node": node, "error": 0.0, "evictions": evictions.count}
     for size in SIZES:
         got = comm.all_reduce(_input(node, size)).astype(np.float64)
         want = np.sum([_input(n, size).astype(np.float64) for n in range(nodes)], axis=0)
@@ -67,6 +82,7 @@ def test_32_node_processes_of_one_host_register_and_all_reduce() -> None:
     for record in records:
         assert record["error"] <= 1e-3, record  # (float32 sums of 32 normal values)
         assert record["broadcast"] and record["all_gather"], record
+        assert record["evictions"] == 0, record  # (in turn, a few at a time: dialing.py)
         assert record["region_peers"] == region_peers(record["node"], NODES), record
         assert record["fds"] <= descriptors_needed(NODES), record
 
