@@ -151,7 +151,7 @@ class DataService:
         node's hellos have gone out (by ``deadline``): each member then finds, on its own,
         some member whose table differs from its own -- no node closes before another could
         tell it apart."""
-        others = self.membership.others()
+        others = self.dialing.in_turn(self.membership.others())
         dials = asyncio.ensure_future(asyncio.gather(*(self._connect(n, deadline)
                                                        for n in others)))
         connected = asyncio.ensure_future(self._connected(dials, deadline))
@@ -178,7 +178,8 @@ class DataService:
             n.index in self.connections.out), "")
         if self.uses_lanes:  # the higher-indexed node of each pair dials the caller socket
             me = self.node_index
-            await asyncio.gather(*(self._dial_lane(n, deadline) for n in others
+            await asyncio.gather(*(self._dial_lane(n, deadline)  # (from me - 1 down)
+                                   for n in reversed(self.dialing.in_turn(others))
                                    if n.index < me))
             self._check_lanes()
             await self._wait_for(self._lanes_open, deadline, lambda n: (

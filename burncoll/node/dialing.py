@@ -8,6 +8,16 @@ who reaches a data port cannot pose as a member. The accepting side therefore wa
 :data:`~burncoll.transport.base.PREAUTH_SECONDS`) until it knows the session before it
 challenges the dialer. The dialer's first frame is
 :class:`~burncoll.protocol.members.Hello`, naming its node and the session.
+
+**At most :data:`DIALS_AT_ONCE` dials at a time, in turn.** Every member dials many others at
+session start, and on one host they all dial from one address: a listener holds at most 16
+connections of one source that have not authenticated yet (``max_pending_per_source``,
+:mod:`burncoll.transport.admission`) and evicts the oldest past that. With every node dialing
+every other at once, 64 node processes of one host evicted each other's dials faster than they
+authenticated (issue 32: no node registered within 300 s). So a node keeps at most
+:data:`DIALS_AT_ONCE` dials in flight, and dials the others in turn from its own index on
+(:meth:`Dialing.in_turn`: node ``i`` first dials ``i + 1``, then ``i + 2``, ...), so that at
+any moment each listener is being dialed by a few nodes, not by all of them.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 
 from burncoll.errors import AuthenticationError, ProtocolError, TransportError
 from burncoll.node.membership import Membership, NodeInfo, TableMismatch
@@ -26,11 +37,13 @@ from burncoll.transport.auth import authenticate_client, authenticate_server
 from burncoll.transport.base import PREAUTH_SECONDS, Connection, Transport
 from burncoll.transport.stream_connection import StreamConnection
 
-__all__ = ["Dialing"]
+__all__ = ["DIALS_AT_ONCE", "Dialing"]
 
 log = logging.getLogger("burncoll.node")
 #: For what a stranger can cause at will (refused connections): bounded, see BoundedLog.
 stranger_log = BoundedLog(log)
+#: The most dials (connect, authentication, hello) one node has in flight (see the module).
+DIALS_AT_ONCE = 4
 
 
 class Dialing:
@@ -44,6 +57,13 @@ class Dialing:
         #: Tag every message of member connections (see :mod:`burncoll.transport.auth`).
         self.integrity = integrity
         self.membership = membership
+        self._slots = asyncio.Semaphore(DIALS_AT_ONCE)
+
+    def in_turn(self, nodes: Iterable[NodeInfo]) -> list[NodeInfo]:
+        """``nodes`` in the order this node dials them: from the one after it on, wrapping
+        around (so that the nodes of a session spread their dials over the listeners)."""
+        me, count = self.membership.node_index, max(len(self.membership.nodes), 1)
+        return sorted(nodes, key=lambda n: (n.index - me) % count)
 
     @property
     def member_token(self) -> str | None:
@@ -52,7 +72,8 @@ class Dialing:
 
     async def dial(self, node: NodeInfo, deadline: float, *, lane: bool = False) -> Connection:
         """An authenticated connection to ``node`` that has said hello, retried with backoff
-        until ``deadline``; :class:`~burncoll.AuthenticationError` at once. ``lane``: it is
+        until ``deadline`` (at most :data:`DIALS_AT_ONCE` at a time);
+        :class:`~burncoll.AuthenticationError` at once. ``lane``: it is
         to be the two nodes' caller socket (:mod:`burncoll.node.lanes`): reading stops before
         the hello leaves, so the other node's first byte on it stays in the socket."""
         me = self.membership
@@ -62,7 +83,7 @@ class Dialing:
         while True:
             conn: Connection | None = None
             try:
-                async with asyncio.timeout(max(deadline - time.monotonic(), 0.01)):
+                async with self._slots, asyncio.timeout(max(deadline - time.monotonic(), 0.01)):
                     conn = await self.transport.connect(node.host, node.port)
                     conn = await authenticate_client(conn, self.member_token, self.timeout,
                                                      integrity=self.integrity)

@@ -7,9 +7,18 @@ data slot from the next page on (:data:`DATA_AT`, a piece of :data:`PIECE_BYTES`
 result area (:data:`RESULT_AT`: a result chunk is at most half a piece, plus an element),
 both for the host reduction (:mod:`burncoll.node.host_reduce`); last, from the next page on
 (:func:`regions_at`), one stream region of :data:`~burncoll.transport.shm.RING_BYTES` per
-other node, in node order, through which this node's connection to it carries its large
-messages (:mod:`burncoll.transport.shm`). No page is touched at set-up: a session that never
+*region peer* (:func:`region_peers`), in node order, through which this node's connection to it
+carries its large messages (:mod:`burncoll.transport.shm`); the connections to the other nodes
+of its host carry theirs on the socket. No page is touched at set-up: a session that never
 all-reduces through the data slot or sends through a region holds no memory for them.
+
+**Region peers** are the nodes a strategy's large messages go to, among the ``h`` node
+processes of a host (positions ``p`` in node order): the ring's neighbours ``p +- 1``, the
+partners of recursive doubling ``p xor 2**k`` and the binary tree's parent and children --
+at most ``5 + log2(h)``, each pair both ways, so what a node maps and touches for its regions
+grows with ``log h``, not with ``h`` (issue 32: one region per other node of the host made every
+node of 32 map 32 x 620 MiB, and its resident size grow with the regions its strategies cycled
+through). Up to 4 node processes of a host, every other one is a region peer.
 
 **The handshake** (once the lanes are open, before the session's first operation, where a
 host runs 2 node processes or more: :meth:`burncoll.node.link.NodeLink.share_host_memory`):
@@ -17,14 +26,15 @@ every node with another on its host makes its mapping (a sealed anonymous file,
 :mod:`burncoll.transport.host_files`) and offers it on the lanes (round 1); every node maps
 those of the nodes of its host read-only -- only if each is a file a node makes, of the
 mapping's size, sealed, not offered twice --, hands each connection it receives on from
-them the region that node writes to it, and answers (round 2) with a bit per node whose
-region it took (and its own, if it offered it) and whether its processor keeps stores in
-order. No sender writes a region before its reader has it: every node reads every answer,
-and hands each connection it sends on its region only where the receiver's answer says it
-took it. So all of them agree on the session's capabilities: ``host_memory`` (one host, every
-mapping mapped everywhere) and ``host_mail`` (and every processor allows the mail). Without
-them (a node without the memory, ``/proc`` closed, nodes on several hosts) the session runs
-without host memory from its first operation: the route of every operation is chosen knowing
+its region peers among them the region that peer writes to it, and answers (round 2) with a
+bit per node whose region it took or, for the others, whose mapping it mapped (and its own,
+if it offered it) and whether its processor keeps stores in order. No sender writes a region
+before its reader has it: every node reads every answer, and hands each connection it sends
+on its region only where the receiver's answer says it took it. So all of them agree on the
+session's capabilities: ``host_memory`` (one host, every mapping mapped everywhere) and
+``host_mail`` (and every processor allows the mail). Without them (a node without the memory,
+``/proc`` closed, nodes on several hosts) the session runs without host memory from its first
+operation: the route of every operation is chosen knowing
 it (:func:`burncoll.local.plans.choose.choose`); the stream regions the nodes took still serve.
 
 **Trust.** A node can write only its own mapping: another node's is mapped read-only, and its
@@ -52,7 +62,7 @@ from burncoll.transport.host_files import close_host_file, map_offered, new_host
 from burncoll.transport.shm import RING_BYTES
 
 __all__ = ["DATA_AT", "OFFER_BYTES", "RESULT_AT", "HostMemory", "host_memory_bytes",
-           "regions_at"]
+           "region_peers", "region_slots", "regions_at"]
 
 
 def _paged(size: int) -> int:
@@ -76,9 +86,24 @@ def regions_at(nodes: int) -> int:
     return _paged(RESULT_AT + PIECE_BYTES // 2 + 64) if nodes >= SEGMENT_NODES else DATA_AT
 
 
-def host_memory_bytes(nodes: int) -> int:
-    """A mapping's size in a session of ``nodes`` node processes."""
-    return regions_at(nodes) + (nodes - 1) * RING_BYTES
+def region_peers(position: int, count: int) -> list[int]:
+    """The positions, among a host's ``count`` node processes, of the region peers of the one
+    at ``position`` (see the module): ``q`` is ``p``'s exactly when ``p`` is ``q``'s."""
+    near = {(position - 1) % count, (position + 1) % count, (position - 1) // 2,
+            2 * position + 1, 2 * position + 2}
+    near.update(position ^ (1 << k) for k in range(count.bit_length()))
+    return sorted(p for p in near if 0 <= p < count and p != position)
+
+
+def region_slots(count: int) -> int:
+    """The stream regions of each mapping among a host's ``count`` node processes."""
+    return max((len(region_peers(p, count)) for p in range(count)), default=0)
+
+
+def host_memory_bytes(nodes: int, on_host: int | None = None) -> int:
+    """A mapping's size in a session of ``nodes`` node processes, ``on_host`` of them (all,
+    unless said) on its host."""
+    return regions_at(nodes) + region_slots(nodes if on_host is None else on_host) * RING_BYTES
 
 
 class HostMemory:
@@ -91,7 +116,9 @@ class HostMemory:
         self.nodes = len(hosts)
         #: The nodes of this node's host (``hosts``: every node's, numbered), this one too.
         self._host = [n for n, h in enumerate(hosts) if h == hosts[self.me]]
-        self._bytes = host_memory_bytes(self.nodes)
+        self._bytes = host_memory_bytes(self.nodes, len(self._host))
+        #: This node's region peers (see the module), by node index.
+        self.region_peers = set(self._peers(self.me))
         #: The mappings of this node's host, this node's writable, by node index.
         self.maps: dict[int, mmap.mmap] = {}
 
@@ -137,29 +164,37 @@ class HostMemory:
         if offer:  # (an answer naming a file this node never offered is no region)
             self.lanes.service.connections.write_regions({
                 n: memoryview(self.maps[self.me])[self._region(self.me, n)]
-                for n in self._host if n != self.me and self.me in mapped[n]})
+                for n in self.region_peers if self.me in mapped[n]})
         usable = all(m == set(range(self.nodes)) for m in mapped.values())
         if usable and all(a[0] & _ORDERED for a in answers.values()):
             self.lanes.mail = SharedMail(self.maps, self.me, 0)
         return usable
 
     def _answer(self, offered: bool) -> bytes:
-        """Hand every connection this node receives on from a node whose mapping it mapped
-        the region that node writes to it; this node's answer in round 2: whether its processor
-        allows the mail, then a bit per node -- set for this node if it offered its mapping,
-        and for every node whose region its connection took."""
+        """Hand every connection this node receives on from a region peer whose mapping it
+        mapped the region that node writes to it; this node's answer in round 2: whether its
+        processor allows the mail, then a bit per node -- set for this node if it offered its
+        mapping, for every region peer whose region its connection took, and for every other
+        node whose mapping it mapped."""
         regions = {n: memoryview(m)[self._region(n, self.me)] for n, m in self.maps.items()
-                   if n != self.me}
+                   if n in self.region_peers}
         taken = self.lanes.service.connections.read_regions(regions)
+        others = set(self.maps) - self.region_peers - {self.me}
         bits = bytearray(1 + (self.nodes + 7) // 8)
         bits[0] = _ORDERED * ORDERED_STORES
-        for n in taken | ({self.me} if offered else set()):
+        for n in taken | others | ({self.me} if offered else set()):
             bits[1 + n // 8] |= 1 << (n % 8)
         return bytes(bits)
 
+    def _peers(self, node: int) -> list[int]:
+        """``node``'s region peers (a node of this host), by node index, in node order."""
+        host = self._host
+        return [host[p] for p in region_peers(host.index(node), len(host))]
+
     def _region(self, writer: int, reader: int) -> slice:
-        """Where ``writer``'s stream region to ``reader`` lies in ``writer``'s mapping."""
-        at = regions_at(self.nodes) + (reader - (reader > writer)) * RING_BYTES
+        """Where ``writer``'s stream region to ``reader`` (one of its region peers) lies in
+        ``writer``'s mapping."""
+        at = regions_at(self.nodes) + self._peers(writer).index(reader) * RING_BYTES
         return slice(at, at + RING_BYTES)
 
     def _map(self, op: GlobalOp, node: int, offer: bytes, seen: dict[tuple[int, int], str]

@@ -4,7 +4,8 @@ Once every node is connected, node processes of one host set up their host memor
 (:meth:`~burncoll.node.link.NodeLink.share_host_memory`), so that the capabilities the
 routes are chosen from are agreed before the first operation.
 
-A node that fails before it could join (its data service's port is in use, two of its peers
+A node that fails before it could join (too low a descriptor limit for the session's size:
+:mod:`burncoll.node.descriptors`; its data service's port is in use, two of its peers
 registered one id) tells the orchestrator so, with :class:`~burncoll.protocol.control.Abandon`:
 the nodes already waiting for it then fail at once with its error, naming it, instead of
 waiting out their timeout with a bare :class:`~burncoll.CollectiveTimeout`.
@@ -22,6 +23,7 @@ from burncoll.config.values import parse_host_port
 from burncoll.errors import CollectiveError
 from burncoll.ioloop import IoLoop
 from burncoll.node.data_service import DataService
+from burncoll.node.descriptors import ensure_descriptors
 from burncoll.node.link import NodeLink
 from burncoll.node.orchestrator_client import ABANDON_SECONDS, OrchestratorClient
 from burncoll.protocol.control import MAX_REASON, Abandon, Join
@@ -95,7 +97,8 @@ def _client(config: CollectiveConfig, transport: Transport) -> OrchestratorClien
 
 async def _join(service: DataService, orch: OrchestratorClient, config: CollectiveConfig,
                 local_peer_ids: Sequence[int], deadline: float) -> None:
-    try:
+    try:  # (the number of nodes, where the config says it: else once the table says it)
+        ensure_descriptors(config.num_nodes or 1)
         await service.start()
     except CollectiveError as exc:
         await orch.abandon(abandon_message(config, local_peer_ids, exc),
@@ -109,6 +112,7 @@ async def _join(service: DataService, orch: OrchestratorClient, config: Collecti
                   "host": host_identity() if config.shared_memory else "",
                   "lanes": config.uses_lanes},
         ), deadline)
+        ensure_descriptors(len(orch.nodes))
         # Without a token, member connections authenticate with the session's own secret
         # (from the orchestrator's table): a stranger cannot pose as a member.
         service.set_session(orch.session, orch.index, orch.nodes, secret=orch.secret)
