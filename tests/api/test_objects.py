@@ -295,14 +295,36 @@ def test_the_configured_cap_reaches_every_peer(monkeypatch: pytest.MonkeyPatch) 
 
     def work(comm: burncoll.Communicator) -> tuple[object, str]:
         small = comm.all_gather_object([[comm.rank]])  # 2 containers each
-        with pytest.raises(ProtocolError) as info:
-            comm.all_gather_object([[[[comm.rank]]]])  # 4 each
+        with pytest.raises(UsageError) as info:  # refused by its sender, named on every peer
+            comm.all_gather_object([[[[comm.rank]]]] if comm.rank else 0)  # 4 on peer 1
         return small, str(info.value)
 
     for small, error in ddp(range(2), burncoll.CollectiveConfig(timeout=10)).run(work):
         assert small == [[[0]], [[1]]]
-        assert error.startswith("all_gather_object: the object from peer 0: more than 3 "
-                                "containers and dict entries"), error
+        assert error.startswith("all_gather_object: peer 1 could not send its object: cannot "
+                                "send obj: it holds 4 lists, tuples, dicts and dict entries, "
+                                "more than the peers accept (max_object_containers=3"), error
+        assert "BURNCOLL_MAX_OBJECT_CONTAINERS" in error
+
+
+def test_the_sender_refuses_what_its_peers_would() -> None:
+    """An honest object past the cap is a UsageError on its sender that says what to do, never
+    a ProtocolError on the others: the sender counts as the receivers' scan does."""
+    seven = [[], (), {"a": 1}, [[1]]]
+    for obj in (seven, {(1, (2, "x")): [b"", (3,)], -1: {}, "k": [[(i,)] for i in range(5)]},
+                [np.zeros(3), np.float32(1), [[[[None]]]]], ((), [], {}, ((),), [[[]]])):
+        for cap in range(1, 30):
+            try:
+                sent = objects.encode(obj, cap)
+            except UsageError as exc:
+                assert "raise max_object_containers on every peer" in str(exc)
+                with pytest.raises(ProtocolError, match="containers and dict entries"):
+                    objects.decode(objects.encode(obj), cap)
+            else:
+                _same(objects.decode(sent, cap), obj)
+    with pytest.raises(UsageError, match="it holds 600001 lists, tuples, dicts and dict "
+                                         "entries, more than the peers accept"):
+        objects.encode([[i, i] for i in range(600_000)])
 
 
 def test_honest_shapes_the_scan_reads_at_once_or_one_by_one() -> None:
