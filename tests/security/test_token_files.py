@@ -67,7 +67,9 @@ def test_launch_refuses_a_short_token_saying_how_to_make_one(tmp_path: Path, how
         (), clean_env(BURNCOLL_AUTH_TOKEN="abcd"))
     done = _launch(*args, env=env)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "auth_token is only 4 bytes" in done.stderr and "at least 16" in done.stderr
+    what = "auth_token" if how == "BURNCOLL_AUTH_TOKEN" else (
+        f"the token in auth_token_file={str(path)!r}")  # which file to fix
+    assert f"{what} is only 4 bytes" in done.stderr and "at least 16" in done.stderr
     assert MAKE_ONE in done.stderr and "abcd" not in done.stderr, done.stderr
     assert not records(done.stdout)
 
