@@ -12,6 +12,7 @@ to :func:`burncoll.comm.objects.decode` raise :class:`~burncoll.ProtocolError`, 
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 import struct
 from collections.abc import Callable
@@ -259,8 +260,8 @@ HOSTILE = {
     "map declared past the end": _record(b"\xdf\x00\x00\x01\x00" + b"\x00" * 300),
     "ends inside a length": _record(b"\x91\xdd\x00"),
     "ends inside a str": _record(b"\x91\xd9\x10ab"),
-    "float keys sharing a hash": _pack({2.0 ** (61 * k): k for k in range(9)}),  # hash 1
-    "tuple keys sharing a hash": objects.encode(dict.fromkeys(colliding_pairs(9))),
+    "tuple keys sharing a hash": objects.encode(dict.fromkeys(colliding_pairs(
+        objects.MAX_SAME_HASH + 1))),
     "too many empty lists": _record(b"\xdd" + struct.pack(">I", 2**19 + 1) + b"\x90" * (2**19 + 1)),
     "refusal not utf-8": _record(b"\xff\xfe", tag=2),
     "refusal too long": _record(b"x" * (objects.MAX_MESSAGE_BYTES + 1), tag=2),
@@ -334,7 +335,8 @@ def test_honest_shapes_the_scan_reads_at_once_or_one_by_one() -> None:
                 {(1, (2, "x")): [b"", b"x" * 300], -1: -2, -2: -1, 0.0: "", "": 0},
                 [(), [], {}, ((),), [[[]]]], "x" * 70_000, [np.zeros(3, bool), np.True_],
                 {5 + i * (2**61 - 1): i for i in range(8)},
-                {2.0 ** (61 * k): k for k in range(8)}, dict.fromkeys(colliding_pairs(8))):
+                {2.0 ** (61 * k): k for k in range(9)}, dict.fromkeys(colliding_pairs(64)),
+                dict.fromkeys(itertools.product(range(-2, 3), repeat=4))):  # 16 share a hash
         _same(objects.decode(objects.encode(obj)), obj)
 
 
