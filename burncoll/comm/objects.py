@@ -76,8 +76,8 @@ _HEADER = struct.Struct("<BQ")
 _EXT_TUPLE, _EXT_ARRAY, _EXT_SCALAR = 1, 2, 3  # ext type codes
 #: Heads a msgpack array that is a tuple; users cannot send an ExtType, so it is unambiguous.
 _TUPLE_HEAD = msgpack.ExtType(_EXT_TUPLE, b"")
-_LEAVES = (type(None), bool, float, str, bytes)
-_KEYS = (type(None), bool, int, float, str)
+_LEAVES = (type(None), bool, float, str, bytes, np.str_, np.bytes_)  # NumPy's: as str, bytes
+_KEYS = (type(None), bool, int, float, str, np.str_)
 _SUPPORTED = ("None, bool, int, float, str, bytes, list, tuple, dict, NumPy arrays and scalars "
              "(JAX and CuPy arrays are sent as NumPy arrays)")
 
@@ -178,7 +178,7 @@ def _check(obj: Any, depth: int) -> int:
     dict entries in it, as :mod:`~burncoll.comm.object_scan` counts them."""
     kind = type(obj)
     if kind in _LEAVES:
-        if kind is str and not obj.isascii():
+        if kind in (str, np.str_) and not obj.isascii():
             try:
                 obj.encode("utf-8")
             except UnicodeEncodeError:
@@ -220,8 +220,9 @@ def _check_key(key: Any, depth: int) -> int:
             raise _Refused(f"a dict key nested deeper than {MAX_DEPTH} containers")
         return 1 + sum(_check_key(item, depth + 1) for item in key)
     if kind not in _KEYS:
+        hint = "; send a NumPy scalar as key.item()" if issubclass(kind, np.generic) else ""
         raise _Refused(f"a dict key that is {_describe(kind)} (keys may be str, int, float, "
-                       "bool, None or tuples of those)")
+                       f"bool, None or tuples of those{hint})")
     return _check(key, depth)
 
 
@@ -246,6 +247,8 @@ def _default(obj: Any) -> object:
     """msgpack's hook for what it does not pack itself: tuples and arrays (checked already)."""
     if type(obj) is tuple:
         return [_TUPLE_HEAD, *obj]
+    if type(obj) in (np.str_, np.bytes_):
+        return obj.item()
     if isinstance(obj, np.generic):
         return _array_ext(np.asarray(obj), _EXT_SCALAR)
     if type(obj).__module__.split(".")[0] == "cupy":  # pragma: no cover - no GPU here

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import random
+import re
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -175,6 +176,24 @@ def test_unsendable_objects_are_named_with_their_path(obj: object, where: str) -
     with pytest.raises(UsageError, match="cannot send") as info:
         objects.encode(obj)
     assert where in str(info.value)
+
+
+def test_numpy_strings_go_as_str_and_numpy_keys_are_named_with_the_fix() -> None:
+    """Strings from a NumPy array (np.str_) were refused as an array of dtype str32."""
+    labels = list(np.array(["cat", "dog"]))
+    sent = {"labels": labels, labels[0]: np.bytes_(b"\x00x"), "pair": (np.str_("é"), 1)}
+    got = objects.decode(objects.encode(sent))
+    assert got == {"labels": ["cat", "dog"], "cat": b"\x00x", "pair": ("é", 1)}
+    assert [type(x) for x in got["labels"]] == [str, str] and type(got["cat"]) is bytes
+    values, counts = np.unique([3, 1, 3], return_counts=True)
+    with pytest.raises(UsageError, match=re.escape("a dict key that is a numpy.int64 (keys may "
+                                                   "be str, int, float, bool, None or tuples "
+                                                   "of those; send a NumPy scalar as "
+                                                   "key.item()) at obj[np.int64(1)]")):
+        objects.encode(dict(zip(values, counts, strict=True)))
+    assert objects.decode(objects.encode({k.item(): c for k, c in zip(values, counts,
+                                                                       strict=True)})) == {
+        1: np.int64(1), 3: np.int64(2)}
 
 
 def test_too_deep_and_self_holding_objects_are_refused() -> None:
