@@ -166,15 +166,17 @@ def picks(walk: Params, exchange: Params) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nodes", default="2,4,8",
-                        type=lambda t: [int(x) for x in t.split(",")])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--nodes", default="2,4,8", type=lambda t: [int(x) for x in t.split(",")],
+                        help="numbers of node processes, one device each (default 2,4,8; "
+                        "at most 8 on a shared machine)")
     parser.add_argument("--sizes", default="8,512,32K,2M",  # a geometric series
-                        type=lambda t: [parse_size(x) for x in t.split(",")])
+                        type=lambda t: [parse_size(x) for x in t.split(",")],
+                        help="all-reduce sizes, bytes with K/M/G (default 8,512,32K,2M)")
     parser.add_argument("--strategies", default="centralized,tree,ring,doubling,auto",
-                        type=lambda t: t.split(","))
-    parser.add_argument("--iters", type=int, default=15)
-    parser.add_argument("--transport", default="websocket")
+                        type=lambda t: t.split(","), help="global strategies to measure")
+    parser.add_argument("--iters", type=int, default=15, help="timed iterations per size")
+    parser.add_argument("--transport", default="websocket", help="websocket, quic or tcp")
     parser.add_argument("--samples", type=Path, action="append", default=[],
                         help="keep a run's samples in this JSON file; given files that exist "
                         "(one or more runs), report the median of their samples instead")

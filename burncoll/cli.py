@@ -8,7 +8,9 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Sequence
+from typing import TextIO
 
 import burncoll
 from burncoll.bench.options import int_at_least
@@ -271,6 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: TextIO | None = None, line: str | None = None) -> None:
+    print(f"burncoll: warning: {message}", file=sys.stderr if file is None else file)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -283,7 +290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from burncoll.errors import CollectiveError
 
     try:
-        code: int = args.func(args)
+        with warnings.catch_warnings():  # as its errors: what to fix, not where in our code
+            warnings.showwarning = _show_warning
+            code: int = args.func(args)
     except CollectiveError as exc:
         print(f"burncoll: error: {exc}", file=sys.stderr)
         return 2

@@ -138,14 +138,17 @@ class Communicator(RootedOps, Groups, PointToPoint):
     def broadcast_object(self, obj: object, root: int) -> object:
         """Peer ``root``'s ``obj`` on every peer (others pass anything, e.g. ``None``): one
         broadcast of msgpack bytes, never pickle; :mod:`burncoll.comm.objects` says what may go."""
-        mine = objects.payload(obj, self._backend, self.device) if root == self.peer_id else None
+        cap = self.config.max_object_containers
+        mine = objects.payload(obj, self._backend, self.device, cap) if (
+            root == self.peer_id) else None
         got = self._backend.to_host(self.broadcast(mine, root))
-        return objects.unpack(got, [root], "broadcast_object", self.config.max_object_containers)[0]
+        return objects.unpack(got, [root], "broadcast_object", cap)[0]
 
     def all_gather_object(self, obj: object) -> list[object]:
         """Every peer's ``obj`` in rank order: one all_gather of msgpack bytes, never pickle;
         :mod:`burncoll.comm.objects` says what may be sent."""
-        return self._all_gather_record(objects.payload(obj), "all_gather_object")
+        return self._all_gather_record(
+            objects.payload(obj, cap=self.config.max_object_containers), "all_gather_object")
 
     def all_reduce_tree(
         self, tree: T, op: ReduceOp | str = "mean", bucket_bytes: int = 25 * 2**20, *,

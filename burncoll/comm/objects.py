@@ -64,8 +64,10 @@ MAX_NDIM = 32
 #: default (:attr:`~burncoll.CollectiveConfig.max_object_containers`). A record of more than
 #: 16 times as many bytes may hold one per 16 bytes.
 MAX_CONTAINERS: int = CollectiveConfig.max_object_containers
-#: How many keys of one received dict may share a hash value.
-MAX_SAME_HASH = 8
+#: How many keys of one received dict may share a hash value: honest keys do too, since
+#: ``hash(-1) == hash(-2)`` (a dict keyed by 4-D offsets in -2..2 has 16 sharing one), and 64
+#: cost a dict built of such groups 3 times what 8 do (0.3 s for 2**19 int keys).
+MAX_SAME_HASH = 64
 #: The longest reason a peer may give for not sending its object, in UTF-8 bytes.
 MAX_MESSAGE_BYTES = 2000
 
@@ -74,8 +76,8 @@ _HEADER = struct.Struct("<BQ")
 _EXT_TUPLE, _EXT_ARRAY, _EXT_SCALAR = 1, 2, 3  # ext type codes
 #: Heads a msgpack array that is a tuple; users cannot send an ExtType, so it is unambiguous.
 _TUPLE_HEAD = msgpack.ExtType(_EXT_TUPLE, b"")
-_LEAVES = (type(None), bool, float, str, bytes)
-_KEYS = (type(None), bool, int, float, str)
+_LEAVES = (type(None), bool, float, str, bytes, np.str_, np.bytes_)  # NumPy's: as str, bytes
+_KEYS = (type(None), bool, int, float, str, np.str_)
 _SUPPORTED = ("None, bool, int, float, str, bytes, list, tuple, dict, NumPy arrays and scalars "
              "(JAX and CuPy arrays are sent as NumPy arrays)")
 
@@ -107,10 +109,12 @@ class _Refused(UsageError):
 # -- encoding -----------------------------------------------------------------------------------
 
 
-def encode(obj: object) -> bytes:
-    """``obj`` as one tagged record; :class:`~burncoll.UsageError` when it cannot be sent."""
+def encode(obj: object, cap: int = MAX_CONTAINERS) -> bytes:
+    """``obj`` as one tagged record; :class:`~burncoll.UsageError` when it cannot be sent,
+    including when it holds more containers and dict entries than a peer of the same ``cap``
+    (:attr:`~burncoll.CollectiveConfig.max_object_containers`) accepts (see :func:`unpack`)."""
     try:
-        _check(obj, 0)
+        count = _check(obj, 0)
     except _Refused as exc:  # a plain UsageError for the caller, its path rendered
         raise UsageError(str(exc)) from None
     except RecursionError:
@@ -123,6 +127,12 @@ def encode(obj: object) -> bytes:
     if len(body) > MAX_OBJECT_BYTES:
         raise UsageError(f"cannot send obj: it encodes to {len(body)} bytes, over the limit of "
                          f"{MAX_OBJECT_BYTES} (burncoll.comm.objects.MAX_OBJECT_BYTES)")
+    if count > max(cap, len(body) // 16):
+        raise UsageError(
+            f"cannot send obj: it holds {count} lists, tuples, dicts and dict entries, more than "
+            f"the peers accept (max_object_containers={cap}, or one per 16 bytes of its "
+            f"{len(body)}-byte encoding); send the numbers as a NumPy array (one entry), or "
+            "raise max_object_containers on every peer (BURNCOLL_MAX_OBJECT_CONTAINERS)")
     return _HEADER.pack(_OBJECT, len(body)) + body
 
 
@@ -146,15 +156,16 @@ class Host(Protocol):
                   device: Any) -> Any: ...
 
 
-def payload(obj: object, backend: Host | None = None, device: Any = None) -> Any:
+def payload(obj: object, backend: Host | None = None, device: Any = None,
+            cap: int = MAX_CONTAINERS) -> Any:
     """``obj``'s record (or a refusal saying why it cannot be sent) as a 1-D uint8 array:
-    NumPy, or the ``backend``'s on ``device`` when one is given.
+    NumPy, or the ``backend``'s on ``device`` when one is given (``cap``: as for :func:`encode`).
 
     Never raises for the object itself: a peer whose object is refused still takes part in
     the collective, and :func:`unpack` raises on every peer.
     """
     try:
-        record = encode(obj)
+        record = encode(obj, cap)
     except Exception as exc:  # whatever the object did: tell every peer, never leave them waiting
         record = refusal(str(exc) if isinstance(exc, UsageError)
                          else f"cannot send obj: {type(exc).__name__}: {exc}")
@@ -162,55 +173,57 @@ def payload(obj: object, backend: Host | None = None, device: Any = None) -> Any
     return data if backend is None else backend.from_host(data, "uint8", data.shape, device)
 
 
-def _check(obj: Any, depth: int) -> None:
-    """Refuse what cannot be sent, with its path, before msgpack sees it."""
+def _check(obj: Any, depth: int) -> int:
+    """Refuse what cannot be sent, with its path, before msgpack sees it; the containers and
+    dict entries in it, as :mod:`~burncoll.comm.object_scan` counts them."""
     kind = type(obj)
     if kind in _LEAVES:
-        if kind is str and not obj.isascii():
+        if kind in (str, np.str_) and not obj.isascii():
             try:
                 obj.encode("utf-8")
             except UnicodeEncodeError:
                 raise _Refused("a str that is not valid Unicode (a lone surrogate)") from None
-        return
+        return 0
     if kind is int:
         if not -(2**63) <= obj < 2**64:
             raise _Refused(f"an int outside -2**63..2**64-1 ({_short(obj)})")
-        return
+        return 0
     if kind in (list, tuple, dict):
         if depth >= MAX_DEPTH:
             raise _Refused(f"a {kind.__name__} nested deeper than {MAX_DEPTH} containers "
                            "(one that holds itself?)")
+        count = 1 + len(obj) if kind is dict else 1
         for key, value in obj.items() if kind is dict else enumerate(obj):
             try:
                 if kind is dict:
-                    _check_key(key, depth + 1)
-                _check(value, depth + 1)
+                    count += _check_key(key, depth + 1)
+                count += _check(value, depth + 1)
             except _Refused as exc:
                 exc.path.insert(0, key)
                 raise
-        return
+        return count
     if kind is np.ndarray or isinstance(obj, np.generic) or _foreign(obj):
         name = dtype_name(np.dtype(obj.dtype))
         if name not in SUPPORTED_DTYPES:
             raise _Refused(f"an array of dtype {name} (supported dtypes: "
                            f"{', '.join(SUPPORTED_DTYPES)})")
-        return
+        return 0
     raise _Refused(_describe(kind))
 
 
-def _check_key(key: Any, depth: int) -> None:
-    """A dict key ``depth`` containers deep: a scalar, or a tuple of keys."""
+def _check_key(key: Any, depth: int) -> int:
+    """A dict key ``depth`` containers deep: a scalar, or a tuple of keys (counted as
+    :func:`_check` counts)."""
     kind = type(key)
     if kind is tuple:
         if depth >= MAX_DEPTH:
             raise _Refused(f"a dict key nested deeper than {MAX_DEPTH} containers")
-        for item in key:
-            _check_key(item, depth + 1)
-    elif kind not in _KEYS:
+        return 1 + sum(_check_key(item, depth + 1) for item in key)
+    if kind not in _KEYS:
+        hint = "; send a NumPy scalar as key.item()" if issubclass(kind, np.generic) else ""
         raise _Refused(f"a dict key that is {_describe(kind)} (keys may be str, int, float, "
-                       "bool, None or tuples of those)")
-    else:
-        _check(key, depth)
+                       f"bool, None or tuples of those{hint})")
+    return _check(key, depth)
 
 
 def _describe(kind: type) -> str:
@@ -234,6 +247,8 @@ def _default(obj: Any) -> object:
     """msgpack's hook for what it does not pack itself: tuples and arrays (checked already)."""
     if type(obj) is tuple:
         return [_TUPLE_HEAD, *obj]
+    if type(obj) in (np.str_, np.bytes_):
+        return obj.item()
     if isinstance(obj, np.generic):
         return _array_ext(np.asarray(obj), _EXT_SCALAR)
     if type(obj).__module__.split(".")[0] == "cupy":  # pragma: no cover - no GPU here

@@ -138,7 +138,7 @@ class RootedOps(CommunicatorCore):
         a refused object raises :class:`~burncoll.UsageError` on every peer, naming it), then
         the gather of the encodings."""
         root = self._check_root(root)
-        record = objects.payload(obj)
+        record = objects.payload(obj, cap=self.config.max_object_containers)
         self._all_gather_record(record if objects.is_refusal(record) else objects.payload(None),
                                 "gather_object")  # whether each peer's object could go
         backend, device = self._backend, self.device
@@ -159,7 +159,8 @@ class RootedOps(CommunicatorCore):
             if not isinstance(objs, list | tuple) or len(objs) != len(self.peer_ids):
                 raise UsageError(f"scatter_object: the root must pass a list of "
                                  f"{len(self.peer_ids)} objects (one per rank), got {objs!r}")
-            records = [objects.payload(o) for o in objs]
+            cap = self.config.max_object_containers
+            records = [objects.payload(o, cap=cap) for o in objs]
             bad = next((r for r in records if objects.is_refusal(r)), None)
             if bad is not None:  # every peer gets the refusal, and raises it
                 records = [bad] * len(records)

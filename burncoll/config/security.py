@@ -134,7 +134,8 @@ def resolve_token(token: str | None, token_file: str | None) -> str | None:
                 "the token one way (BURNCOLL_AUTH_TOKEN or the file), not both"
             )
         token = from_file
-    check_token(token)
+    check_token(token, "auth_token" if token_file is None else
+                f"the token in auth_token_file={token_file!r}")
     return token
 
 

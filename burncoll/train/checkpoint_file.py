@@ -187,7 +187,7 @@ def read_checkpoint(directory: Path) -> Stored | None:
     read."""
     if directory.exists() and not directory.is_dir():
         raise UsageError(f"checkpoint_dir {str(directory)!r} exists and is not a directory")
-    fd = open_trusted(directory, CHECKPOINT_FILE) if directory.exists() else None
+    fd = open_trusted(directory, CHECKPOINT_FILE)  # a missing directory: where it would be
     if fd is None:
         return None
     path = directory / CHECKPOINT_FILE

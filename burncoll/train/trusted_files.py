@@ -41,13 +41,19 @@ def _untrusted(path: Path, info: os.stat_result, what: str) -> str | None:
 
 def check_trusted_directory(directory: Path) -> None:
     """Refuse ``directory`` unless only this user (or root) can change it and every directory
-    above it (:class:`~burncoll.UsageError`). It must exist."""
+    above it (:class:`~burncoll.UsageError`). A missing one: those above it that exist (where
+    it would be created), so that a run is refused before its first checkpoint, not when it
+    resumes."""
     if not _POSIX:
         return
     real = directory.resolve()
     for place in (real, *real.parents):
         what = "checkpoint_dir" if place == real else "the directory above checkpoint_dir"
-        why = _untrusted(place, os.stat(place), what)
+        try:
+            info = os.stat(place)
+        except FileNotFoundError:
+            continue
+        why = _untrusted(place, info, what)
         if why is not None:
             raise UsageError(f"{why} {str(place)!r}, or pass a checkpoint_dir that only you (or "
                              "root) can change (OpenSSH refuses its keys in such places for the "

@@ -12,7 +12,9 @@ to :func:`burncoll.comm.objects.decode` raise :class:`~burncoll.ProtocolError`, 
 from __future__ import annotations
 
 import functools
+import itertools
 import random
+import re
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -176,6 +178,24 @@ def test_unsendable_objects_are_named_with_their_path(obj: object, where: str) -
     assert where in str(info.value)
 
 
+def test_numpy_strings_go_as_str_and_numpy_keys_are_named_with_the_fix() -> None:
+    """Strings from a NumPy array (np.str_) were refused as an array of dtype str32."""
+    labels = list(np.array(["cat", "dog"]))
+    sent = {"labels": labels, labels[0]: np.bytes_(b"\x00x"), "pair": (np.str_("é"), 1)}
+    got = objects.decode(objects.encode(sent))
+    assert got == {"labels": ["cat", "dog"], "cat": b"\x00x", "pair": ("é", 1)}
+    assert [type(x) for x in got["labels"]] == [str, str] and type(got["cat"]) is bytes
+    values, counts = np.unique([3, 1, 3], return_counts=True)
+    with pytest.raises(UsageError, match=re.escape("a dict key that is a numpy.int64 (keys may "
+                                                   "be str, int, float, bool, None or tuples "
+                                                   "of those; send a NumPy scalar as "
+                                                   "key.item()) at obj[np.int64(1)]")):
+        objects.encode(dict(zip(values, counts, strict=True)))
+    assert objects.decode(objects.encode({k.item(): c for k, c in zip(values, counts,
+                                                                       strict=True)})) == {
+        1: np.int64(1), 3: np.int64(2)}
+
+
 def test_too_deep_and_self_holding_objects_are_refused() -> None:
     loop: list[object] = []
     loop.append(loop)
@@ -259,8 +279,8 @@ HOSTILE = {
     "map declared past the end": _record(b"\xdf\x00\x00\x01\x00" + b"\x00" * 300),
     "ends inside a length": _record(b"\x91\xdd\x00"),
     "ends inside a str": _record(b"\x91\xd9\x10ab"),
-    "float keys sharing a hash": _pack({2.0 ** (61 * k): k for k in range(9)}),  # hash 1
-    "tuple keys sharing a hash": objects.encode(dict.fromkeys(colliding_pairs(9))),
+    "tuple keys sharing a hash": objects.encode(dict.fromkeys(colliding_pairs(
+        objects.MAX_SAME_HASH + 1))),
     "too many empty lists": _record(b"\xdd" + struct.pack(">I", 2**19 + 1) + b"\x90" * (2**19 + 1)),
     "refusal not utf-8": _record(b"\xff\xfe", tag=2),
     "refusal too long": _record(b"x" * (objects.MAX_MESSAGE_BYTES + 1), tag=2),
@@ -295,14 +315,36 @@ def test_the_configured_cap_reaches_every_peer(monkeypatch: pytest.MonkeyPatch) 
 
     def work(comm: burncoll.Communicator) -> tuple[object, str]:
         small = comm.all_gather_object([[comm.rank]])  # 2 containers each
-        with pytest.raises(ProtocolError) as info:
-            comm.all_gather_object([[[[comm.rank]]]])  # 4 each
+        with pytest.raises(UsageError) as info:  # refused by its sender, named on every peer
+            comm.all_gather_object([[[[comm.rank]]]] if comm.rank else 0)  # 4 on peer 1
         return small, str(info.value)
 
     for small, error in ddp(range(2), burncoll.CollectiveConfig(timeout=10)).run(work):
         assert small == [[[0]], [[1]]]
-        assert error.startswith("all_gather_object: the object from peer 0: more than 3 "
-                                "containers and dict entries"), error
+        assert error.startswith("all_gather_object: peer 1 could not send its object: cannot "
+                                "send obj: it holds 4 lists, tuples, dicts and dict entries, "
+                                "more than the peers accept (max_object_containers=3"), error
+        assert "BURNCOLL_MAX_OBJECT_CONTAINERS" in error
+
+
+def test_the_sender_refuses_what_its_peers_would() -> None:
+    """An honest object past the cap is a UsageError on its sender that says what to do, never
+    a ProtocolError on the others: the sender counts as the receivers' scan does."""
+    seven = [[], (), {"a": 1}, [[1]]]
+    for obj in (seven, {(1, (2, "x")): [b"", (3,)], -1: {}, "k": [[(i,)] for i in range(5)]},
+                [np.zeros(3), np.float32(1), [[[[None]]]]], ((), [], {}, ((),), [[[]]])):
+        for cap in range(1, 30):
+            try:
+                sent = objects.encode(obj, cap)
+            except UsageError as exc:
+                assert "raise max_object_containers on every peer" in str(exc)
+                with pytest.raises(ProtocolError, match="containers and dict entries"):
+                    objects.decode(objects.encode(obj), cap)
+            else:
+                _same(objects.decode(sent, cap), obj)
+    with pytest.raises(UsageError, match="it holds 600001 lists, tuples, dicts and dict "
+                                         "entries, more than the peers accept"):
+        objects.encode([[i, i] for i in range(600_000)])
 
 
 def test_honest_shapes_the_scan_reads_at_once_or_one_by_one() -> None:
@@ -312,7 +354,8 @@ def test_honest_shapes_the_scan_reads_at_once_or_one_by_one() -> None:
                 {(1, (2, "x")): [b"", b"x" * 300], -1: -2, -2: -1, 0.0: "", "": 0},
                 [(), [], {}, ((),), [[[]]]], "x" * 70_000, [np.zeros(3, bool), np.True_],
                 {5 + i * (2**61 - 1): i for i in range(8)},
-                {2.0 ** (61 * k): k for k in range(8)}, dict.fromkeys(colliding_pairs(8))):
+                {2.0 ** (61 * k): k for k in range(9)}, dict.fromkeys(colliding_pairs(64)),
+                dict.fromkeys(itertools.product(range(-2, 3), repeat=4))):  # 16 share a hash
         _same(objects.decode(objects.encode(obj)), obj)
 
 

@@ -97,6 +97,20 @@ def test_a_checkpoint_others_may_write_is_refused(tmp_path: Path, where: str) ->
     assert read_checkpoint(directory) is not None  # fixed as the message says
 
 
+def test_a_missing_checkpoint_dir_in_such_a_place_is_refused_before_the_first_step(
+        tmp_path: Path) -> None:
+    """Before, the first run wrote its checkpoints there and only the resume was refused."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o775)  # a group-writable project directory
+    with pytest.raises(Exception, match=re.escape(f"checkpoint_dir {str(shared)!r} is "
+                                                  "writable by other users")) as info:
+        read_checkpoint(shared / "run" / "ckpt")
+    assert "chmod go-w" in str(info.value) and not (shared / "run").exists()
+    os.chmod(shared, 0o755)
+    assert read_checkpoint(shared / "run" / "ckpt") is None  # fixed as the message says
+
+
 @as_root
 @pytest.mark.parametrize("where", ["the directory", "the file"])
 def test_a_checkpoint_of_another_user_is_refused(tmp_path: Path, where: str) -> None:

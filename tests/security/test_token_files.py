@@ -67,7 +67,9 @@ def test_launch_refuses_a_short_token_saying_how_to_make_one(tmp_path: Path, how
         (), clean_env(BURNCOLL_AUTH_TOKEN="abcd"))
     done = _launch(*args, env=env)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "auth_token is only 4 bytes" in done.stderr and "at least 16" in done.stderr
+    what = "auth_token" if how == "BURNCOLL_AUTH_TOKEN" else (
+        f"the token in auth_token_file={str(path)!r}")  # which file to fix
+    assert f"{what} is only 4 bytes" in done.stderr and "at least 16" in done.stderr
     assert MAKE_ONE in done.stderr and "abcd" not in done.stderr, done.stderr
     assert not records(done.stdout)
 
@@ -85,13 +87,20 @@ def test_every_entry_point_refuses_a_short_token(call: str) -> None:
         "error"][1]
 
 
-def test_an_honest_token_file_carries_an_exact_all_reduce(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", [0o600, 0o644])
+def test_an_honest_token_file_carries_an_exact_all_reduce(tmp_path: Path, mode: int) -> None:
+    """A file others may read works with a warning that says how to fix it (before, it came
+    as Python's UserWarning line naming burncoll/cli.py and quoting its code)."""
     path, token = tmp_path / "token", secrets.token_hex(16)  # 32 characters
     path.write_text(token + "\n")
-    path.chmod(0o600)
+    path.chmod(mode)
     done = _launch("--auth-token-file", str(path),
                    env=clean_env(TEST_EXPECT_TOKEN_FILE=str(path), TEST_TIMEOUT="30"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    warned = (f"burncoll: warning: auth_token_file={str(path)!r} may be read by other users "
+              f"(mode 644); restrict it: chmod 600 {path}\n")
+    assert (warned in done.stderr) == (mode == 0o644), done.stderr
+    assert "UserWarning" not in done.stderr and "cli.py" not in done.stderr, done.stderr
     found = records(done.stdout)
     assert len(found) == 2 and all(r["ok"] for r in found), found
     assert {r["token_bytes"] for r in found} == {len(token)}
