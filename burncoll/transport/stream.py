@@ -15,8 +15,10 @@ and :meth:`StreamSending.frame_header`):
   pipelined behind the authentication exchange is read under the limits in force once the
   exchange is done). A listener's connections are admitted, capped and dropped when they do
   not authenticate in time by an :class:`~burncoll.transport.admission.Admission`.
-* **receive**: small messages are parsed out of a 256 KiB scratch buffer that the kernel fills;
-  a message whose payload does not fit is given its own uninitialised buffer
+* **receive**: small messages are parsed out of a scratch buffer that the kernel fills (the
+  pre-authentication one, 16 KiB, grown 4x at a time up to :data:`SCRATCH_BYTES` only when a
+  frame fills it: a connection of small frames never holds more); a message whose payload does
+  not fit is given its own uninitialised buffer
   (``numpy.empty``: no zero-filling), or memory its receiver chose (a *placer*, see
   :meth:`StreamProtocol.expect_payload`), and the kernel then writes the rest of it
   *directly* there. One copy in all, the kernel's.
@@ -207,7 +209,7 @@ class StreamSending(abc.ABC):
             waiter.set_result(None)
 
 
-#: Bytes of the receive scratch buffer; larger messages get a buffer of their own.
+#: The most bytes the receive scratch buffer grows to; larger messages get a buffer of their own.
 SCRATCH_BYTES = 256 * 1024
 #: Reading pauses while more than this many received bytes wait for ``recv``.
 RECV_QUEUE_BYTES = 16 * 1024 * 1024
@@ -278,8 +280,9 @@ class StreamProtocol(StreamSending, asyncio.BufferedProtocol):
             f"({PREAUTH_BYTES} bytes): a peer may send no more before it authenticates")
 
     def authenticated(self) -> None:
-        """Lift the pre-authentication limits: tell the admission ticket, grow the scratch
-        buffer and the socket's kernel buffers, read on. Idempotent."""
+        """Lift the pre-authentication limits: tell the admission ticket, let the scratch
+        buffer grow (see :meth:`_compact`), grow the socket's kernel buffers, read on.
+        Idempotent."""
         if self._budget is None:
             return
         self._budget = None
@@ -287,11 +290,6 @@ class StreamProtocol(StreamSending, asyncio.BufferedProtocol):
             self._ticket.authenticated()
         if self.transport is None or self.error is not None:
             return  # closed or failing: nothing more will be read
-        left = self._end - self._start
-        scratch = bytearray(SCRATCH_BYTES)
-        scratch[:left] = self._view[self._start:self._end]
-        self._scratch, self._view = scratch, memoryview(scratch)
-        self._start, self._end = 0, left
         transport = self.transport
         enlarge_socket_buffers(transport)
         if self._budget_paused:
@@ -412,11 +410,19 @@ class StreamProtocol(StreamSending, asyncio.BufferedProtocol):
             self._compact()
 
     def _compact(self) -> None:
+        """Move the unparsed bytes to the start; a frame that fills the whole buffer grows it
+        (4x, up to :data:`SCRATCH_BYTES`) once authenticated."""
         left = self._end - self._start
-        if left == len(self._scratch):  # pragma: no cover - parse never needs this much
-            self.protocol_error(ProtocolError("a frame header longer than the scratch buffer"))
-            return
-        self._scratch[:left] = self._view[self._start:self._end]
+        if left == len(self._scratch):
+            if self._budget is not None or left >= SCRATCH_BYTES:  # pragma: no cover
+                # parse refuses such a frame first (budget, JOIN_BYTES)
+                self.protocol_error(ProtocolError("a frame longer than the scratch buffer"))
+                return
+            scratch = bytearray(min(4 * left, SCRATCH_BYTES))
+            scratch[:left] = self._view[self._start:self._end]
+            self._scratch, self._view = scratch, memoryview(scratch)
+        else:
+            self._scratch[:left] = self._view[self._start:self._end]
         self._start, self._end = 0, left
 
     # -- reading into place ----------------------------------------------------------------------

@@ -6,9 +6,16 @@ every byte. :class:`SocketWriter` instead keeps the caller's buffers (memoryview
 hands them to ``sendmsg`` as the socket drains; the sender waits (:meth:`SocketWriter.sent`)
 until its bytes are in the kernel before it may touch the memory again.
 
-It writes on a duplicate of the transport's socket (``socket.dup``: same connection, another
-descriptor), so the event loop watches it without disturbing the transport's reader. Plain TCP
-only: TLS must encrypt in the transport. Every method runs on the event loop's thread.
+It writes on the transport's own socket and descriptor. The selector event loop keeps one
+(reader, writer) pair of callbacks per descriptor, so the writer's callback sits beside the
+transport's reader, as the transport's own would; but the public ``add_writer`` refuses a
+descriptor a transport owns, so the loop's ``_add_writer`` is used (what the transport itself
+calls). That is safe because the transport never watches for writing itself: its write buffer
+stays empty, every write of a protocol with a writer goes here (:mod:`~burncoll.transport.stream`);
+and it closes its socket only after ``connection_lost``, which closes the writer first. On a
+loop without ``_add_writer`` (not a selector loop), a duplicate of the socket (``socket.dup``:
+one more descriptor) is watched instead. Plain TCP only: TLS must encrypt in the transport.
+Every method runs on the event loop's thread.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import itertools
 import socket
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from burncoll.errors import TransportError
 
@@ -57,10 +65,17 @@ class SocketWriter:
     are all sent, and :meth:`sent` waits for an offset.
     """
 
-    def __init__(self, sock: socket.socket, on_error: Callable[[OSError], None]) -> None:
+    def __init__(self, sock: socket.socket, on_error: Callable[[OSError], None], *,
+                 shared: bool = False) -> None:
         self._sock = sock
         self._fd = sock.fileno()
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
+        #: ``sock`` is the transport's (watched through the loop's private calls, never closed
+        #: here) rather than a duplicate of it; see the module docstring.
+        self._shared = shared
+        selector: Any = loop  # a selector loop, when shared
+        self._add_writer = selector._add_writer if shared else loop.add_writer
+        self._remove_writer = selector._remove_writer if shared else loop.remove_writer
         self._on_error = on_error
         self._pending: deque[memoryview] = deque()
         self._queued = 0  # offset of the end of the queue
@@ -79,6 +94,10 @@ class SocketWriter:
         wrapped = transport.get_extra_info("socket")
         if wrapped is None:
             return None
+        own = getattr(wrapped, "_sock", None)  # inside asyncio.trsock.TransportSocket
+        loop = asyncio.get_running_loop()
+        if isinstance(own, socket.socket) and hasattr(loop, "_add_writer"):
+            return cls(own, on_error, shared=True)
         try:
             sock = wrapped.dup()
             sock.setblocking(False)
@@ -141,10 +160,10 @@ class SocketWriter:
             on_error(failure)
             return
         if pending and not self._watching:
-            self._loop.add_writer(self._fd, self._flush)
+            self._add_writer(self._fd, self._flush)
             self._watching = True
         elif not pending and self._watching:
-            self._loop.remove_writer(self._fd)
+            self._remove_writer(self._fd)
             self._watching = False
         waiters = self._waiters
         while waiters and waiters[0][0] <= self._sent:
@@ -171,12 +190,13 @@ class SocketWriter:
         """Stop: drop what is queued, fail the waiters with (a copy of) ``error``, forget the
         error callback; idempotent."""
         if self._watching:
-            self._loop.remove_writer(self._fd)
+            self._remove_writer(self._fd)
             self._watching = False
         if self.error is None:
             self.error = error
         self._pending.clear()
-        self._sock.close()
+        if not self._shared:
+            self._sock.close()
         while self._waiters:
             _, waiter = self._waiters.popleft()
             if not waiter.done():
