@@ -28,7 +28,7 @@ def test_a_misspelt_variable_warns_once_naming_the_right_one(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BURNCOLL_TIMEOT", "5")
     first = _warnings_of(CollectiveConfig)
-    assert first == ["environment variable BURNCOLL_TIMEOT is not a burncoll setting and is "
+    assert first == ["environment variable 'BURNCOLL_TIMEOT' is not a burncoll setting and is "
                      "ignored (did you mean 'BURNCOLL_TIMEOUT'?)"]
     assert _warnings_of(CollectiveConfig) == []  # once per process
     assert CollectiveConfig().timeout == 60.0
@@ -44,10 +44,18 @@ def test_the_warning_points_at_the_line_that_made_the_config(
 
 
 def test_a_variable_unlike_any_setting_warns_without_a_guess() -> None:
-    with pytest.warns(UserWarning, match="BURNCOLL_ZZZ is not a burncoll setting") as caught:
+    with pytest.warns(UserWarning, match="'BURNCOLL_ZZZ' is not a burncoll setting") as caught:
         assert warn_unknown_variables(FIELDS, {"BURNCOLL_ZZZ": "1", "HOME": "/"}) == [
             "BURNCOLL_ZZZ"]
     assert "did you mean" not in str(caught[0].message)
+
+
+def test_a_huge_variable_name_is_elided_in_its_warning() -> None:
+    name = "BURNCOLL_" + "X" * 1_000_000
+    with pytest.warns(UserWarning, match="is not a burncoll setting") as caught:
+        assert warn_unknown_variables(FIELDS, {name: "1"}) == [name]
+    message = str(caught[0].message)
+    assert len(message) < 300 and "(1000011 characters)" in message, message
 
 
 def test_the_variables_launch_sets_for_its_nodes_are_not_flagged() -> None:
