@@ -129,6 +129,29 @@ def test_a_bad_variable_value_lists_what_it_accepts(
 
 
 @pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [("BURNCOLL_TRANSPORT", "websockt", "='websockt': expected one of websocket, quic, tcp "
+                                        "(did you mean 'websocket'?)"),
+     ("BURNCOLL_LOCAL_REDUCE_STRATEGY", "ringg", ": unknown strategy 'ringg'; accepted: "),
+     ("BURNCOLL_LOCAL_ALL_REDUCE_STRATEGY", "doubling", "='doubling': the recursive doubling "
+                                                        "runs between nodes only"),
+     ("BURNCOLL_TIMEOUT", "inf", "=inf: expected a number of seconds > 0"),
+     ("BURNCOLL_AUTH_TOKEN", "short", " is only 5 bytes: ")],
+)
+def test_a_value_a_variable_gave_is_refused_naming_the_variable(
+        monkeypatch: pytest.MonkeyPatch, variable: str, value: str, message: str) -> None:
+    """The field's own check refuses it; its message names where the value came from."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError) as info:
+        CollectiveConfig()
+    assert str(info.value).startswith(f"environment variable {variable}{message}"), info.value
+    field = variable.removeprefix("BURNCOLL_").lower()
+    with pytest.raises(ConfigError) as info:  # the code's value: named as the field
+        CollectiveConfig(**{field: float(value) if field == "timeout" else value})
+    assert str(info.value).startswith(f"{field}{message}"), info.value
+
+
+@pytest.mark.parametrize(
     ("kwargs", "message"),
     [({"transport": "websockt"}, "transport='websockt': expected one of websocket, quic, tcp "
                                  "(did you mean 'websocket'?)"),
