@@ -22,7 +22,7 @@ from burncoll.errors import (
 )
 from burncoll.ops import ReduceOp
 from burncoll.orchestration.orchestrator import Orchestrator, start_orchestrator
-from burncoll.strategies import Auto, Centralized, Ring, Strategy, Tree
+from burncoll.strategies import Auto, Centralized, Doubling, Ring, Strategy, Tree
 from burncoll.work import Work
 
 __version__ = "0.1.0"
@@ -38,6 +38,7 @@ __all__ = [
     "CollectiveTimeout",
     "Communicator",
     "ConfigError",
+    "Doubling",
     "MismatchError",
     "Orchestrator",
     "PeerLost",

@@ -52,6 +52,8 @@ def test_strategy_spellings_and_builders() -> None:
     assert cfg.local_all_reduce_strategy == burncoll.Tree(4) and cfg.num_devices == 3
     assert CollectiveConfig(local_reduce_strategy="ring").local_reduce_strategy == burncoll.Ring()
     assert CollectiveConfig(local_reduce_strategy="tree").local_reduce_strategy == burncoll.Tree(2)
+    doubling = CollectiveConfig(global_all_reduce_strategy="doubling").global_all_reduce_strategy
+    assert doubling == burncoll.Doubling()
     cfg2 = cfg.with_global_address("ws://127.0.0.1:4000").with_node_address(
         "127.0.0.1").with_num_nodes(2)
     assert cfg2.is_multi_node and not cfg.is_multi_node

@@ -81,9 +81,11 @@ def _add_topology(parser: argparse.ArgumentParser) -> None:
     add("--nodes", type=int_at_least(1), default=1,
         help="node processes on this machine, through burncoll launch")
     add("--strategy", default=None,
-        help="every local and global strategy: centralized, tree, tree:K, ring")
+        help="every local and global strategy: centralized, tree, tree:K, ring "
+             "(doubling: --global-strategy only, it runs between nodes)")
     add("--local-strategy", default=None, help="the three local strategies")
-    add("--global-strategy", default=None, help="the three global strategies")
+    add("--global-strategy", default=None,
+        help="the three global strategies: those of --strategy or doubling")
     add("--transport", choices=TRANSPORT_NAMES, default=None,
         help="node-to-node transport with --nodes (default: config's)")
     add("--config", default=None,

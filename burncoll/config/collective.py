@@ -28,7 +28,7 @@ from burncoll.config.security import (
     check_tls_mode,
     resolve_token,
 )
-from burncoll.config.sources import check_node_fields, file_values, resolve
+from burncoll.config.sources import check_node_fields, file_values, naming_the_variable, resolve
 from burncoll.config.values import MAX_NUM_DEVICES, parse_host_port, parse_strategy_field
 from burncoll.config.values import check_timeout as check_timeout_field
 from burncoll.errors import ConfigError
@@ -54,7 +54,7 @@ class CollectiveConfig:
     ``BURNCOLL_<FIELD>`` environment variables and launcher variables for the fields not
     given; first match wins: the code, a variable, a YAML file, the launcher, the default
     (:mod:`burncoll.config.sources`). Invalid values raise :class:`~burncoll.ConfigError`
-    naming the field and what it accepts.
+    naming the field (the ``BURNCOLL_*`` variable, for a variable's value) and what it accepts.
     """
 
     #: Array library: ``"numpy"`` (CPU), ``"jax"``, ``"cupy"`` or ``"torch"`` (tensors).
@@ -156,9 +156,12 @@ class CollectiveConfig:
         so_far = {f.name: getattr(self, f.name) for f in fields(self)}
         for name, value in resolve(code, so_far).items():  # the environment, the launcher
             object.__setattr__(self, name, value)
-        for name in _STRATEGY_FIELDS:
-            object.__setattr__(self, name, parse_strategy_field(name, getattr(self, name)))
-        _validate(self)
+        try:
+            for name in _STRATEGY_FIELDS:
+                object.__setattr__(self, name, parse_strategy_field(name, getattr(self, name)))
+            _validate(self)
+        except ConfigError as exc:
+            raise naming_the_variable(exc, code) from None
 
     # -- derived views ----------------------------------------------------------------------
     @property

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 
 from burncoll.config.values import ENV_PREFIX
 from burncoll.errors import ConfigError
+from burncoll.hostlists import shown
 
 __all__ = ["OTHER_VARIABLES", "nearest", "refuse_unknown_names", "warn_unknown_variables"]
 
@@ -53,16 +54,17 @@ def refuse_unknown_names(given: Iterable[object], fields: Iterable[str], where: 
         return
     hints = [f" ({_OTHER_NAMES[k]})" if k in _OTHER_NAMES else nearest(k, names)
              for k in unknown]
-    shown = ", ".join(repr(k) + hint for k, hint in zip(unknown, hints, strict=True))
+    named = ", ".join(repr(k) + hint for k, hint in zip(unknown, hints, strict=True))
     listed = "" if all(hints) else f"; the fields are: {', '.join(names)}"
-    raise ConfigError(f"unknown config field(s) {shown} in {where}{listed}")
+    raise ConfigError(f"unknown config field(s) {named} in {where}{listed}")
 
 
 def warn_unknown_variables(fields: Iterable[str],
                            environ: Mapping[str, str] | None = None) -> list[str]:
     """Warn (a :class:`UserWarning`, once per variable and process) about each ``BURNCOLL_*``
     environment variable that is neither a field's nor one of :data:`OTHER_VARIABLES`, naming
-    the nearest field's variable; returns the names warned about now."""
+    the nearest field's variable; returns the names warned about now. The warning shows a
+    name as :func:`~burncoll.hostlists.shown` does (quoted, a long one elided)."""
     env = os.environ if environ is None else environ
     known = {ENV_PREFIX + name.upper() for name in fields} | OTHER_VARIABLES
     stray = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
@@ -73,6 +75,6 @@ def warn_unknown_variables(fields: Iterable[str],
     for name in new:  # shown at the line that made the config: above us are sources.resolve,
         # CollectiveConfig.__post_init__ and its __init__
         hint = nearest(name.removeprefix(ENV_PREFIX), suffixes).replace("'", "'" + ENV_PREFIX, 1)
-        warnings.warn(f"environment variable {name} is not a burncoll setting and is ignored"
+        warnings.warn(f"environment variable {shown(name)} is not a burncoll setting and is ignored"
                       f"{hint}", UserWarning, stacklevel=5)
     return new

@@ -8,12 +8,14 @@
 The nearer to the code, the stronger, as pydantic-settings orders its sources and as torch's
 ``init_process_group(rank=...)`` ignores ``RANK``. :func:`file_values` keeps a file's values
 that no variable overrides; :func:`resolve` does 2 and 4; :func:`check_node_fields` checks the
-rank and rendezvous address and finds a multi-node config's missing ``node_address``.
+rank and rendezvous address and finds a multi-node config's missing ``node_address``;
+:func:`naming_the_variable` makes an error about a value from a variable name the variable.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,7 +25,7 @@ from burncoll.config.names import warn_unknown_variables
 from burncoll.config.values import ENV_PREFIX, parse_env, parse_host_port
 from burncoll.errors import ConfigError
 
-__all__ = ["check_node_fields", "file_values", "resolve"]
+__all__ = ["check_node_fields", "file_values", "naming_the_variable", "resolve"]
 
 #: The fields a launcher's variables (torchrun, SLURM, mpirun) can fill.
 LAUNCHER_FIELDS = ("num_nodes", "node_rank", "global_address")
@@ -46,6 +48,18 @@ def resolve(code: frozenset[str], so_far: Mapping[str, Any]) -> dict[str, Any]:
     now = {**so_far, **from_env}
     return from_env | launcher_values(code, frozenset(from_env), now["num_nodes"],
                                       now["node_rank"])
+
+
+def naming_the_variable(error: ConfigError, code: frozenset[str]) -> ConfigError:
+    """``error`` (about the field its message starts with: ``transport='x': expected ...``)
+    naming the variable instead (``environment variable BURNCOLL_TRANSPORT='x': ...``) where
+    that field took its value from ``BURNCOLL_<FIELD>``: not given by the code (``code``)."""
+    text = str(error)
+    found = re.match(r"([a-z_]+)(?=[=: ])", text)
+    if found is None or found[1] in code or ENV_PREFIX + found[1].upper() not in os.environ:
+        return error
+    return ConfigError(f"environment variable {ENV_PREFIX}{found[1].upper()}"
+                       f"{text[found.end():]}")
 
 
 def launcher_values(code: frozenset[str], env: frozenset[str], num_nodes: int | None,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import functools
 from collections.abc import Callable, Hashable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 from burncoll.strategies.schedule import Schedule
 
@@ -31,10 +31,12 @@ class Strategy(abc.ABC):
     ``world >= 1`` and any ``0 <= root < world``. Results are cached by the caller.
     """
 
-    #: Whether a round of its schedules may send a (participant, chunk) and reduce into it
-    #: (:class:`~burncoll.strategies.doubling.Doubling`): only the node walk, which sends a
-    #: round's chunks before it receives, runs those; the threads of one node do not.
-    exchanges: ClassVar[bool] = False
+    @property
+    def exchanges(self) -> bool:
+        """Whether a round of its schedules may send a (participant, chunk) and reduce into it
+        (:class:`~burncoll.strategies.doubling.Doubling`): only the node walk, which sends a
+        round's chunks before it receives, runs those; the threads of one node do not."""
+        return False
 
     @property
     @abc.abstractmethod

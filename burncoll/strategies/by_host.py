@@ -104,6 +104,11 @@ class ByHost(Strategy):
     def spec(self) -> str:
         return f"by-host({self.inner.spec})"
 
+    @property
+    def exchanges(self) -> bool:
+        """The inner strategy's: its rounds run among the hosts' nodes as they are."""
+        return self.inner.exchanges
+
     def _groups(self, world: int) -> Groups:
         check_world(world)
         if len(self.hosts) != world:

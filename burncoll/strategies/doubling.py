@@ -25,7 +25,6 @@ Reduce, broadcast, reduce-scatter and all-gather are :class:`~burncoll.strategie
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 from burncoll.strategies._checks import check_world
 from burncoll.strategies.base import Strategy, cached_schedules
@@ -48,7 +47,9 @@ class Doubling(Strategy):
     """Recursive doubling all-reduce (any ``N``: the extra nodes fold into the power-of-two
     core and unfold after); the other operations as ``Tree(2)``. See the module docstring."""
 
-    exchanges: ClassVar[bool] = True
+    @property
+    def exchanges(self) -> bool:
+        return True
 
     @property
     def spec(self) -> str:

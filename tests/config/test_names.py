@@ -28,7 +28,7 @@ def test_a_misspelt_variable_warns_once_naming_the_right_one(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BURNCOLL_TIMEOT", "5")
     first = _warnings_of(CollectiveConfig)
-    assert first == ["environment variable BURNCOLL_TIMEOT is not a burncoll setting and is "
+    assert first == ["environment variable 'BURNCOLL_TIMEOT' is not a burncoll setting and is "
                      "ignored (did you mean 'BURNCOLL_TIMEOUT'?)"]
     assert _warnings_of(CollectiveConfig) == []  # once per process
     assert CollectiveConfig().timeout == 60.0
@@ -44,10 +44,18 @@ def test_the_warning_points_at_the_line_that_made_the_config(
 
 
 def test_a_variable_unlike_any_setting_warns_without_a_guess() -> None:
-    with pytest.warns(UserWarning, match="BURNCOLL_ZZZ is not a burncoll setting") as caught:
+    with pytest.warns(UserWarning, match="'BURNCOLL_ZZZ' is not a burncoll setting") as caught:
         assert warn_unknown_variables(FIELDS, {"BURNCOLL_ZZZ": "1", "HOME": "/"}) == [
             "BURNCOLL_ZZZ"]
     assert "did you mean" not in str(caught[0].message)
+
+
+def test_a_huge_variable_name_is_elided_in_its_warning() -> None:
+    name = "BURNCOLL_" + "X" * 1_000_000
+    with pytest.warns(UserWarning, match="is not a burncoll setting") as caught:
+        assert warn_unknown_variables(FIELDS, {name: "1"}) == [name]
+    message = str(caught[0].message)
+    assert len(message) < 300 and "(1000011 characters)" in message, message
 
 
 def test_the_variables_launch_sets_for_its_nodes_are_not_flagged() -> None:
@@ -118,6 +126,29 @@ def test_a_bad_variable_value_lists_what_it_accepts(
     assert str(info.value).startswith(f"environment variable {variable}={value!r} is not a "
                                       "valid ")
     assert str(info.value).endswith(accepted)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [("BURNCOLL_TRANSPORT", "websockt", "='websockt': expected one of websocket, quic, tcp "
+                                        "(did you mean 'websocket'?)"),
+     ("BURNCOLL_LOCAL_REDUCE_STRATEGY", "ringg", ": unknown strategy 'ringg'; accepted: "),
+     ("BURNCOLL_LOCAL_ALL_REDUCE_STRATEGY", "doubling", "='doubling': the recursive doubling "
+                                                        "runs between nodes only"),
+     ("BURNCOLL_TIMEOUT", "inf", "=inf: expected a number of seconds > 0"),
+     ("BURNCOLL_AUTH_TOKEN", "short", " is only 5 bytes: ")],
+)
+def test_a_value_a_variable_gave_is_refused_naming_the_variable(
+        monkeypatch: pytest.MonkeyPatch, variable: str, value: str, message: str) -> None:
+    """The field's own check refuses it; its message names where the value came from."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError) as info:
+        CollectiveConfig()
+    assert str(info.value).startswith(f"environment variable {variable}{message}"), info.value
+    field = variable.removeprefix("BURNCOLL_").lower()
+    with pytest.raises(ConfigError) as info:  # the code's value: named as the field
+        CollectiveConfig(**{field: float(value) if field == "timeout" else value})
+    assert str(info.value).startswith(f"{field}{message}"), info.value
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import pytest
 
 import burncoll
 from burncoll import CollectiveConfig
+from burncoll.train.checkpoint_file import read_checkpoint, write_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "the orchestrator's token, 32 b."
@@ -89,6 +90,13 @@ def _two_peers_with_shapes() -> str:
     return out[0]
 
 
+def _open_checkpoint(directory: Path, mode: int) -> str:
+    """Resume from an honest checkpoint in ``directory`` after ``chmod mode directory``."""
+    write_checkpoint(directory, 1, [np.ones(2)], None, [0.5])
+    directory.chmod(mode)
+    return _raised(lambda: read_checkpoint(directory))
+
+
 def _setting(variable: str, value: str) -> Callable[[pytest.MonkeyPatch, Path], str]:
     def make(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
         monkeypatch.setenv(variable, value)
@@ -133,6 +141,10 @@ MISTAKES: dict[str, Mistake] = {
     "a node without the token the orchestrator has": lambda m, t: _register_at(None),
     "a node with another token than the orchestrator's":
         lambda m, t: _register_at("another token, also 32 bytes.."),
+    "a short token: `auth_token=\"abc\"` (or `BURNCOLL_AUTH_TOKEN=abc`, which the message then "
+    "names)": lambda m, t: _raised(lambda: CollectiveConfig(auth_token="abc")),
+    "a checkpoint directory other users may write (`chmod 777 ckpt`)":
+        lambda m, t: _open_checkpoint(t / "ckpt", 0o777),
 }
 
 

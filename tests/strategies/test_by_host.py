@@ -14,7 +14,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from burncoll.strategies import Action, Centralized, Ring, Schedule, Strategy, Tree
+from burncoll.strategies import Action, Centralized, Doubling, Ring, Schedule, Strategy, Tree
 from burncoll.strategies._checks import validate_schedule
 from burncoll.strategies.by_host import ByHost, host_groups
 
@@ -72,6 +72,20 @@ def test_all_reduce(inner: Strategy, hosts: tuple[int, ...]) -> None:
         values = [state[p][c] for p in range(world)]
         assert all(v is not None and v.counts == full(world) for v in values)
         assert len({v.expr for v in values if v is not None}) == 1  # computed once, copied
+
+
+@pytest.mark.parametrize("hosts", [(0, 0, 1, 1, 2, 2), (0, 1, 1, 2, 2, 2, 3), (0,) * 4,
+                                   tuple(range(5)), (0, 1) * 4])
+def test_doubling_among_hosts_is_an_exchange_schedule(hosts: tuple[int, ...]) -> None:
+    """ByHost is an exchange strategy exactly when its inner strategy is: the walk that runs
+    it (and the config's refusal of exchanges for the threads of a node) follows the flag."""
+    by_host = ByHost(hosts, Doubling())
+    assert by_host.exchanges and not ByHost(hosts, Ring()).exchanges
+    world = len(hosts)
+    sched = by_host.all_reduce(world)
+    validate_schedule(sched, exchanges=True)
+    state = play(sched, own_data(world, sched.num_chunks), exchanges=True).state
+    assert all(v is not None and v.counts == full(world) for row in state for v in row)
 
 
 @SETTINGS

@@ -41,7 +41,7 @@ def test_it_is_an_exchange_schedule() -> None:
         validate_schedule(sched)
     with pytest.raises(ScheduleViolation, match="read and written"):
         play(sched, own_data(4, 1))
-    assert Doubling.exchanges and not Tree.exchanges
+    assert Doubling().exchanges and not Tree(2).exchanges
 
 
 def test_other_operations_are_the_binary_trees() -> None:
