@@ -79,11 +79,12 @@ def exchange_limit(world: int, one_host: bool = False, host_reduce: bool = False
 #: one of two runs).
 DOUBLING_NODES = 16
 #: The same among the node processes of one host, whose exchange goes through the host mail
-#: (a message cost a tenth of the walk's at 8 nodes on 2 cores) and whose nodes share the
-#: host's cores: their work, ``N (N - 1)`` messages against about ``N log2 N``, crosses over
-#: at 44 nodes (``benchmarks/cost_model.py``, the median of two runs: 23 and 58 alone;
-#: docs/scale.md).
-DOUBLING_NODES_ONE_HOST = 44
+#: and whose nodes share the host's cores, so each of the doubling's rounds waits for a
+#: partner to be scheduled: at 64 node processes of one 2-core host the exchange took 11.9 ms
+#: for 8 B against the doubling's 56-63 ms (``benchmarks/scale.py``, alternated). Their work,
+#: ``N (N - 1)`` messages against about ``N log2 N``, would close that 5x gap near 512 nodes
+#: (an extrapolation: nothing past 64 was measured; docs/scale.md).
+DOUBLING_NODES_ONE_HOST = 512
 #: The largest all-reduce (bytes per node) that takes the doubling past its number of nodes,
 #: where no host reduction takes over sooner: the tree's limit (the model puts the doubling
 #: ahead of the tree at every size, and of the ring up to ~1 MiB at 16 nodes).
