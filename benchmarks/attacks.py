@@ -155,6 +155,7 @@ def relay_rows() -> list[Row]:
 #: What each hostile object record is, for the table.
 OBJECT_ATTACKS = {
     "empty_lists": "an 8 MiB object record of empty lists",
+    "short_strings": "an 8 MiB object record of 2-character strings",
     "colliding_keys": "a dict of 40,000 tuple keys sharing one hash (727 KB)",
     "bool_byte_2": "a bool array carrying 0x02",
     "deep": "lists nested 1,048,576 deep (1 MiB)",

@@ -11,6 +11,10 @@ saying what and where):
 - a container declaring more items than the bytes left could hold (each takes at least one),
   counting the items every open container still owes: what msgpack reserves ahead stays
   within 8 bytes per byte of the record;
+- values that would decode to more than :data:`PER_BYTE` times the record's bytes, or
+  :data:`FLOOR` when that is more, by what each costs in Python (a 2-character str: about
+  59 bytes for its 3; an int past 256: 36 for 3; a float: 32 for 9; containers are counted
+  above): an 8 MiB record of short strings would otherwise take ~200 MiB;
 - anything :func:`burncoll.comm.objects.encode` would not write where it stands: a dict key
   that is not None, a bool, an int, a float, a str or a tuple of those; a tuple mark other
   than msgpack's ``c7 00 01`` first in an array; an unknown ext type; a 32-bit float; the
@@ -25,7 +29,7 @@ import struct
 
 from burncoll.errors import ProtocolError
 
-__all__ = ["check"]
+__all__ = ["FLOOR", "PER_BYTE", "check"]
 
 # kinds of the byte that starts a msgpack value
 _LEAF, _BIN, _ARRAY, _MAP, _EXT, _BAD = range(6)
@@ -69,6 +73,27 @@ def _table() -> list[tuple[int, int, int]]:
 
 
 _TABLE = _table()
+#: What a record's values may cost in Python, per byte of the record, and at least.
+PER_BYTE, FLOOR = 12, 64 << 20
+
+
+def _costs() -> list[int]:
+    """Per first byte, what the value costs decoded (its object and the list slot holding it;
+    cached small ints, None, bools and 0-1 character strs only the slot), before the length
+    of a str, bytes or ext value that follows its header."""
+    costs = [8] * 256
+    for b in range(0xA2, 0xC0):
+        costs[b] = 57 + (b & 0x1F)  # fixstr of 2-31 bytes
+    for b in (0xCB, 0xD9, 0xDA, 0xDB):
+        costs[b] = 32 if b == 0xCB else 57  # float; str8/16/32 (plus the length)
+    for b in (0xCD, 0xCE, 0xCF, 0xD0, 0xD1, 0xD2, 0xD3):
+        costs[b] = 36  # ints past the small ones CPython caches
+    for b in (0xC4, 0xC5, 0xC6):
+        costs[b] = 41  # bytes (plus the length)
+    return costs
+
+
+_COSTS = _costs()
 #: Big-endian lengths and counts of 1, 2 and 4 bytes (``struct.error`` past the end).
 _READ = {size: struct.Struct(f">{code}").unpack_from for size, code in ((1, "B"), (2, "H"),
                                                                         (4, "I"))}
@@ -85,7 +110,7 @@ def check(body: memoryview, limit: int, max_depth: int) -> None:
 
 
 def _check(body: memoryview, limit: int, max_depth: int) -> None:
-    end, pos, role = len(body), 0, _VALUE
+    end, pos, role, spent = len(body), 0, _VALUE, [0]
     frames: list[list[int]] = []  # [items left, frame kind]
     owed, count = 1, 0  # items declared and not begun (the root's first); containers, entries
     while True:  # one container (or the root), then the leaves after it
@@ -111,8 +136,10 @@ def _check(body: memoryview, limit: int, max_depth: int) -> None:
             skip = _run(body, pos, items) if frame == _LIST and items > 8 else 0
             if skip:  # all its items one run of leaves
                 pos, rest, read = pos + skip, 0, 0
+                spent[0] += 8 * items if skip == items else 32 * items
             else:
-                pos, rest, read = _leaves(body, pos, items, frame, len(frames) + 1 < max_depth)
+                pos, rest, read = _leaves(body, pos, items, frame, len(frames) + 1 < max_depth,
+                                          spent)
             owed, count = owed - (items - rest), count + read
             if rest:
                 frames.append([rest, frame])
@@ -122,19 +149,23 @@ def _check(body: memoryview, limit: int, max_depth: int) -> None:
         elif frames or kind == _BAD or role == _KEY:  # not where a leaf reader stopped
             raise ProtocolError(_misplaced(body[pos], pos))
         else:  # the root is a leaf
-            pos = _leaves(body, pos, 1, _LIST, False)[0]
+            pos = _leaves(body, pos, 1, _LIST, False, spent)[0]
         if frames:
             frames[-1][0] -= 1  # the container just read
-        pos, owed, count, role = _advance(body, pos, owed, count, frames, max_depth)
+        pos, owed, count, role = _advance(body, pos, owed, count, frames, max_depth, spent)
         if not frames:
             if count > limit:
                 _refuse_open(count, limit, 0, max_depth, 0, 0, pos)
+            if spent[0] > max(FLOOR, PER_BYTE * end):
+                raise ProtocolError(
+                    f"values that would take about {spent[0] >> 20} MiB decoded, over "
+                    f"{PER_BYTE} times the record's {end} bytes (or {FLOOR >> 20} MiB)")
             _done(pos, end)
             return
 
 
 def _advance(body: memoryview, pos: int, owed: int, count: int, frames: list[list[int]],
-             max_depth: int) -> tuple[int, int, int, int]:
+             max_depth: int, spent: list[int]) -> tuple[int, int, int, int]:
     """Read the leaves that follow in the open containers, closing those they complete: the
     offset then, the items still owed, the containers so far, and where the next value
     stands (a key or a value)."""
@@ -142,7 +173,7 @@ def _advance(body: memoryview, pos: int, owed: int, count: int, frames: list[lis
         frame = frames[-1]
         left = frame[0]
         if left:
-            pos, rest, read = _leaves(body, pos, left, frame[1], len(frames) < max_depth)
+            pos, rest, read = _leaves(body, pos, left, frame[1], len(frames) < max_depth, spent)
             owed, count, frame[0] = owed - (left - rest), count + read, rest
             if rest:
                 return pos, owed, count, _KEY if frame[1] == _TUPLE_KEY or (
@@ -153,37 +184,46 @@ def _advance(body: memoryview, pos: int, owed: int, count: int, frames: list[lis
     return pos, owed, count, _VALUE
 
 
-def _leaves(body: memoryview, pos: int, left: int, frame: int, inner: bool
-            ) -> tuple[int, int, int]:
+def _leaves(body: memoryview, pos: int, left: int, frame: int, inner: bool,
+            spent: list[int]) -> tuple[int, int, int]:
     """Read up to ``left`` items of a ``frame`` from ``pos`` while they are not containers,
     or (``inner``: the depth allows one more) short arrays of such items: the offset after
     them, how many of the ``left`` remain, and how many short arrays were read. Keys may be
-    None, bools, ints, floats, strs or tuples of those; values also bytes and arrays."""
-    end, table, read = len(body), _TABLE, 0
+    None, bools, ints, floats, strs or tuples of those; values also bytes and arrays; what
+    they cost decoded is added to ``spent[0]``."""
+    end, table, costs, read, cost = len(body), _TABLE, _COSTS, 0, 0
     while left and pos < end:
-        kind, size, n = table[body[pos]]
+        first = body[pos]
+        kind, size, n = table[first]
         if kind == _LEAF:
-            pos += size if n < 0 else 1 + size + _READ[size](body, pos + 1)[0]
+            if n < 0:
+                pos, cost = pos + size, cost + costs[first]
+            else:
+                length = _READ[size](body, pos + 1)[0]
+                pos, cost = pos + 1 + size + length, cost + costs[first] + length
             left -= 1
             continue
         key = frame == _TUPLE_KEY or (frame == _DICT and left % 2 == 0)
         if kind == _EXT and not key:
-            pos = _ext(body, pos, size, n)
+            at, pos = pos, _ext(body, pos, size, n)
+            cost += 128 + pos - at  # an array object and its data
         elif kind == _ARRAY and size == 0 and inner:  # a fixarray: up to 15 items
             at = pos + 1
             if body[at:at + 3] == _MARK:
                 at, n = at + 3, n - 1
             elif key or not n:
                 break  # not a tuple key (refused by the caller); an empty list
-            at, rest, _ = _leaves(body, at, n, _TUPLE_KEY if key else _LIST, False)
+            at, rest, _ = _leaves(body, at, n, _TUPLE_KEY if key else _LIST, False, spent)
             if rest:
                 break  # it holds a container: the caller opens it
             pos, read = at, read + 1
         elif kind == _BIN and not key:
-            pos += 1 + size + _READ[size](body, pos + 1)[0]
+            length = _READ[size](body, pos + 1)[0]
+            pos, cost = pos + 1 + size + length, cost + costs[first] + length
         else:
             break
         left -= 1
+    spent[0] += cost
     return pos, left, read
 
 

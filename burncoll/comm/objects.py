@@ -16,7 +16,8 @@ naming what was wrong, never another exception.
 
 Decoding is bounded by the record and a cap: :mod:`burncoll.comm.object_scan` checks the
 body's shape before msgpack allocates anything (containers and dict entries at most
-``max(cap, bytes // 16)``, nesting, counts against the bytes left, keys and ext types where
+``max(cap, bytes // 16)``, what the values cost decoded (at most 12 times the record's bytes
+or 64 MiB), nesting, counts against the bytes left, keys and ext types where
 :func:`encode` puts them); a dict whose keys share a hash value more than
 :data:`MAX_SAME_HASH` times is refused before it is built; bool arrays hold only 0 and 1.
 """
@@ -33,7 +34,7 @@ from typing import Any, Protocol
 import msgpack
 import numpy as np
 
-from burncoll.comm.object_scan import check
+from burncoll.comm.object_scan import FLOOR, check
 from burncoll.config.collective import CollectiveConfig
 from burncoll.dtypes import SUPPORTED_DTYPES, dtype_from_name, dtype_name
 from burncoll.errors import ProtocolError, UsageError
@@ -133,6 +134,12 @@ def encode(obj: object, cap: int = MAX_CONTAINERS) -> bytes:
             f"the peers accept (max_object_containers={cap}, or one per 16 bytes of its "
             f"{len(body)}-byte encoding); send the numbers as a NumPy array (one entry), or "
             "raise max_object_containers on every peer (BURNCOLL_MAX_OBJECT_CONTAINERS)")
+    if len(body) > FLOOR // 48:  # (no value costs 48 times its bytes: smaller ones fit)
+        try:
+            check(memoryview(body), max(cap, len(body) // 16), MAX_DEPTH)
+        except ProtocolError as exc:
+            raise UsageError(f"cannot send obj: the peers would refuse it: {exc}; send many "
+                             "numbers or strings as a NumPy array or bytes") from None
     return _HEADER.pack(_OBJECT, len(body)) + body
 
 

@@ -307,6 +307,25 @@ def test_limits_follow_the_cap_and_the_record() -> None:
         objects.decode(many, cap=10)
 
 
+def test_short_values_are_bounded_by_what_they_cost_decoded() -> None:
+    """Values are counted by what they take in Python: 3M two-character strings (9 MB of
+    record, ~180 MiB decoded) are refused by the sender with the fix and, forged, by the
+    receiver; honest records of words, floats and ints pass unchanged."""
+    many = ["ab"] * 3_000_000
+    with pytest.raises(UsageError, match=r"the peers would refuse it: values that would take "
+                                         r"about .* MiB decoded.*as a NumPy array or bytes"):
+        objects.encode(many)
+    body = msgpack.packb(many, use_bin_type=True)
+    with pytest.raises(ProtocolError, match=f"over 12 times the record's {len(body)} bytes"):
+        objects.decode(_record(body))
+    words = [f"w{i}" for i in range(200_000)]
+    floats = [i / 7 for i in range(1_000_000)]
+    ints = list(range(10**6, 2 * 10**6))
+    honest = {"words": words, "floats": floats, "ints": ints,
+              "index": {w: i for i, w in enumerate(words[:100_000])}}
+    assert objects.decode(objects.encode(honest)) == honest
+
+
 def test_the_configured_cap_reaches_every_peer(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(burncoll.ConfigError, match="max_object_containers=0: expected an int"):
         burncoll.CollectiveConfig(max_object_containers=0)

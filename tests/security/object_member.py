@@ -72,6 +72,9 @@ def hostile_record(kind: str) -> bytes:
     if kind == "empty_lists":  # 8 MiB: an array of empty arrays
         count = 8 * 2**20 - 5
         body = b"\xdd" + struct.pack(">I", count) + b"\x90" * count
+    elif kind == "short_strings":  # 8 MiB: an array of 2-character strings (~200 MiB decoded)
+        count = (8 * 2**20 - 5) // 3
+        body = b"\xdd" + struct.pack(">I", count) + b"\xa2ab" * count
     elif kind == "colliding_keys":  # a map of 40,000 tuple keys sharing one hash
         pairs = colliding_pairs(40_000)
         body = b"\xdf" + struct.pack(">I", len(pairs)) + b"".join(

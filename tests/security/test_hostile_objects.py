@@ -4,9 +4,10 @@ Three member processes and a real orchestrator (in this process). For each kind,
 runs an honest ``all_gather_object`` (the control: exact results, every type, dtype, shape
 and dict order as sent), then one in which node 1 sends, instead of its object, the record
 of that kind (``tests/security/object_member.py``): 8 MiB of empty lists (it decoded into
-+1,156 MiB in 18 s), a dict of 40,000 tuple keys sharing one hash (it held the honest nodes
-40 s), a bool array carrying 0x02 (it was accepted), arrays nested a million deep, and 1,000
-nested arrays each declaring 16,000 items in 16 KB (+66 MiB before it was refused). Every
++1,156 MiB in 18 s), 8 MiB of 2-character strings (+203 MiB), a dict of 40,000 tuple keys
+sharing one hash (it held the honest nodes 40 s), a bool array carrying 0x02 (it was
+accepted), arrays nested a million deep, and 1,000 nested arrays each declaring 16,000 items
+in 16 KB (+66 MiB before it was refused). Every
 member must raise a ``ProtocolError`` that names node 1 and says why, well within the
 operation's timeout, the honest ones growing by at most 100 MiB; and the communicator
 must keep working (a last honest ``all_gather_object``, exact).
@@ -40,6 +41,7 @@ TOKEN = "the object members' token, 32 b"
 #: Kind -> what every member's error must say.
 WHY = {
     "empty_lists": "more than 524288 containers and dict entries",
+    "short_strings": "values that would take about 157 MiB decoded, over 12 times",
     "colliding_keys": "a dict of 40000 keys, 40000 of which share one hash value",
     "bool_byte_2": "a bool array with shape (3,) holding a byte other than 0 or 1",
     "deep": "containers nested deeper than 100",
