@@ -2,11 +2,11 @@
 
 A node of a session of ``N`` nodes holds, per other node, :data:`PER_NODE` descriptors: its
 two member connections (the one it sends on, the one it receives on; their zero-copy writers
-share the connections' descriptors, :mod:`burncoll.transport.writer`), their caller socket
-(:mod:`burncoll.node.lanes`) and, on one host, its mapping of that node's host memory
-(:mod:`burncoll.node.host_memory`: Python's ``mmap`` keeps a descriptor per mapping); and
-:data:`BASE` more for everything else (its listener, the orchestrator's connection, the event
-loop, pipes, the process's own files). So 64 node processes of one host need about 316 each.
+share the connections' descriptors, :mod:`burncoll.transport.writer`) and their caller
+socket (:mod:`burncoll.node.lanes`) -- its mappings of the host memory of the nodes of its host
+keep none (:mod:`burncoll.transport.host_files`); and :data:`BASE` more for everything else
+(its listener, the orchestrator's connection, the event loop, pipes, the process's own files).
+So 64 node processes of one host need about 253 each (they hold about 200).
 
 At registration, before it contacts the orchestrator, a node raises its soft limit towards
 the hard one as far as it needs (:func:`ensure_descriptors`; a process may always do that),
@@ -24,7 +24,7 @@ from burncoll.errors import ConfigError
 __all__ = ["BASE", "PER_NODE", "descriptors_needed", "ensure_descriptors"]
 
 #: Descriptors a node holds per other node of its session (see the module).
-PER_NODE = 4
+PER_NODE = 3
 #: Descriptors a node holds whatever the session's size, with room for the process's own.
 BASE = 64
 

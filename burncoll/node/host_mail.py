@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import mmap
 import os
 import platform
 import sys
@@ -125,7 +124,7 @@ class SharedMail:
     """Every node's mail in the mappings ``maps`` (by node index, this node's
     writable), at offset ``at`` (a multiple of 64) in each."""
 
-    def __init__(self, maps: dict[int, mmap.mmap], me: int, at: int) -> None:
+    def __init__(self, maps: dict[int, memoryview], me: int, at: int) -> None:
         self._maps = maps
         self._me = me
         #: Every node's counter and the word that says whom it sleeps on (see the module).

@@ -120,7 +120,7 @@ class HostMemory:
         #: This node's region peers (see the module), by node index.
         self.region_peers = set(self._peers(self.me))
         #: The mappings of this node's host, this node's writable, by node index.
-        self.maps: dict[int, mmap.mmap] = {}
+        self.maps: dict[int, memoryview] = {}
 
     def round(self, op: GlobalOp, check: Check, round_: int, payload: bytes = b""
               ) -> dict[int, bytes]:
@@ -163,7 +163,7 @@ class HostMemory:
                   for n, a in answers.items()}
         if offer:  # (an answer naming a file this node never offered is no region)
             self.lanes.service.connections.write_regions({
-                n: memoryview(self.maps[self.me])[self._region(self.me, n)]
+                n: self.maps[self.me][self._region(self.me, n)]
                 for n in self.region_peers if self.me in mapped[n]})
         usable = all(m == set(range(self.nodes)) for m in mapped.values())
         if usable and all(a[0] & _ORDERED for a in answers.values()):
@@ -176,7 +176,7 @@ class HostMemory:
         processor allows the mail, then a bit per node -- set for this node if it offered its
         mapping, for every region peer whose region its connection took, and for every other
         node whose mapping it mapped."""
-        regions = {n: memoryview(m)[self._region(n, self.me)] for n, m in self.maps.items()
+        regions = {n: m[self._region(n, self.me)] for n, m in self.maps.items()
                    if n in self.region_peers}
         taken = self.lanes.service.connections.read_regions(regions)
         others = set(self.maps) - self.region_peers - {self.me}

@@ -9,18 +9,28 @@ device or FIFO is ever opened on an offer's word) and maps it only if it is the 
 named ``memfd:burncoll-<token>``, a regular file on the kernel's own memfd filesystem (not a
 huge-page one, whose faults can fail), of this user, of the offered size, sealed, and openable
 without waiting (a lease would make the open block).
+
+A mapping keeps no descriptor: Python's ``mmap`` (before 3.13's ``trackfd``) keeps a duplicate
+of each file's, which made host memory one descriptor per node process of the host (issue 32:
+264 per node at 64 of them). The files are mapped with the C library's ``mmap`` instead
+(:func:`_map`) and handed out as a ``memoryview`` of bytes, unmapped when the last view of the
+pages is gone -- never under a view still in use.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import functools
 import hashlib
 import mmap
 import os
 import stat
+import weakref
 from pathlib import Path
+
+import numpy as np
 
 from burncoll.errors import ProtocolError
 
@@ -76,21 +86,47 @@ def sealed_file(name: str, size: int) -> int:
     return fd
 
 
-def new_host_file(token: str, size: int) -> tuple[int, mmap.mmap]:
+def new_host_file(token: str, size: int) -> tuple[int, memoryview]:
     """A new sealed host file named with ``token``: its descriptor and its writable mapping
     (each page mapped at its first use: no memory for the pages never used)."""
     fd = sealed_file(f"burncoll-{token}", size)
     try:
-        return fd, mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        return fd, _map(fd, size, writable=True)
     except BaseException:
         os.close(fd)
         raise
 
 
-def close_host_file(mapping: mmap.mmap) -> None:
-    """Unmap a host file (left mapped while a view of it is still held elsewhere)."""
-    with contextlib.suppress(BufferError, ValueError):
-        mapping.close()
+def close_host_file(mapping: memoryview) -> None:
+    """Let go of a mapping: its pages are unmapped once no view of them is left."""
+    with contextlib.suppress(BufferError):  # (views made from this one: unmapped after them)
+        mapping.release()
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    return libc
+
+
+def _map(fd: int, size: int, *, writable: bool) -> memoryview:
+    """The first ``size`` bytes of file ``fd`` mapped shared, keeping no descriptor (see the
+    module): bytes, read-only unless ``writable``; ``OSError`` when they cannot be mapped."""
+    libc = _libc()
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    address = libc.mmap(None, size, prot, mmap.MAP_SHARED, fd, 0)
+    if address is None or address == ctypes.c_void_p(-1).value:
+        error = ctypes.get_errno()
+        raise OSError(error, os.strerror(error))
+    pages = (ctypes.c_ubyte * size).from_address(address)
+    weakref.finalize(pages, libc.munmap, address, size)  # (when no view holds them)
+    array = np.frombuffer(memoryview(pages), np.uint8)
+    array.flags.writeable = writable
+    return array.data
 
 
 @functools.cache
@@ -105,7 +141,7 @@ def _memfd_device() -> int:
 
 def map_offered(pid: int, fd: int, token: str, size: int,
                 seen: dict[tuple[int, int], str] | None = None, *,
-                offered_by: str = "another node") -> mmap.mmap | None:
+                offered_by: str = "another node") -> memoryview | None:
     """The host file process ``pid`` offered as its descriptor ``fd`` named with ``token``,
     mapped read-only; ``None`` when it cannot be reached or is not that file (its owner has
     ended or closed it, ``/proc`` is closed to this process): the receiver declines it. A
@@ -136,7 +172,7 @@ def map_offered(pid: int, fd: int, token: str, size: int,
 
 
 def _map_checked(handle: int, size: int, seen: dict[tuple[int, int], str] | None,
-                 offered_by: str) -> mmap.mmap | None:
+                 offered_by: str) -> memoryview | None:
     try:  # O_NONBLOCK: a file under a lease fails at once instead of blocking the loop
         fd = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_NONBLOCK)
     except BlockingIOError as exc:  # (a lease: no sender takes one)
@@ -158,7 +194,7 @@ def _map_checked(handle: int, size: int, seen: dict[tuple[int, int], str] | None
                                     "offered too")
             seen[file] = offered_by
         try:
-            return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            return _map(fd, size, writable=False)
         except OSError:  # (no memory for it now: the receiver declines)
             return None
     finally:

@@ -226,7 +226,7 @@ def _check_calls(out: dict[int, Any], nodes: int, posted: int, *routes: Any) -> 
             np.testing.assert_array_equal(got[i], out[0][0][i])
 
 
-def _no_memory(token: str, size: int, **kwargs: Any) -> tuple[int, mmap.mmap]:
+def _no_memory(token: str, size: int, **kwargs: Any) -> tuple[int, memoryview]:
     raise OSError(12, "Cannot allocate memory (a test double)")
 
 
@@ -264,11 +264,11 @@ def test_the_host_memory_carries_the_calls_of_thread_nodes_too() -> None:
 
 def test_a_node_offering_a_file_that_is_not_sealed_is_named_by_the_others(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    def unsealed(token: str, size: int, **kwargs: Any) -> tuple[int, mmap.mmap]:
+    def unsealed(token: str, size: int, **kwargs: Any) -> tuple[int, memoryview]:
         fd = os.memfd_create(f"burncoll-{token}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, size)  # ... and no seals: it could shrink under a reader's mapping
         assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) == 0
-        return fd, mmap.mmap(fd, size)
+        return fd, memoryview(mmap.mmap(fd, size))
 
     _first_call_only("new_host_file", unsealed, monkeypatch)
     out = _threads(3, lambda comm: comm.all_reduce(np.ones(4)))
@@ -285,11 +285,11 @@ def test_a_node_offering_another_nodes_mapping_as_its_own_is_refused(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The second node to make its mapping offers the first one's file instead (the same
     token, a duplicate descriptor of it): a file offered twice fails the session."""
-    made: list[tuple[int, mmap.mmap]] = []
+    made: list[tuple[int, memoryview]] = []
     lock = threading.Lock()
     real = host_memory_module.new_host_file
 
-    def new_host_file(token: str, size: int, **kwargs: Any) -> tuple[int, mmap.mmap]:
+    def new_host_file(token: str, size: int, **kwargs: Any) -> tuple[int, memoryview]:
         with lock:
             if made:
                 return os.dup(made[0][0]), made[0][1]
@@ -483,7 +483,7 @@ def test_a_message_larger_than_a_slot_is_refused_and_never_posted() -> None:
     """``choose`` sends through the mail only what fits a slot; a message past it (a wrong
     route) would write into the other slot, which another node may still read: refused,
     and the counter stays."""
-    maps = {n: mmap.mmap(-1, 2 << 20) for n in (0, 1)}
+    maps = {n: memoryview(mmap.mmap(-1, 2 << 20)) for n in (0, 1)}
     mail, reader = SharedMail(maps, 0, 0), SharedMail(maps, 1, 0)
     header = b"h" * 64
     with pytest.raises(ValueError, match="larger than a slot"):
@@ -545,7 +545,7 @@ class _PostsFirst(Futex):
 
 
 def _pair() -> tuple[SharedMail, SharedMail]:
-    maps = {n: mmap.mmap(-1, 2 << 20) for n in (0, 1)}
+    maps = {n: memoryview(mmap.mmap(-1, 2 << 20)) for n in (0, 1)}
     return SharedMail(maps, 0, 0), SharedMail(maps, 1, 0)
 
 

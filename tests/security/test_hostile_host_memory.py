@@ -71,24 +71,24 @@ OUT_OF_TURN = ("a buffer of the wrong size", "malformed message in the shared ma
 
 # -- the hostile member's test doubles (in node 1's process) ---------------------------------
 
-def _memfd(token: str, size: int, seals: int) -> tuple[int, mmap.mmap]:
+def _memfd(token: str, size: int, seals: int) -> tuple[int, memoryview]:
     fd = os.memfd_create(f"burncoll-{token}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
     if seals:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
-    return fd, mmap.mmap(fd, size)
+    return fd, memoryview(mmap.mmap(fd, size))
 
 
 def _bad_file(kind: str) -> Any:
     """A ``new_host_file`` that makes the file ``kind`` instead of a node's mapping."""
-    def new_host_file(token: str, size: int, **kwargs: Any) -> tuple[int, mmap.mmap]:
+    def new_host_file(token: str, size: int, **kwargs: Any) -> tuple[int, memoryview]:
         if kind == "regular_file":
             fd, _ = tempfile.mkstemp(prefix=f"burncoll-{token}")
             os.ftruncate(fd, size)
-            return fd, mmap.mmap(fd, size)
+            return fd, memoryview(mmap.mmap(fd, size))
         if kind == "pipe":  # (a FIFO is never opened on an offer's word: it would block)
             read, _write = os.pipe()
-            return read, mmap.mmap(-1, size)
+            return read, memoryview(mmap.mmap(-1, size))
         if kind == "unsealed":
             return _memfd(token, size, 0)
         if kind == "growable":  # sealed against shrinking, not growing

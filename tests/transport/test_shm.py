@@ -452,7 +452,7 @@ def test_nobody_can_resize_a_host_file() -> None:
     finally:
         os.close(other)
         os.close(fd)
-        mapping.close()
+        host_files.close_host_file(mapping)
 
 
 def _two_nodes(shared_memory: bool) -> dict[int, Any]:
