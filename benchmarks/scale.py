@@ -1,17 +1,18 @@
 """The N-sweep: N node processes of one device each on this host, burncoll beside Gloo.
 
 For each N (4, 8, 16, 32, 64 by default) the script runs N burncoll node processes (the
-config's transport, a token set) and then N ``torch.distributed`` Gloo processes, and prints
-one row per library: the registration time, twice -- the slowest process's, from its call to
-``burncoll.register`` / ``init_process_group`` to its return (which includes waiting for the
-processes still starting), and from the last process's call to the last return (the session's
-own work, once every process is there) --, the median over processes of
-the 8 B and 1 MiB all-reduce (per process: the median of ``--iters`` calls, each after a
-barrier), and, medians over processes after those operations, the open descriptors
+transport given, websocket by default; a token set) and then N ``torch.distributed`` Gloo
+processes, and prints one row per library: the registration time, twice -- the slowest
+process's, from its call to ``burncoll.register`` / ``init_process_group`` to its return
+(which includes waiting for the processes still starting), and from the last process's call
+to the last return (the session's own work, once every process is there) --, the median over
+processes of the 8 B and 1 MiB all-reduce (per process: the median of ``--iters`` calls,
+each after a barrier), and, medians over processes after those operations, the open descriptors
 (``/proc/self/fd``) and the resident and proportional sizes (``/proc/self/smaps_rollup``).
 Every burncoll result is checked against a NumPy float64 reference.
 
-    python benchmarks/scale.py [--sizes 4,8,16,32,64] [--iters 20] [--no-gloo] [--json FILE]
+    python benchmarks/scale.py [--sizes 4,8,16,32,64] [--iters 20] [--no-gloo]
+                               [--transport websocket|tcp|quic] [--json FILE]
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def burncoll_node(index: int, args: argparse.Namespace) -> dict[str, Any]:
 
     config = burncoll.CollectiveConfig(num_devices=1, num_nodes=args.nodes,
                                        global_address=args.address, node_address="127.0.0.1",
-                                       auth_token=TOKEN, timeout=args.timeout)
+                                       auth_token=TOKEN, timeout=args.timeout,
+                                       transport=args.transport)
     start, called = time.perf_counter(), time.time()
     comm = burncoll.register(index, 0, config)
     result: dict[str, Any] = {"register": time.perf_counter() - start, "called": called,
@@ -114,9 +116,9 @@ def run(library: str, nodes: int, args: argparse.Namespace) -> list[dict[str, An
     from burncoll.orchestration.orchestrator import start_orchestrator
 
     argv = ["--library", library, "--nodes", str(nodes), "--iters", str(args.iters),
-            "--timeout", str(args.timeout)]
+            "--timeout", str(args.timeout), "--transport", args.transport]
     if library == "burncoll":
-        with start_orchestrator(auth_token=TOKEN) as orch:
+        with start_orchestrator(transport=args.transport, auth_token=TOKEN) as orch:
             return _spawn([*argv, "--address", orch.address], nodes, args.timeout)
     return _spawn([*argv, "--address", f"127.0.0.1:{free_port()}"], nodes, args.timeout)
 
@@ -149,6 +151,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--no-gloo", action="store_true")
+    parser.add_argument("--transport", default="websocket", help="burncoll's transport")
     parser.add_argument("--json", default=None)
     parser.add_argument("--library", default="burncoll", help=argparse.SUPPRESS)
     parser.add_argument("--nodes", type=int, default=0, help=argparse.SUPPRESS)
