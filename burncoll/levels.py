@@ -11,7 +11,8 @@ The route of an operation is decided once, by the local level
 (:func:`burncoll.local.plans.choose.choose`), from the call and the capabilities the nodes
 agreed when they joined (:class:`GlobalLink`'s ``lanes``, ``host_memory``, ``host_mail``):
 every global call carries its whole :data:`Route` -- the one-round :class:`Exchange` on its
-:class:`Medium`, :class:`HostReduce`, or a concrete strategy, ``auto`` already resolved --
+:class:`Medium`, :class:`HostGather`, :class:`HostReduce`, or a concrete strategy, ``auto``
+already resolved --
 and the link runs what it is told, with no size test and no fallback of its own.
 """
 
@@ -30,7 +31,8 @@ from burncoll.ops import OpKind, ReduceOp
 from burncoll.strategies import Schedule, Strategy
 
 __all__ = [
-    "MAX_TAG", "Exchange", "GlobalLink", "GlobalOp", "HostArray", "HostReduce", "LocalPeers",
+    "MAX_TAG", "Exchange", "GlobalLink", "GlobalOp", "HostArray", "HostGather", "HostReduce",
+    "LocalPeers",
     "Medium", "Route",
 ]
 
@@ -69,10 +71,20 @@ class HostReduce:
     channel 0)."""
 
 
+@dataclass(frozen=True, slots=True)
+class HostGather:
+    """Every node of one host posts its array in the host mail, node 0 reads them all,
+    reduces them in node order and posts the result, and the others copy it
+    (:meth:`burncoll.node.host_mail.SharedMail.gather`): ``2 (N - 1)`` messages read where
+    the exchange reads ``N (N - 1)`` (``auto``'s route in place of the exchange in the host
+    mail from :data:`~burncoll.strategies.auto.GATHER_NODES` node processes, on channel
+    0)."""
+
+
 #: How the nodes run a global all-reduce or barrier: the exchange on a medium, the host
-#: reduction (an all-reduce), or a concrete strategy's schedule (never
+#: gather, the host reduction (an all-reduce), or a concrete strategy's schedule (never
 #: :class:`~burncoll.strategies.Auto`). A barrier's route is never :class:`HostReduce`.
-Route = Exchange | HostReduce | Strategy
+Route = Exchange | HostGather | HostReduce | Strategy
 
 
 class GlobalOp(NamedTuple):
@@ -181,9 +193,10 @@ class GlobalLink(Protocol):
         filled in (allocated from their headers when ``None``); returns ``chunks``."""
         ...
 
-    def barrier(self, op: GlobalOp, *, route: Exchange | Strategy) -> None:
+    def barrier(self, op: GlobalOp, *, route: Exchange | HostGather | Strategy) -> None:
         """Return once every node has reached this barrier (``route``: a one-round
-        :class:`Exchange` of empty messages, or the strategy's all-reduce schedule)."""
+        :class:`Exchange` of empty messages, the :class:`HostGather` of empty messages, or the
+        strategy's all-reduce schedule)."""
         ...
 
     def p2p_send(self, src: int, dst: int, tag: int, buf: HostArray, deadline: float

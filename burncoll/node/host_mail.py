@@ -15,6 +15,15 @@ only after it has read every other node's message ``k``, and every node read mes
 ``k - 1`` (the slot's last content) before it posted ``k``: a slot is never written while a
 node may still read it, with no acknowledgement but the counters.
 
+**The gather** (``levels.HostGather``, :meth:`SharedMail.gather`): every node but the root
+posts its message ``k``; the root reads them all and posts the result as ``k + 1`` (it posts
+no ``k``: its counter goes from ``k - 1`` to ``k + 1``); every other node
+reads that and only then posts its own ``k + 1`` (a header alone, which no one reads). A
+node's ``k`` is read by the root alone, before the root posts ``k + 1``, which the node awaits
+before it writes that slot again; the root's ``k + 1`` is rewritten at ``k + 3``, once every
+node posted ``k + 2``, which each does only after it read it. So, with exchanges and gathers in
+any order, no slot is written while a node may still read it.
+
 **Ordering.** The writer stores the message, then the counter; a reader loads the counter,
 then the message. x86-64 keeps stores in order and loads in order (its memory model), so a
 reader that sees the counter sees the message. Other processors need fences that Python
@@ -56,7 +65,7 @@ from typing import Any
 
 import numpy as np
 
-from burncoll.node.lanes import Lanes, LaneWoken
+from burncoll.node.lanes import Lanes, LaneTimeout, LaneWoken
 from burncoll.protocol.wire import FIXED_HEADER_BYTES, MAX_NDIM
 from burncoll.strategies.auto import MAIL_BYTES
 from burncoll.transport.base import Buffer
@@ -139,25 +148,50 @@ class SharedMail:
         #: Messages this node has posted (all of them read by every other node but the last).
         self.posted_count = 0
 
-    def exchange(self, lanes: Lanes, parts: Sequence[Buffer], size: int, deadline: float
-                 ) -> dict[int, memoryview]:
+    def exchange(self, lanes: Lanes, parts: Sequence[Buffer] | None, size: int,
+                 deadline: float) -> dict[int, memoryview]:
         """The lanes' exchange (:meth:`~burncoll.node.lanes.Lanes.exchange`) through the
         mail: this node's message is ``parts`` one after the other (``size`` bytes), and each
         other node's is read as a view of as many bytes in its slot, by ``deadline``. The
         lanes are only watched: a lane that closes is the loss of its node, a message on it a
-        mismatch."""
+        mismatch. ``parts`` ``None``: the host gather's root, which reads every node's next
+        message and posts nothing (its number: the root's result is the one after it)."""
         return lanes.alone(lambda wake: self._exchange(lanes, parts, size, deadline))
 
-    def _exchange(self, lanes: Lanes, parts: Sequence[Buffer], size: int, deadline: float
-                  ) -> dict[int, memoryview]:
-        """(Alone on the lanes.) Post, then look at the other nodes' counters, giving the CPU
-        away between looks for a while (:class:`~burncoll.node.spinning.Yielding`), then
-        sleeping until the first node awaited posts (woken by it; :data:`MAIL_NAP` at most);
-        every 16 looks and before every sleep, the lanes' watch too."""
-        k = self.post(parts)
-        waiting, yielding = self.missing(lanes.socks, k), lanes.yielding
+    def _exchange(self, lanes: Lanes, parts: Sequence[Buffer] | None, size: int,
+                  deadline: float) -> dict[int, memoryview]:
+        """(Alone on the lanes.) Post, wait for every other node's message of that number
+        (:meth:`_await`), and read them all."""
+        k = self.posted_count + 1 if parts is None else self.post(parts)
+        self._await(lanes, list(lanes.socks), k, deadline)
+        return self.read_all(lanes.socks, k, size)
+
+    def gather(self, lanes: Lanes, parts: Sequence[Buffer], size: int, root: int,
+               deadline: float) -> memoryview:
+        """A node's half of the host gather (``levels.HostGather``) but ``root``'s: post
+        ``parts`` as message ``k`` and read ``root``'s message ``k + 1`` (its result, posted
+        once it read every node's ``k``), a view of ``size`` bytes, by ``deadline``; the lanes
+        only watched, as in :meth:`exchange`. The caller posts ``k + 1`` once it has read it:
+        its slot is then rewritten only after ``root`` read its ``k`` (see the module)."""
+        def run(wake: int) -> memoryview:
+            k = self.post(parts) + 1
+            try:
+                self._await(lanes, [root], k, deadline, yields=False)
+            except LaneTimeout:  # (the root waits for them: name who has not posted)
+                raise LaneTimeout(next(iter(self.missing(lanes.socks, k - 1)), root)) from None
+            return self.read(root, k, size)
+        return lanes.alone(run)
+
+    def _await(self, lanes: Lanes, waiting: list[int], k: int, deadline: float,
+               yields: bool = True) -> None:
+        """(Alone on the lanes.) Wait until each of ``waiting`` posted its message ``k``:
+        look at their counters, giving the CPU away between looks for a while
+        (:class:`~burncoll.node.spinning.Yielding`), then sleep until the first node awaited
+        posts (woken by it; :data:`MAIL_NAP` at most); every 16 looks and before every sleep,
+        the lanes' watch too."""
+        waiting, yielding = self.missing(waiting, k), lanes.yielding
         now = time.perf_counter()
-        yield_until, looks = now + yielding.budget(), 0
+        yield_until, looks = now + (yielding.budget() if yields else 0.0), 0
         while waiting:
             looks += 1
             if now < yield_until:
@@ -173,12 +207,14 @@ class SharedMail:
             if lanes.woken:
                 raise LaneWoken()
             waiting = self.missing(waiting, k)
-        return self.read_all(lanes.socks, k, size)
 
-    def post(self, parts: Sequence[Buffer]) -> int:
+    def post(self, parts: Sequence[Buffer], skip: int = 0) -> int:
         """Post the message ``parts`` make one after the other (at most a slot: the routes
-        that take the mail fit, :data:`~burncoll.strategies.auto.MAIL_BYTES`); its number."""
-        k = self.posted_count + 1
+        that take the mail fit, :data:`~burncoll.strategies.auto.MAIL_BYTES`); its number,
+        the next but ``skip`` (the host gather's root skips the number of every node's
+        message, which it reads and no one reads of its own: one wake of its sleepers, not
+        two)."""
+        k = self.posted_count + 1 + skip
         at, mine = self._slots[k & 1], self._maps[self._me]
         end = at + SLOT_BYTES
         for part in parts:

@@ -4,7 +4,8 @@ host mail, where the route says ``Medium.HOST``), reads every other node's, and 
 :class:`~burncoll.protocol.exchange.ExchangeCore` -- the protocol the event loop's exchange
 (:mod:`burncoll.node.exchange`) drives too -- check them and reduce in node order. The rounds
 of the host memory (:mod:`burncoll.node.host_memory`, :mod:`burncoll.node.host_reduce`) go
-the same way (:meth:`LaneExchange.trade`).
+the same way (:meth:`LaneExchange.trade`), and so does the host gather
+(:meth:`LaneExchange.gather`: node 0's exchange, then its result to the others).
 
 The operation still starts its lane in the mailbox (``Mailbox.skip``, without the event loop
 where nothing needs it): a frame of this operation that arrives on a member connection --
@@ -20,6 +21,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+
+import numpy as np
 
 from burncoll.errors import CollectiveError, PeerLost, ProtocolError
 from burncoll.levels import GlobalOp, HostArray
@@ -43,6 +46,10 @@ __all__ = ["LaneExchange"]
 Call = Callable[[GlobalOp, Coroutine[Any, Any, None]], None]
 
 
+#: The node that reduces in the host gather (``levels.HostGather``).
+ROOT = 0
+#: Where a message of the host mail was read, in the words of errors.
+IN_MAIL = "in the shared mail"
 #: The longest message header: as far as a report reads another node's message.
 _HEAD_BYTES = FIXED_HEADER_BYTES + 8 * MAX_NDIM
 #: Seconds after which an operation without the exchange looks at the lanes (the last one
@@ -88,6 +95,37 @@ class LaneExchange:
         received = self.trade(op, check, core.header(op.seq), payload_bytes(buf), mail, core)
         core.reduce_messages(op, buf, received, out)
 
+    def gather(self, op: GlobalOp, buf: HostArray, out: HostArray, mail: SharedMail) -> None:
+        """``out = x0 op x1 op ...`` over every node's ``buf`` (only read) through the host
+        gather (``levels.HostGather``): node :data:`ROOT` reduces every node's message in node
+        order, as the exchange does, and posts the result, which the others check and copy."""
+        self.run(op, buf.nbytes, self._gather_into, op, buf, out, mail)
+
+    def _gather_into(self, check: Check, op: GlobalOp, buf: HostArray, out: HostArray,
+                     mail: SharedMail) -> None:
+        """The host gather of ``buf`` into ``out`` (separate arrays) inside :meth:`run`."""
+        core = self.cores.of(op, buf.nbytes)
+        # (the result in ``out``'s dtype: a mean of integers is summed into floats)
+        result = core if out.nbytes == buf.nbytes else self.cores.of(op, out.nbytes)
+        if self._me == ROOT:
+            received = self.trade(op, check, core.header(op.seq), payload_bytes(buf), mail,
+                                  core, post=False)
+            core.reduce_messages(op, buf, received, out)
+            mail.post((result.result_header(op.seq), payload_bytes(out)), skip=1)
+            return
+        mine, size = result.result_header(op.seq), result.expected_bytes
+        try:
+            message = mail.gather(self.service.lanes, (core.header(op.seq), payload_bytes(buf)),
+                                  size, ROOT, op.deadline)
+        except (LaneWoken, LaneTimeout, LaneClosed, LaneOdd) as stop:
+            self._raise(op, self._stopped(op, check, result, mine, stop))
+        if result.check(op, check, ROOT, message, mine, IN_MAIL) is not None:
+            seen = mail.read(ROOT, mail.posted_count + 1, max(size, _HEAD_BYTES))
+            self._raise(op, self._fail(result.wrong(op, check, ROOT, seen, mine, IN_MAIL)))
+        out[...] = np.frombuffer(message, out.dtype, offset=result.header_bytes).reshape(
+            out.shape)
+        mail.post((mine,))  # (its number: the slot it fills was read by every node)
+
     def run(self, op: GlobalOp, nbytes: int, body: Callable[..., T], *args: Any) -> T:
         """Run ``body(check, *args)`` -- operation ``op``'s rounds on the lanes
         (:meth:`trade`) -- with channel 0 of ``op`` skipped in the mailbox
@@ -114,9 +152,11 @@ class LaneExchange:
                 mailbox.done(op.seq)
 
     def trade(self, op: GlobalOp, check: Check, header: bytes, payload: Buffer,
-              mail: SharedMail | None, core: ExchangeCore | None = None) -> Mapping[int, Buffer]:
+              mail: SharedMail | None, core: ExchangeCore | None = None, *,
+              post: bool = True) -> Mapping[int, Buffer]:
         """One round: send ``header`` (this node's, for ``op``) and ``payload`` through
-        ``mail`` (it fits: the route said so), or on every lane without it, and read every
+        ``mail`` (it fits: the route said so; not ``post``: the host gather's root, which only
+        reads), or on every lane without it, and read every
         other node's message of the same length, which ``core`` (the exchange's of this
         payload size) must find to be the same header from that node; its bytes by node (the
         header, then the payload; in the mail, a view of the other node's slot, valid until
@@ -130,16 +170,17 @@ class LaneExchange:
                 message = b"".join((header, payload))  # the payload's one copy
                 received = lanes.exchange(message, size, op.deadline)
             else:  # (header and payload straight into this node's slot)
-                received = mail.exchange(lanes, (header, payload), size, op.deadline)
+                received = mail.exchange(lanes, (header, payload) if post else None, size,
+                                         op.deadline)
         except (LaneWoken, LaneTimeout, LaneClosed, LaneOdd) as stop:
             self._raise(op, self._stopped(op, check, core, header, stop))
-        where = "on its caller socket" if mail is None else "in the shared mail"
+        where = "on its caller socket" if mail is None else IN_MAIL
         for node, data in received.items():
             if core.check(op, check, node, data, header, where) is None:
                 continue
             seen: Buffer = data
             if mail is not None:  # (its whole header, for the report: a longer call's)
-                seen = mail.read(node, mail.posted_count, max(size, _HEAD_BYTES))
+                seen = mail.read(node, mail.posted_count + (not post), max(size, _HEAD_BYTES))
             self._raise(op, self._fail(core.wrong(op, check, node, seen, header, where)))
         return received
 

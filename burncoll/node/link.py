@@ -23,7 +23,16 @@ import numpy as np
 from burncoll.dtypes import dtype_from_name
 from burncoll.errors import CollectiveError, CollectiveTimeout, PeerLost
 from burncoll.ioloop import IoLoop
-from burncoll.levels import Exchange, GlobalOp, HostArray, HostReduce, LocalPeers, Medium, Route
+from burncoll.levels import (
+    Exchange,
+    GlobalOp,
+    HostArray,
+    HostGather,
+    HostReduce,
+    LocalPeers,
+    Medium,
+    Route,
+)
 from burncoll.node.data_service import DataService
 from burncoll.node.exchange import (
     ExchangeCores,
@@ -227,14 +236,19 @@ class NodeLink:
             mailbox.done(op.seq)
 
     def _exchange(self, op: GlobalOp, buf: HostArray, out: HostArray, channel: int,
-                  medium: Medium) -> None:
-        """The one-round exchange of ``buf`` into ``out`` (separate arrays) on ``medium``."""
-        if medium is Medium.CONNECTIONS:
+                  route: Exchange | HostGather) -> None:
+        """The one-round exchange of ``buf`` into ``out`` (separate arrays) on its medium, or
+        the host gather."""
+        if route == Exchange(Medium.CONNECTIONS):
             self._exchange_on_connections(op, buf, out, channel)
             return
         lanes = self._lanes
         assert lanes is not None, "choose gives the lanes only to sessions that have them"
-        lanes.all_reduce(op, buf, out, lanes.mail if medium is Medium.HOST else None)
+        if isinstance(route, HostGather):
+            assert lanes.mail is not None, "choose gives it only to sessions with host_mail"
+            lanes.gather(op, buf, out, lanes.mail)
+        else:
+            lanes.all_reduce(op, buf, out, lanes.mail if route.medium is Medium.HOST else None)
 
     def _exchange_on_connections(self, op: GlobalOp, buf: HostArray, out: HostArray,
                                  channel: int) -> None:
@@ -250,9 +264,9 @@ class NodeLink:
         if out is not None and not fresh:
             require_separate_out(buf, out)
         match route:
-            case Exchange(medium=medium):
+            case Exchange() | HostGather():
                 result = np.empty_like(buf) if out is None else out
-                self._exchange(op, buf, result, channel, medium)
+                self._exchange(op, buf, result, channel, route)
                 if out is None:
                     buf[...] = result
             case HostReduce():
@@ -309,10 +323,10 @@ class NodeLink:
         self._call(op, self._run(op, schedule, chunks))
         return chunks
 
-    def barrier(self, op: GlobalOp, *, route: Exchange | Strategy) -> None:
+    def barrier(self, op: GlobalOp, *, route: Exchange | HostGather | Strategy) -> None:
         match route:
-            case Exchange(medium=medium):  # one round of empty messages, all leave together
-                self._exchange(op, np.empty(0, np.uint8), np.empty(0, np.uint8), 0, medium)
+            case Exchange() | HostGather():  # empty messages: all leave together
+                self._exchange(op, np.empty(0, np.uint8), np.empty(0, np.uint8), 0, route)
             case _:
                 schedule = route.all_reduce(self.num_nodes)
                 chunks: list[HostArray | None] = [

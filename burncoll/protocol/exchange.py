@@ -7,7 +7,8 @@ once, then copy" guarantees. :class:`ExchangeCore` is that protocol for one oper
 signature on one node, built once and used by every operation of that signature:
 
 - :meth:`~ExchangeCore.header` and :meth:`~ExchangeCore.message`: this node's message, its
-  header built once and restamped with each operation's number;
+  header built once and restamped with each operation's number (and
+  :meth:`~ExchangeCore.result_header`, the host gather's result's);
 - :attr:`~ExchangeCore.expected_bytes`: the length of every other node's message;
 - :meth:`~ExchangeCore.check` (a message's bytes) and :meth:`~ExchangeCore.check_header` (a
   decoded header): ``None``, or the error naming the sender -- a mismatch for another call or
@@ -67,6 +68,7 @@ class ExchangeCore:
         self._srcs = {n: struct.pack("<i", n) for n in range(nodes)}
         self.dtype: np.dtype[Any] = dtype_from_name(op.dtype or "uint8")
         self._template = self.round_header(op, 0, nbytes)
+        self._result = self.round_header(op, 1, nbytes)
         #: This node's header length, and the length of every node's whole message.
         self.header_bytes = len(self._template)
         self.expected_bytes = self.header_bytes + nbytes
@@ -80,6 +82,12 @@ class ExchangeCore:
     def header(self, seq: int) -> bytes:
         """This node's header in operation ``seq``."""
         return restamped(self._template, seq, self.me)
+
+    def result_header(self, seq: int) -> bytes:
+        """This node's header of the result of operation ``seq`` in the host gather (round
+        1, as many payload bytes): the root's, before the result; every other node's, alone
+        (``levels.HostGather``)."""
+        return restamped(self._result, seq, self.me)
 
     def message(self, seq: int, buf: HostArray) -> list[_Bytes]:
         """This node's message in operation ``seq``: its header, then ``buf``'s bytes."""

@@ -21,9 +21,9 @@ from burncoll.strategies.schedule import Schedule
 from burncoll.strategies.tree import Tree
 
 __all__ = ["CROSSOVERS", "DOUBLING_BYTES", "DOUBLING_NODES", "DOUBLING_NODES_ONE_HOST",
-           "EXCHANGE_BYTES", "EXCHANGE_BYTES_ONE_HOST", "EXCHANGE_BYTES_SEGMENTS", "INLINE_BYTES",
-           "MAIL_BYTES", "MOST_PIECES", "PIECE_BYTES", "SEGMENT_NODES", "Auto", "doubling_limit",
-           "exchange_limit", "resolve"]
+           "EXCHANGE_BYTES", "EXCHANGE_BYTES_ONE_HOST", "EXCHANGE_BYTES_SEGMENTS", "GATHER_NODES",
+           "INLINE_BYTES", "MAIL_BYTES", "MOST_PIECES", "PIECE_BYTES", "SEGMENT_NODES", "Auto",
+           "doubling_limit", "exchange_limit", "resolve"]
 
 #: Local operations of at most this many bytes run inline in one thread under ``auto``.
 INLINE_BYTES = 1 << 20
@@ -71,6 +71,12 @@ def exchange_limit(world: int, one_host: bool = False, host_reduce: bool = False
     return fitting[-1] if fitting else 0
 
 
+#: From this many node processes of one host, ``auto``'s exchanges in the host mail (small
+#: all-reduces and barriers) take the host gather instead (``levels.HostGather``: node 0 reads
+#: every node's message and posts the result, ``2 (N - 1)`` messages read in all against the
+#: exchange's ``N (N - 1)``): on a host of few cores, the exchange's reads are most of its
+#: work as N grows (docs/scale.md).
+GATHER_NODES = 16
 #: From this many nodes, ``auto``'s small all-reduces and its barriers take the recursive
 #: doubling (:class:`~burncoll.strategies.doubling.Doubling`: ``log2 N`` rounds of one message
 #: in and one out a node) instead of the one-round exchange (``N - 1`` each way) and the tree:

@@ -7,8 +7,9 @@ arithmetic for a tree): the total *messages* (steps: one frame each up to the wa
 size), the total *bytes* they carry, and per round the busiest participant's messages and
 bytes (sent plus received: on one host both cost a copy) and the bytes it reduces. The
 one-round all-pairs exchange of ``auto`` (:mod:`burncoll.node.exchange`, not a schedule) is
-modelled as ``"exchange"``. ``tests/strategies/test_cost_model.py`` plays every schedule in
-the simulator up to ``N = 1,024`` and checks that it moves exactly this.
+modelled as ``"exchange"``, and its host gather as ``"gather"``.
+``tests/strategies/test_cost_model.py`` plays every schedule in the simulator up to
+``N = 1,024`` and checks that it moves exactly this.
 
 The time of a round is ``alpha + overhead * messages + beta * bytes + gamma * reduced`` (its
 busiest participant's), the time of an operation the sum over its rounds: ``alpha`` the
@@ -28,13 +29,17 @@ from burncoll.strategies.doubling import Doubling, core
 from burncoll.strategies.ring import Ring
 from burncoll.strategies.tree import Tree
 
-__all__ = ["EXCHANGE", "OPERATIONS", "Cost", "Params", "RoundCost", "cost"]
+__all__ = ["EXCHANGE", "GATHER", "OPERATIONS", "Cost", "Params", "RoundCost", "cost"]
 
 #: The operations a strategy schedules (reduce and broadcast from root 0; reduce-scatter and
 #: all-gather with one chunk per participant, chunk ``i`` owned by ``i``).
 OPERATIONS = ("all_reduce", "reduce", "broadcast", "reduce_scatter", "all_gather")
 #: The one-round all-pairs exchange (all-reduce only).
 EXCHANGE = "exchange"
+#: The host gather (all-reduce only, ``levels.HostGather``): every other node's message to
+#: node 0, which reduces them; then node 0's result, posted once in its shared memory and
+#: read by every other node (the busiest node of that round moves one message).
+GATHER = "gather"
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,9 +188,10 @@ def _doubling(op: str, n: int, s: Fraction) -> Cost:
 
 
 def cost(strategy: Strategy | str, operation: str, world: int, size: int) -> Cost:
-    """What ``strategy`` (or :data:`EXCHANGE`) moves for ``operation`` (one of
+    """What ``strategy`` (or :data:`EXCHANGE`, :data:`GATHER`) moves for ``operation`` (one of
     :data:`OPERATIONS`) among ``world`` participants, for an array of ``size`` bytes."""
-    if operation not in OPERATIONS or (strategy == EXCHANGE and operation != "all_reduce"):
+    if operation not in OPERATIONS or (strategy in (EXCHANGE, GATHER)
+                                       and operation != "all_reduce"):
         raise ValueError(f"no cost for {operation!r} by {strategy!r}")
     if world < 1 or size < 0:
         raise ValueError(f"world must be >= 1 and size >= 0, got {world} and {size}")
@@ -195,6 +201,8 @@ def cost(strategy: Strategy | str, operation: str, world: int, size: int) -> Cos
     if strategy == EXCHANGE:
         busiest = RoundCost(2 * (n - 1), 2 * (n - 1) * s, (n - 1) * s)  # N - 1 out, N - 1 in
         return Cost((busiest,), n * (n - 1), n * (n - 1) * s, n * (n - 1) * s)
+    if strategy == GATHER:
+        return _one(n - 1, s, n - 1, True).then(_one(n - 1, s, 1, False))
     if isinstance(strategy, Centralized):
         return _centralized(operation, n, s)
     if isinstance(strategy, Ring):

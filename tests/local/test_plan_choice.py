@@ -33,7 +33,7 @@ import pytest
 import burncoll
 from burncoll.backends import get_backend
 from burncoll.backends.base import Backend
-from burncoll.levels import Exchange, HostReduce, Medium
+from burncoll.levels import Exchange, HostGather, HostReduce, Medium
 from burncoll.local.calls import Call
 from burncoll.local.plans.across_nodes import (
     GlobalAllGather,
@@ -59,9 +59,10 @@ from burncoll.strategies.auto import MOST_PIECES, PIECE_BYTES
 MiB = 1 << 20
 KiB = 1 << 10
 C, R, T, T3, D = Centralized(), Ring(), Tree(2), Tree(3), Doubling()
-#: The exchange on the member connections, on the lanes, in the host mail; the host reduction.
-X, XL, XH, H = (Exchange(Medium.CONNECTIONS), Exchange(Medium.LANE), Exchange(Medium.HOST),
-                HostReduce())
+#: The exchange on the member connections, on the lanes, in the host mail; the host reduction;
+#: the host gather.
+X, XL, XH, H, G = (Exchange(Medium.CONNECTIONS), Exchange(Medium.LANE), Exchange(Medium.HOST),
+                   HostReduce(), HostGather())
 AR, RED, BC, RS, AG, BAR = (OpKind.ALL_REDUCE, OpKind.REDUCE, OpKind.BROADCAST,
                             OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.BARRIER)
 
@@ -459,12 +460,20 @@ CASES: list[tuple[str, Case, World, OpPlan]] = [
      OutOfPlace(D)),
     ("route: 16 nodes, past 64 KiB: the ring", Case(AR, 64 * KiB + 4), nodes([1] * 16),
      OutOfPlace(R)),
-    ("route: 511 nodes of one host, 8 B: still the mail", Case(AR, 8),
-     nodes([1] * 511, segments=True), OutOfPlace(XH)),
+    ("route: 8 nodes of one host, 8 B: the exchange in the mail", Case(AR, 8),
+     nodes([1] * 8, segments=True), OutOfPlace(XH)),
+    ("route: 15 nodes of one host, 8 B: the exchange in the mail", Case(AR, 8),
+     nodes([1] * 15, segments=True), OutOfPlace(XH)),
+    ("route: 16 nodes of one host, 8 B: the host gather", Case(AR, 8),
+     nodes([1] * 16, segments=True), OutOfPlace(G)),
+    ("route: 16 nodes of one host without the mail, 8 B: the lanes", Case(AR, 8),
+     nodes([1] * 16, segments=True, mail=False), OutOfPlace(XL)),
+    ("route: 511 nodes of one host, 8 B: still the host gather", Case(AR, 8),
+     nodes([1] * 511, segments=True), OutOfPlace(G)),
     ("route: 512 nodes of one host, 8 B: the doubling", Case(AR, 8),
      nodes([1] * 512, 43, segments=True), OutOfPlace(D)),
-    ("route: 64 nodes of one host, 32 KiB: the mail", Case(AR, 32 * KiB),
-     nodes([1] * 64, segments=True), OutOfPlace(XH)),
+    ("route: 64 nodes of one host, 32 KiB: the host gather", Case(AR, 32 * KiB),
+     nodes([1] * 64, segments=True), OutOfPlace(G)),
     ("route: 64 nodes of one host, past 32 KiB: the host reduction", Case(AR, 32 * KiB + 4),
      nodes([1] * 64, segments=True), OutOfPlace(H)),
     ("route: 16 nodes, 2 peers each, small: inline, then the doubling", Case(AR),
@@ -473,10 +482,12 @@ CASES: list[tuple[str, Case, World, OpPlan]] = [
      nodes([1] * 16), OutOfPlace(T)),
     ("route: barrier of 16 nodes: the doubling", Case(BAR), nodes([1] * 16, lanes=True),
      GlobalBarrier(D)),
-    ("route: barrier of 16 nodes of one host: the mail", Case(BAR),
-     nodes([1] * 16, segments=True), GlobalBarrier(XH)),
-    ("route: barrier of 64 nodes of one host: the mail", Case(BAR),
-     nodes([1] * 64, segments=True), GlobalBarrier(XH)),
+    ("route: barrier of 15 nodes of one host: the mail", Case(BAR),
+     nodes([1] * 15, segments=True), GlobalBarrier(XH)),
+    ("route: barrier of 16 nodes of one host: the host gather", Case(BAR),
+     nodes([1] * 16, segments=True), GlobalBarrier(G)),
+    ("route: barrier of 64 nodes of one host: the host gather", Case(BAR),
+     nodes([1] * 64, segments=True), GlobalBarrier(G)),
     ("route: barrier of 512 nodes of one host: the doubling", Case(BAR),
      nodes([1] * 512, segments=True), GlobalBarrier(D)),
     ("route: configured, 2 nodes, 8 B", Case(AR, 8, strategies=GLOBAL_DOUBLING),

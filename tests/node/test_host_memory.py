@@ -36,9 +36,10 @@ import numpy as np
 import pytest
 
 import burncoll
+import burncoll.local.plans.choose as choose_module
 import burncoll.node.host_memory as host_memory_module
 import burncoll.node.host_reduce as host_reduce_module
-from burncoll.levels import Exchange, HostReduce, Medium
+from burncoll.levels import Exchange, HostGather, HostReduce, Medium
 from burncoll.node.host_mail import SLOT_BYTES, Futex, SharedMail
 from burncoll.node.host_memory import host_memory_bytes, regions_at
 from burncoll.strategies import Ring
@@ -117,10 +118,18 @@ def _checked(record: dict[str, Any], digest: Any, comm: burncoll.Communicator, n
     record["calls"] += 1
 
 
+#: Set in a node process's environment: its small all-reduces and barriers take the host
+#: gather (``auto`` gives it to 16 node processes or more) and ``DIES`` exits in one of them.
+GATHER = "BURNCOLL_TEST_GATHER"
+
+
 def _node_main(argv: list[str]) -> None:
     """``NODE NODES ORCH_ADDRESS TRANSPORT DIES`` (``DIES``: the node that exits as the host
-    reduction starts, or -1): print one JSON record."""
+    reduction starts -- with :data:`GATHER`, in a gather --, or -1): print one JSON record."""
     host_reduce_module.PIECE_BYTES = 4 << 20  # (a slot holds 32 MiB: many pieces' rounds)
+    gather = GATHER in os.environ
+    if gather:
+        choose_module.GATHER_NODES = 2
     comm, node, nodes, dies = register_node_process(argv)
     record: dict[str, Any] = {"node": node, "error": 0.0, "calls": 0}
     digest = hashlib.sha256()
@@ -128,6 +137,10 @@ def _node_main(argv: list[str]) -> None:
     try:
         for i in range(ROUNDS):
             for call in [*CALLS, *BIG] if nodes == 2 else CALLS:
+                if gather and node == dies and i == ROUNDS // 2:
+                    time.sleep(0.3)  # the others wait in the gather
+                    os._exit(3)
+                started = time.monotonic()
                 _checked(record, digest, comm, node, nodes, i, call)
             comm.barrier()
         record["posted"] = _posted(comm)
@@ -147,35 +160,48 @@ def _node_main(argv: list[str]) -> None:
     print(json.dumps(record), flush=True)
 
 
-def _run_processes(nodes: int, transport: str, dies: int = -1) -> list[dict[str, Any]]:
+def _run_processes(nodes: int, transport: str, dies: int = -1, gather: bool = False,
+                   monkeypatch: pytest.MonkeyPatch | None = None) -> list[dict[str, Any]]:
+    if gather:
+        assert monkeypatch is not None
+        monkeypatch.setenv(GATHER, "1")
     return run_node_processes(__file__, nodes, transport, dies)
 
 
-@pytest.mark.parametrize(("nodes", "transport"), [(2, "tcp"), (3, "tcp"), (4, "websocket")])
-def test_node_processes_of_one_host_share_their_host_memory(nodes: int, transport: str
-                                                             ) -> None:
-    records = _run_processes(nodes, transport)
+@pytest.mark.parametrize(("nodes", "transport", "gather"), [
+    (2, "tcp", False), (3, "tcp", False), (4, "websocket", False), (3, "tcp", True),
+    (4, "websocket", True)])
+def test_node_processes_of_one_host_share_their_host_memory(
+        nodes: int, transport: str, gather: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    records = _run_processes(nodes, transport, gather=gather, monkeypatch=monkeypatch)
     assert len(records) == nodes
     small = ROUNDS * (len(CALLS) + 2 * (nodes == 2))
     for record in records:
         assert "raised" not in record and record["host_memory"] is True, record
         assert record["calls"] == small + len(LARGE) * (nodes >= 3), record
         assert record["error"] <= 1e-5, record  # (float32 sums; every other call exact)
-        # every small call and barrier posted once in the mail; between 2 nodes, the 1 MiB
-        # one is a host reduction of one piece, its two rounds in the mail (the handshake's
-        # 2 rounds at join go on the sockets and post nothing)
-        assert record["posted"] == small + ROUNDS + ROUNDS * (nodes == 2), record
+        # every small call and barrier posted once in the mail (a gather numbers two
+        # messages: every node's and the root's result); between 2 nodes, the 1 MiB one is a
+        # host reduction of one piece, its two rounds in the mail (the handshake's 2 rounds
+        # at join go on the sockets and post nothing)
+        assert record["posted"] == (small + ROUNDS) * (1 + gather) + ROUNDS * (nodes == 2), (
+            record)
         assert "HostReduce()" in record["routes"], record
+        assert ("HostGather()" in record["routes"]) is gather, record
     assert len({r["sha"] for r in records}) == 1  # the same bits on every node
 
 
-def test_a_node_process_that_dies_is_named_by_every_survivor_at_once() -> None:
-    records = _run_processes(3, "tcp", dies=2)
+@pytest.mark.parametrize(("dies", "gather"), [(2, False), (2, True), (0, True)],
+                         ids=["host_reduction", "gather", "gather_root"])
+def test_a_node_process_that_dies_is_named_by_every_survivor_at_once(
+        dies: int, gather: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    records = _run_processes(3, "tcp", dies, gather, monkeypatch)
     assert len(records) == 2
     for record in records:
-        assert record["calls"] == ROUNDS * len(CALLS), record
+        calls = ROUNDS // 2 * len(CALLS) if gather else ROUNDS * len(CALLS)
+        assert record["calls"] == calls, record
         assert record["raised"].startswith(("PeerLost", "CollectiveAborted")), record
-        assert "node 2" in record["raised"], record
+        assert f"node {dies}" in record["raised"], record
         assert record["seconds"] < 20.0 / 2, record  # half the timeout: not at the deadline
 
 
@@ -256,10 +282,20 @@ def test_a_processor_without_ordered_stores_keeps_the_exchange_on_the_sockets(
     _check_calls(_threads(3, _calls), 3, 0, Exchange(Medium.LANE), HostReduce())
 
 
-def test_the_host_memory_carries_the_calls_of_thread_nodes_too() -> None:
-    """2 large calls of 3 pieces of 32 MiB and less: 2 rounds each in the mail."""
-    _check_calls(_threads(3, _calls), 3, 2 * len(CALLS) + 1 + 2 * 2,
-                 Exchange(Medium.HOST), HostReduce())
+@pytest.mark.parametrize("gather", [False, True], ids=["exchange", "gather"])
+def test_the_host_memory_carries_the_calls_of_thread_nodes_too(
+        gather: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 large calls of 3 pieces of 32 MiB and less: 2 rounds each in the mail. With the
+    gather, each small call and the barrier number two messages."""
+    if gather:
+        monkeypatch.setattr(choose_module, "GATHER_NODES", 3)
+    _check_calls(_threads(3, _calls), 3, (2 * len(CALLS) + 1) * (1 + gather) + 2 * 2,
+                 HostGather() if gather else Exchange(Medium.HOST), HostReduce())
+
+
+def test_auto_gathers_from_16_node_processes_of_one_host() -> None:
+    from burncoll.strategies.auto import GATHER_NODES
+    assert choose_module.GATHER_NODES == GATHER_NODES == 16
 
 
 def test_a_node_offering_a_file_that_is_not_sealed_is_named_by_the_others(
@@ -303,8 +339,23 @@ def test_a_node_offering_another_nodes_mapping_as_its_own_is_refused(
     assert any("offered too" in str(out[r]) for r in range(3)), out
 
 
+#: The small calls' routes in the tests below: the exchange in the mail, or the gather.
+ROUTES = pytest.mark.parametrize("gather", [False, True], ids=["exchange", "gather"])
+
+
+def _gathering(gather: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if gather:
+        monkeypatch.setattr(choose_module, "GATHER_NODES", 2)
+
+
+@ROUTES
 @pytest.mark.parametrize("elements", [2, 40_000])  # the mail; the host reduction
-def test_a_node_that_never_calls_times_out_the_others(elements: int) -> None:
+def test_a_node_that_never_calls_times_out_the_others(
+        elements: int, gather: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the gather, node 2 waits for the root's result, and names node 1 (which has not
+    posted), not the root."""
+    _gathering(gather, monkeypatch)
+
     def fn(comm: burncoll.Communicator) -> Any:
         comm.barrier()
         if comm.rank == 1:
@@ -325,11 +376,16 @@ def test_a_node_that_never_calls_times_out_the_others(elements: int) -> None:
         assert timeout - 0.5 <= waited < 3 * timeout, waited  # at its deadline, not never
 
 
+@ROUTES
+@pytest.mark.parametrize("odd", [0, 2], ids=["root", "other"])
 @pytest.mark.parametrize("elements", [100, 600_000])  # the mail; the host reduction
-def test_different_sizes_are_a_mismatch_on_every_node(elements: int) -> None:
+def test_different_sizes_are_a_mismatch_on_every_node(
+        elements: int, odd: int, gather: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    _gathering(gather, monkeypatch)
+
     def fn(comm: burncoll.Communicator) -> Any:
         comm.barrier()
-        return comm.all_reduce(np.ones(elements + elements // 10 * (comm.rank == 2),
+        return comm.all_reduce(np.ones(elements + elements // 10 * (comm.rank == odd),
                                        np.float32))
 
     out = _threads(3, fn)
@@ -339,12 +395,17 @@ def test_different_sizes_are_a_mismatch_on_every_node(elements: int) -> None:
         assert str(elements + elements // 10) in str(out[rank]), out[rank]
 
 
-def test_a_barrier_against_an_all_reduce_is_a_mismatch_on_every_node() -> None:
+@ROUTES
+@pytest.mark.parametrize("barrier", [0, 1], ids=["root", "other"])
+def test_a_barrier_against_an_all_reduce_is_a_mismatch_on_every_node(
+        barrier: int, gather: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The barrier's message is shorter than the other call's header: the report reads that
     header whole (not "a malformed message")."""
+    _gathering(gather, monkeypatch)
+
     def fn(comm: burncoll.Communicator) -> Any:
         comm.barrier()
-        if comm.rank == 0:
+        if comm.rank == barrier:
             return comm.barrier()
         return comm.all_reduce(np.ones(2, np.float32))
 

@@ -6,18 +6,29 @@ honest node never would -- a huge size, another operation's number, another dtyp
 session, bytes that are no frame -- or raises its counter far past its messages: the reading
 node reads only the length its own call gives, checks the header byte for byte, and every
 node fails with an error that says what was wrong and names that member. No result is
-returned from such a message.
+returned from such a message. The same in the host gather, where a member's message is read
+by the root alone, and the root's result by every other node: a forged result fails every
+node, naming the root.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 
 import burncoll
-from burncoll.protocol.wire import FIXED_HEADER_BYTES, announced_lengths
+import burncoll.local.plans.choose as choose_module
+from burncoll.protocol.wire import (
+    FIXED_HEADER_BYTES,
+    announced_lengths,
+    decode_data_head,
+    encode_data_header,
+)
+from tests.node.test_lanes import _two_nodes
 from tests.security.test_hostile_lanes import WHY, _tamper, hostile_second_call
 
 #: What node 0's error must say, by kind (its slot 0 was never written: its first message
@@ -56,3 +67,94 @@ def test_a_hostile_mail_message_fails_every_node_naming_its_sender(kind: str) ->
             mail.post((_tamper(message, kind),))
 
     hostile_second_call(attack, *WHY_MAIL[kind], shared_memory=True)
+
+
+# -- the host gather (``levels.HostGather``): node 0 reads every node's message, the others its
+# result; its route among 2 nodes here (``auto`` gives it to 16 node processes of a host)
+
+#: What node 0 (the root) must say when node 1 posts ``kind`` in the gather: what the
+#: exchange's reader says, but for a counter raised far ahead (the root then reads what node 1
+#: left in that slot: its message of the first call).
+WHY_GATHER = {**WHY_MAIL,
+              "counter_far_ahead": ("MismatchError", "different sequences of operations")}
+
+
+def _gathering(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(choose_module, "GATHER_NODES", 2)
+
+
+def _message(mail: Any, node: int, k: int) -> bytes:
+    head = mail.read(node, k, FIXED_HEADER_BYTES)
+    return bytes(mail.read(node, k, announced_lengths(memoryview(head))[1]))
+
+
+@pytest.mark.parametrize("kind", list(WHY_GATHER))
+def test_a_hostile_message_to_the_gather_fails_every_node_naming_its_sender(
+        kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _gathering(monkeypatch)
+
+    def attack(comm: burncoll.Communicator) -> None:
+        mail = _mail(comm)
+        if kind == "counter_far_ahead":  # an empty post, numbered 1000 past the next
+            mail.posted_count += 1000
+            mail.post((b"",))
+            return
+        # its own message of the first call (two numbers back: a header alone came after it)
+        h, size = decode_data_head(memoryview(_message(mail, 1, mail.posted_count - 1)))
+        mail.post((_tamper(encode_data_header(dataclasses.replace(h, seq=h.seq + 1), size)
+                           + b"\0" * size, kind),))
+
+    hostile_second_call(attack, *WHY_GATHER[kind], shared_memory=True)
+
+
+#: What node 1 must say when node 0 posts ``kind`` as the gather's result.
+WHY_RESULT = {**{k: WHY_MAIL[k] for k in ("huge_size", "another_operation", "another_dtype",
+                                           "another_session", "no_frame")},
+              "a_contribution": ("ProtocolError", "a part of another round")}
+
+
+def _forged(message: bytes, kind: str) -> bytes:
+    """Node 1's message of the gather, as node 0 (hostile) posts it as its result."""
+    h, size = decode_data_head(memoryview(message))
+    payload = message[len(message) - size:]
+    h = dataclasses.replace(h, src=0, round=0 if kind == "a_contribution" else 1)
+    if kind == "no_frame":
+        return b"\xff" * len(message)
+    if kind == "huge_size":
+        return encode_data_header(dataclasses.replace(h, chunk_bytes=2**40), 2**40) + payload
+    changed = {"another_operation": {"seq": h.seq + 5}, "another_dtype": {"dtype": "int32"},
+               "another_session": {"session": h.session + 1}}.get(kind, {})
+    return encode_data_header(dataclasses.replace(h, **changed), size) + payload
+
+
+@pytest.mark.parametrize("kind", list(WHY_RESULT))
+def test_a_hostile_gather_result_fails_every_node_naming_the_root(
+        kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 0 (the root, hostile) posts a forged result once node 1 posted its message: node 1
+    reads only the length its own call gives, checks the header, and fails naming node 0;
+    node 0 learns of it by its next operations."""
+    _gathering(monkeypatch)
+    x = np.arange(16, dtype=np.float32)
+
+    def fn(comm: burncoll.Communicator) -> Any:
+        first = comm.all_reduce(x.copy())  # honest: the gather works
+        np.testing.assert_array_equal(first, (x.astype(np.float64) * 2).astype(np.float32))
+        if comm.peer_id == 1:
+            return comm.all_reduce(x.copy())
+        mail = _mail(comm)
+        k = mail.posted_count + 1
+        deadline = time.monotonic() + 10
+        while not mail.posted(1, k):
+            assert time.monotonic() < deadline, "node 1 posted nothing"
+            time.sleep(0.001)
+        mail.post((_forged(_message(mail, 1, k), kind),), skip=1)
+        for _ in range(3):
+            comm.barrier()
+        return "node 0 never failed"
+
+    out = _two_nodes(fn, shared_memory=True)
+    error, why = WHY_RESULT[kind]
+    one = out[1]
+    assert isinstance(one, burncoll.CollectiveError), out
+    assert type(one).__name__ == error and why in str(one) and "node 0" in str(one), out
+    assert isinstance(out[0], burncoll.CollectiveError), out

@@ -11,7 +11,7 @@ import pytest
 
 from burncoll.strategies import Centralized, Doubling, Ring, Schedule, Strategy, Tree
 from burncoll.strategies.base import default_owners
-from burncoll.strategies.cost import EXCHANGE, OPERATIONS, Params, cost
+from burncoll.strategies.cost import EXCHANGE, GATHER, OPERATIONS, Params, cost
 
 from .simulator import tally
 
@@ -66,6 +66,19 @@ def test_the_exchange() -> None:
     assert c.rounds[0].messages == 2 * 1023 and c.rounds[0].reduced == 8 * 1023
 
 
+@pytest.mark.parametrize("n", [2, 3, 16, 64, 1024])
+def test_the_gather_moves_what_the_centralized_all_reduce_moves_but_posts_its_result_once(
+        n: int) -> None:
+    c, central = cost(GATHER, "all_reduce", n, 8), cost(Centralized(), "all_reduce", n, 8)
+    assert (c.messages, c.bytes, c.reduced) == (central.messages, central.bytes,
+                                                 central.reduced) == (
+        2 * (n - 1), 16 * (n - 1), 8 * (n - 1))
+    assert c.rounds[0] == central.rounds[0]  # node 0 reads and reduces every other's
+    assert (c.rounds[1].messages, c.rounds[1].bytes) == (1, 8)  # posted once, read by each
+    assert cost(GATHER, "all_reduce", n, 8).messages < cost(EXCHANGE, "all_reduce", n, 8
+                                                            ).messages or n == 2
+
+
 def test_time_sums_the_rounds() -> None:
     p = Params(alpha=1.0, overhead=0.5, beta=0.25, gamma=0.125)
     c = cost(Ring(), "all_reduce", 4, 8)  # 6 rounds, 1 in + 1 out of 2 bytes, 3 reducing
@@ -77,7 +90,8 @@ def test_time_sums_the_rounds() -> None:
 
 
 @pytest.mark.parametrize("bad", [("tree:2", "all_reduce", 4, 8), (Ring(), "scan", 4, 8),
-                                 (EXCHANGE, "reduce", 4, 8), (Ring(), "all_reduce", 0, 8),
+                                 (EXCHANGE, "reduce", 4, 8), (GATHER, "broadcast", 4, 8),
+                                 (Ring(), "all_reduce", 0, 8),
                                  (Ring(), "all_reduce", 4, -1)])
 def test_refuses_what_it_does_not_model(bad: tuple[object, str, int, int]) -> None:
     with pytest.raises(ValueError):

@@ -26,7 +26,7 @@ import numpy as np
 
 from burncoll.backends.base import Array
 from burncoll.dtypes import dtype_name
-from burncoll.levels import Exchange, GlobalOp, HostArray, Route
+from burncoll.levels import Exchange, GlobalOp, HostArray, HostGather, Route
 from burncoll.local.plans.phases import (
     LocalBroadcast,
     LocalReduce,
@@ -284,7 +284,7 @@ class GlobalBarrier:
     """``route``: the nodes meet in a one-round exchange, or by that strategy's
     all-reduce schedule."""
 
-    route: Exchange | Strategy
+    route: Exchange | HostGather | Strategy
 
     def prepare(self, rv: Rendezvous, state: OpState) -> GlobalBarrierRun:
         return GlobalBarrierRun(self, rv, state)

@@ -46,7 +46,7 @@ from burncoll.backends.numpy import host_memory
 from burncoll.config import CollectiveConfig
 from burncoll.dtypes import ITEMSIZES, dtype_from_name, is_inexact
 from burncoll.errors import UsageError
-from burncoll.levels import Exchange, HostReduce, Medium, Route
+from burncoll.levels import Exchange, HostGather, HostReduce, Medium, Route
 from burncoll.local.calls import ARGUMENTS, Call
 from burncoll.local.plans.across_nodes import (
     GlobalAllGather,
@@ -68,6 +68,7 @@ from burncoll.local.world import World
 from burncoll.ops import OpKind, ReduceOp
 from burncoll.strategies import Auto, Strategy, resolve
 from burncoll.strategies.auto import (
+    GATHER_NODES,
     INLINE_BYTES,
     MAIL_BYTES,
     MOST_PIECES,
@@ -226,6 +227,16 @@ def _medium(world: World, nbytes: int, channel: int) -> Medium:
     return Medium.LANE if world.lanes else Medium.CONNECTIONS
 
 
+def _exchange(world: World, nbytes: int, channel: int) -> Exchange | HostGather:
+    """``auto``'s exchange of ``nbytes`` per node on ``channel``: on its medium, or, in the
+    host mail among :data:`~burncoll.strategies.auto.GATHER_NODES` node processes or more,
+    the host gather (node 0 reads every node's message, the others its result)."""
+    medium = _medium(world, nbytes, channel)
+    if medium is Medium.HOST and world.num_nodes >= GATHER_NODES:
+        return HostGather()
+    return Exchange(medium)
+
+
 def _global(config: CollectiveConfig, kind: OpKind, nbytes: int, world: World) -> Strategy:
     """The global strategy of ``kind`` for ``nbytes`` (``auto`` resolved by that size).
 
@@ -252,7 +263,7 @@ def _route(config: CollectiveConfig, world: World, nbytes: int, compressed: bool
     if not compressed and _doubles(config, world, nbytes, host_reduce):
         return Doubling()
     if not compressed and _exchanges(config, world, nbytes, host_reduce):
-        return Exchange(_medium(world, nbytes, channel))
+        return _exchange(world, nbytes, channel)
     if host_reduce and -(-nbytes // PIECE_BYTES) <= MOST_PIECES:
         return HostReduce()
     strategy = _global(config, OpKind.ALL_REDUCE, nbytes, world)
@@ -265,13 +276,13 @@ def _route(config: CollectiveConfig, world: World, nbytes: int, compressed: bool
     return strategy
 
 
-def _barrier_route(config: CollectiveConfig, world: World) -> Exchange | Strategy:
+def _barrier_route(config: CollectiveConfig, world: World) -> Exchange | HostGather | Strategy:
     """A barrier is a 0-byte all-reduce: under ``auto`` the exchange of empty messages, or
     from :data:`~burncoll.strategies.auto.DOUBLING_NODES` the recursive doubling."""
     if _doubles(config, world, 0, False):
         return Doubling()
     if isinstance(config.strategy("global_all_reduce_strategy"), Auto):
-        return Exchange(_medium(world, 0, 0))
+        return _exchange(world, 0, 0)
     return _global(config, OpKind.ALL_REDUCE, 0, world)
 
 
