@@ -75,7 +75,9 @@ def exchange_limit(world: int, one_host: bool = False, host_reduce: bool = False
 #: all-reduces and barriers) take the host gather instead (``levels.HostGather``: node 0 reads
 #: every node's message and posts the result, ``2 (N - 1)`` messages read in all against the
 #: exchange's ``N (N - 1)``): on a host of few cores, the exchange's reads are most of its
-#: work as N grows (docs/scale.md).
+#: work as N grows. Measured on 2 cores (``benchmarks/scale.py``, 8 B, alternated, medians of
+#: 3): 16 node processes 1.30 against 1.70 ms, 32 2.71 against 4.10, 64 9.7 against 16.9; at
+#: 8 a tie, at 3-4 the exchange's one round well ahead (docs/scale.md).
 GATHER_NODES = 16
 #: From this many nodes, ``auto``'s small all-reduces and its barriers take the recursive
 #: doubling (:class:`~burncoll.strategies.doubling.Doubling`: ``log2 N`` rounds of one message
@@ -89,7 +91,8 @@ DOUBLING_NODES = 16
 #: partner to be scheduled: at 64 node processes of one 2-core host the exchange took 11.9 ms
 #: for 8 B against the doubling's 56-63 ms (``benchmarks/scale.py``, alternated). Their work,
 #: ``N (N - 1)`` messages against about ``N log2 N``, would close that 5x gap near 512 nodes
-#: (an extrapolation: nothing past 64 was measured; docs/scale.md).
+#: (an extrapolation: nothing past 64 was measured; docs/scale.md). Where the host mail serves,
+#: the host gather comes first (:data:`GATHER_NODES`): this counts only without it.
 DOUBLING_NODES_ONE_HOST = 512
 #: The largest all-reduce (bytes per node) that takes the doubling past its number of nodes,
 #: where no host reduction takes over sooner: the tree's limit (the model puts the doubling

@@ -7,8 +7,9 @@ level (:data:`~burncoll.strategies.auto.INLINE_BYTES`), the composition with the
 and each global part's whole route (:data:`~burncoll.levels.Route`): whether a global
 all-reduce or barrier runs as the one-round exchange
 (:func:`~burncoll.strategies.auto.exchange_limit`) and on which medium (the host mail up to
-:data:`~burncoll.strategies.auto.MAIL_BYTES` on channel 0, else the lanes on channel 0, else
-the member connections), as the recursive doubling among many nodes
+:data:`~burncoll.strategies.auto.MAIL_BYTES` on channel 0 -- its host gather from
+:data:`~burncoll.strategies.auto.GATHER_NODES` node processes --, else the lanes on channel
+0, else the member connections), as the recursive doubling among many nodes
 (:func:`~burncoll.strategies.auto.doubling_limit`), as the host reduction, or otherwise which
 strategy's schedule (``auto``'s tree or ring by size). Its inputs are the call and the
 capabilities every node agreed at join (:class:`~burncoll.local.world.World`), so every node
@@ -227,14 +228,12 @@ def _medium(world: World, nbytes: int, channel: int) -> Medium:
     return Medium.LANE if world.lanes else Medium.CONNECTIONS
 
 
-def _exchange(world: World, nbytes: int, channel: int) -> Exchange | HostGather:
-    """``auto``'s exchange of ``nbytes`` per node on ``channel``: on its medium, or, in the
-    host mail among :data:`~burncoll.strategies.auto.GATHER_NODES` node processes or more,
-    the host gather (node 0 reads every node's message, the others its result)."""
-    medium = _medium(world, nbytes, channel)
-    if medium is Medium.HOST and world.num_nodes >= GATHER_NODES:
-        return HostGather()
-    return Exchange(medium)
+def _gathers(world: World, nbytes: int, channel: int) -> bool:
+    """Whether ``auto``'s exchange of ``nbytes`` per node on ``channel`` is the host gather
+    (node 0 reads every node's message, the others its result): in the host mail, among
+    :data:`~burncoll.strategies.auto.GATHER_NODES` node processes or more -- at any number of
+    them, before the doubling too (fewer messages, and rounds)."""
+    return world.num_nodes >= GATHER_NODES and _medium(world, nbytes, channel) is Medium.HOST
 
 
 def _global(config: CollectiveConfig, kind: OpKind, nbytes: int, world: World) -> Strategy:
@@ -254,16 +253,20 @@ def _global(config: CollectiveConfig, kind: OpKind, nbytes: int, world: World) -
 
 def _route(config: CollectiveConfig, world: World, nbytes: int, compressed: bool = False,
            channel: int = 0) -> Route:
-    """The exchange on its medium, the host reduction, or the global all-reduce schedule's
-    strategy, for ``nbytes`` per node on ``channel``. A compressed all-reduce always takes a
-    schedule (its 16-bit wire format is the walk's); the host reduction serves ``auto``'s
-    all-reduces past the exchange on channel 0 among the node processes of one host (no wire:
-    nothing to compress), of at most :data:`MOST_PIECES` pieces."""
+    """The exchange on its medium (or its host gather), the host reduction, or the global
+    all-reduce schedule's strategy, for ``nbytes`` per node on ``channel``. A compressed
+    all-reduce always takes a schedule (its 16-bit wire format is the walk's); the host
+    reduction serves ``auto``'s all-reduces past the exchange on channel 0 among the node
+    processes of one host (no wire: nothing to compress), of at most :data:`MOST_PIECES`
+    pieces."""
     host_reduce = not compressed and _host_reduces(config, world, channel)
+    exchanges = not compressed and _exchanges(config, world, nbytes, host_reduce)
+    if exchanges and _gathers(world, nbytes, channel):
+        return HostGather()
     if not compressed and _doubles(config, world, nbytes, host_reduce):
         return Doubling()
-    if not compressed and _exchanges(config, world, nbytes, host_reduce):
-        return _exchange(world, nbytes, channel)
+    if exchanges:
+        return Exchange(_medium(world, nbytes, channel))
     if host_reduce and -(-nbytes // PIECE_BYTES) <= MOST_PIECES:
         return HostReduce()
     strategy = _global(config, OpKind.ALL_REDUCE, nbytes, world)
@@ -277,12 +280,16 @@ def _route(config: CollectiveConfig, world: World, nbytes: int, compressed: bool
 
 
 def _barrier_route(config: CollectiveConfig, world: World) -> Exchange | HostGather | Strategy:
-    """A barrier is a 0-byte all-reduce: under ``auto`` the exchange of empty messages, or
-    from :data:`~burncoll.strategies.auto.DOUBLING_NODES` the recursive doubling."""
+    """A barrier is a 0-byte all-reduce: under ``auto`` the exchange of empty messages (or
+    their host gather), or from :data:`~burncoll.strategies.auto.DOUBLING_NODES` the recursive
+    doubling."""
+    auto = isinstance(config.strategy("global_all_reduce_strategy"), Auto)
+    if auto and _gathers(world, 0, 0):
+        return HostGather()
     if _doubles(config, world, 0, False):
         return Doubling()
-    if isinstance(config.strategy("global_all_reduce_strategy"), Auto):
-        return _exchange(world, 0, 0)
+    if auto:
+        return Exchange(_medium(world, 0, 0))
     return _global(config, OpKind.ALL_REDUCE, 0, world)
 
 
