@@ -104,26 +104,23 @@ class LaneExchange:
     def _gather_into(self, check: Check, op: GlobalOp, buf: HostArray, out: HostArray,
                      mail: SharedMail) -> None:
         """The host gather of ``buf`` into ``out`` (separate arrays) inside :meth:`run`."""
-        core = self.cores.of(op, buf.nbytes)
-        # (the result in ``out``'s dtype: a mean of integers is summed into floats)
-        result = core if out.nbytes == buf.nbytes else self.cores.of(op, out.nbytes)
+        core = self.cores.of(op, buf.nbytes)  # (``out`` is like ``buf``: the link checks)
         if self._me == ROOT:
             received = self.trade(op, check, core.header(op.seq), payload_bytes(buf), mail,
                                   core, post=False)
             core.reduce_messages(op, buf, received, out)
-            mail.post((result.result_header(op.seq), payload_bytes(out)), skip=1)
+            mail.post((core.result_header(op.seq), payload_bytes(out)), skip=1)
             return
-        mine, size = result.result_header(op.seq), result.expected_bytes
+        mine, size = core.result_header(op.seq), core.expected_bytes
         try:
             message = mail.gather(self.service.lanes, (core.header(op.seq), payload_bytes(buf)),
                                   size, ROOT, op.deadline)
         except (LaneWoken, LaneTimeout, LaneClosed, LaneOdd) as stop:
-            self._raise(op, self._stopped(op, check, result, mine, stop))
-        if result.check(op, check, ROOT, message, mine, IN_MAIL) is not None:
+            self._raise(op, self._stopped(op, check, core, mine, stop))
+        if core.check(op, check, ROOT, message, mine, IN_MAIL) is not None:
             seen = mail.read(ROOT, mail.posted_count + 1, max(size, _HEAD_BYTES))
-            self._raise(op, self._fail(result.wrong(op, check, ROOT, seen, mine, IN_MAIL)))
-        out[...] = np.frombuffer(message, out.dtype, offset=result.header_bytes).reshape(
-            out.shape)
+            self._raise(op, self._fail(core.wrong(op, check, ROOT, seen, mine, IN_MAIL)))
+        out[...] = np.frombuffer(message, out.dtype, offset=core.header_bytes).reshape(out.shape)
         mail.post((mine,))  # (its number: the slot it fills was read by every node)
 
     def run(self, op: GlobalOp, nbytes: int, body: Callable[..., T], *args: Any) -> T:
