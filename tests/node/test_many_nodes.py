@@ -1,9 +1,9 @@
 """A session of many node processes on one host (issue 32): 32 real node processes of one
 device each meet at a real orchestrator (this file, run as a script, is one node), register
 (every node dials many others from one address, a few at a time and in turn, so that no
-listener evicts a dial: :mod:`burncoll.node.dialing`),
-all-reduce an 8 B and a 256 KiB array, broadcast 1 MiB from a node and all-gather 128 KiB
-from each (large messages between region peers through their stream regions, between the
+listener evicts a dial: :mod:`burncoll.node.dialing`), all-reduce an 8 B and a 256 KiB array
+(the host gather and the host reduction), meet at a barrier (the gather), broadcast 1 MiB from
+a node and all-gather 128 KiB from each (large messages between region peers through their stream regions, between the
 others on the socket: :func:`burncoll.node.host_memory.region_peers`), each input its own,
 compared with NumPy in float64, and hold no more open descriptors than
 :func:`burncoll.node.descriptors.descriptors_needed` says. Then, in child processes, the
@@ -69,6 +69,9 @@ def _node_main(argv: list[str]) -> None:
     got = comm.all_gather(_input(node, 1 << 15))
     want = np.concatenate([_input(n, 1 << 15) for n in range(nodes)])
     record["all_gather"] = bool(np.array_equal(got, want))
+    comm.barrier()
+    plans = comm._server.plans.values()  # type: ignore[attr-defined]
+    record["routes"] = [repr(plan.route) for plan in plans if hasattr(plan, "route")]
     memory = comm._server.link._host_memory  # type: ignore[attr-defined]
     record["region_peers"] = sorted(memory.region_peers)
     record["fds"] = len(os.listdir("/proc/self/fd"))
@@ -85,6 +88,8 @@ def test_32_node_processes_of_one_host_register_and_all_reduce() -> None:
         assert record["evictions"] == 0, record  # (in turn, a few at a time: dialing.py)
         assert record["region_peers"] == region_peers(record["node"], NODES), record
         assert record["fds"] <= descriptors_needed(NODES), record
+        # auto's small all-reduce and barrier: the host gather; 256 KiB: the host reduction
+        assert {"HostGather()", "HostReduce()"} <= set(record["routes"]), record
 
 
 @pytest.mark.parametrize("count", [2, 3, 4, 5, 8, 31, 32, 64, 1000, 1024])
