@@ -3,8 +3,9 @@ device each meet at a real orchestrator (this file, run as a script, is one node
 (every node dials many others from one address, a few at a time and in turn, so that no
 listener evicts a dial: :mod:`burncoll.node.dialing`), all-reduce an 8 B and a 256 KiB array
 (the host gather and the host reduction), meet at a barrier (the gather), broadcast 1 MiB from
-a node and all-gather 128 KiB from each (large messages between region peers through their stream regions, between the
-others on the socket: :func:`burncoll.node.host_memory.region_peers`), each input its own,
+a node and all-gather 128 KiB from each (large messages between region peers through their
+stream regions, between the others on the socket:
+:func:`burncoll.node.host_memory.region_peers`), each input its own,
 compared with NumPy in float64, and hold no more open descriptors than
 :func:`burncoll.node.descriptors.descriptors_needed` says. Then, in child processes, the
 descriptor limit: raised where the hard limit allows, and a clear error at registration where
