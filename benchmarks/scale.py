@@ -13,6 +13,7 @@ Every burncoll result is checked against a NumPy float64 reference.
 
     python benchmarks/scale.py [--sizes 4,8,16,32,64] [--iters 20] [--no-gloo]
                                [--transport websocket|tcp|quic] [--json FILE]
+    python benchmarks/scale.py --tables --sizes 64,256,1024
 """
 
 from __future__ import annotations
@@ -145,6 +146,23 @@ def row(library: str, nodes: int, results: list[dict[str, Any]]) -> dict[str, An
             "rss_mib": median("rss"), "pss_mib": median("pss")}
 
 
+def tables(sizes: list[int]) -> None:
+    """The orchestrator's work for the node tables of a session of each size (no processes:
+    its members as it holds them, one host), the fastest of 3, and the bytes it sends."""
+    from burncoll.orchestration.waiting import Member, Session
+
+    print("| N | encoding every member's table (ms) | bytes sent (MB) |\n|---|---|---|")
+    for n in sizes:
+        members = [Member(None, "127.0.0.1", 40000 + i, (i,), {"num_nodes": n},  # type: ignore[arg-type]
+                          {"sharded": False, "host": "f" * 32, "lanes": True}) for i in range(n)]
+        session, best, frames = Session.form(members), float("inf"), []
+        for _ in range(3):
+            start = time.perf_counter()
+            frames = session.tables()
+            best = min(best, time.perf_counter() - start)
+        print(f"| {n} | {best * 1e3:.1f} | {sum(map(len, frames)) / 1e6:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--sizes", default="4,8,16,32,64")
@@ -157,7 +175,12 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--node", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--address", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--tables", action="store_true", help="only the orchestrator's work "
+                        "for the node tables at each of --sizes (no processes)")
     args = parser.parse_args()
+    if args.tables:
+        tables([int(n) for n in args.sizes.split(",")])
+        return
     if args.node is not None:
         node = burncoll_node if args.library == "burncoll" else gloo_node
         print(json.dumps(node(args.node, args)))

@@ -294,8 +294,9 @@ class Orchestrator:
         session = Session.form(members)
         log.info("orchestrator: session %x formed with %d nodes", session.sid,
                  len(session.members))
-        for m in session.members:
-            await tell(m.conn, session.table_for(m), _TELL_SECONDS)
+        tables = session.tables()
+        await asyncio.gather(*(tell(m.conn, tables[m.index], _TELL_SECONDS)
+                               for m in session.members))
 
     async def _finish(self, member: Member) -> None:
         session = member.session

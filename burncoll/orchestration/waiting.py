@@ -117,11 +117,11 @@ class Session:
             m.session = session
         return session
 
-    def table_for(self, member: Member) -> Table:
-        """The node table ``member`` is sent."""
-        nodes = tuple(TableEntry(m.index, m.host, m.port, m.peer_ids, m.meta)
-                      for m in self.members)
-        return Table(self.sid, member.index, nodes, self.secret)
+    def tables(self) -> list[bytes]:
+        """The node table each member is sent, by index (encoded frames: the entries encoded
+        once for all of them)."""
+        return Table.frames(self.sid, [TableEntry(m.index, m.host, m.port, m.peer_ids, m.meta)
+                                       for m in self.members], self.secret)
 
     def finish(self, member: Member) -> bool:
         """``member`` finished; whether every member now has."""

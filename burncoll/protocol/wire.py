@@ -45,9 +45,9 @@ from burncoll.errors import ProtocolError
 from burncoll.ops import OpKind, ReduceOp
 
 __all__ = ["CONTROL_LIMIT", "DEFAULT_MAX_MESSAGE_BYTES", "DataHeader", "FrameType",
-           "LENGTH_PREFIX_BYTES", "MAX_NDIM", "WIRE_VERSION", "announced_lengths", "decode",
-           "decode_control", "decode_data_head", "encode_control", "encode_data_header",
-           "SRC_AT", "SRC_END", "restamped"]
+           "LENGTH_PREFIX_BYTES", "MAX_NDIM", "SRC_AT", "SRC_END", "WIRE_VERSION",
+           "announced_lengths", "control_frame", "decode", "decode_control", "decode_data_head",
+           "encode_control", "encode_data_header", "restamped"]
 
 MAGIC = b"BC"
 WIRE_VERSION = 1
@@ -191,7 +191,11 @@ def restamped(header: bytes, seq: int, src: int) -> bytes:
 
 def encode_control(message: dict[str, Any], session: int = 0) -> bytes:
     """A whole CONTROL frame carrying ``message`` as JSON."""
-    body = json.dumps(message, separators=(",", ":")).encode()
+    return control_frame(json.dumps(message, separators=(",", ":")).encode(), session)
+
+
+def control_frame(body: bytes, session: int = 0) -> bytes:
+    """A whole CONTROL frame carrying ``body``, a JSON object already encoded."""
     if len(body) > CONTROL_LIMIT:
         raise ProtocolError(f"control message of {len(body)} bytes exceeds {CONTROL_LIMIT}")
     fixed = _FIXED.pack(MAGIC, WIRE_VERSION, FrameType.CONTROL, session, 0, 0, 0, 0, 0, -1, -1, 0,

@@ -122,14 +122,15 @@ class Connection(abc.ABC):
         certificate, so the two ends compute different bindings and authentication fails."""
 
 
-async def tell(conn: Connection, message: ControlMessage, timeout: float, *, session: int = 0,
-               lock: asyncio.Lock | None = None) -> bool:
-    """Best effort: send ``message`` on ``conn`` (under ``lock``, if given), within
-    ``timeout``; ``False`` when the other end is gone or too slow (never an error: the
-    caller has nothing better to do about a closed peer)."""
+async def tell(conn: Connection, message: ControlMessage | bytes, timeout: float, *,
+               session: int = 0, lock: asyncio.Lock | None = None) -> bool:
+    """Best effort: send ``message`` (or its frame, encoded already) on ``conn`` (under
+    ``lock``, if given), within ``timeout``; ``False`` when the other end is gone or too slow
+    (never an error: the caller has nothing better to do about a closed peer)."""
+    frame = message if isinstance(message, bytes) else encode(message, session)
     try:
         async with asyncio.timeout(timeout), lock or contextlib.nullcontext():
-            await conn.send([encode(message, session)])
+            await conn.send([frame])
     except (TransportError, TimeoutError):
         return False
     return True

@@ -98,6 +98,22 @@ def test_every_message_is_the_same_bytes_and_decodes_back(
             assert decoder(decode(frame)) is None, other
 
 
+@pytest.mark.parametrize("secret", ["ab" * 32, None])
+def test_the_orchestrator_s_table_frames_are_each_member_s_table_encoded(
+        secret: str | None) -> None:
+    """``Table.frames`` encodes the entries once for every member: byte for byte what each
+    member's own :class:`Table` encodes into, and decoded back into it."""
+    nodes = tuple(TableEntry(i, f"10.0.0.{i}", 1000 + i, (2 * i, 2 * i + 1),
+                             {"host": "f" * 32, "lanes": i % 2 == 0, "odd \"key\"": [i]})
+                  for i in range(5))
+    frames = Table.frames(77, nodes, secret)
+    assert len(frames) == len(nodes)
+    for index, frame in enumerate(frames):
+        table = Table(77, index, nodes, secret)
+        assert frame == encode(table, 77)
+        assert decode_from_orchestrator(decode(frame)) == table
+
+
 def test_unknown_types_and_data_frames_are_ignored() -> None:
     assert decode_member(decode(encode_control({"type": "gossip", "node": 1}))) is None
     part = DataHeader(session=7, seq=0, op_kind=OpKind.ALL_REDUCE, reduce_op=ReduceOp.SUM,

@@ -6,7 +6,7 @@ addresses, which host each runs on). An orchestrator that hands members differen
 faulty, or run by a peer that holds the token (a group's orchestrator runs in its rank 0's
 process) -- would make them build different schedules. Every member says the digest of its
 table in its hello, and the member it dials compares it with its own. The fault is injected
-with a test double of the orchestrator's ``Session.table_for`` (what it tells one node); the
+with a test double of the orchestrator's ``Session.tables`` (what it tells each node); the
 nodes, the connections and the orchestrator are the real ones.
 """
 
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 import burncoll
-from burncoll.orchestration.waiting import Member, Session
-from burncoll.protocol.control import Table, TableEntry
+from burncoll.orchestration.waiting import Session
+from burncoll.protocol.control import Table, TableEntry, encode
 from tests.harness import run_nodes
 
 NODES = 3
@@ -53,15 +53,16 @@ FAULTS: dict[str, Callable[[TableEntry], TableEntry]] = {
 def _mislead(monkeypatch: pytest.MonkeyPatch, change: Callable[[TableEntry], TableEntry]
              ) -> None:
     """The orchestrator tells node :data:`MISLED` ``change`` of node 0's entry."""
-    real = Session.table_for
+    real = Session.tables
 
-    def table_for(self: Session, member: Member) -> Table:
-        table = real(self, member)
-        if member.index != MISLED:
-            return table
-        return dataclasses.replace(table, nodes=(change(table.nodes[0]), *table.nodes[1:]))
+    def tables(self: Session) -> list[bytes]:
+        frames = real(self)
+        nodes = [TableEntry(m.index, m.host, m.port, m.peer_ids, m.meta) for m in self.members]
+        nodes[0] = change(nodes[0])
+        frames[MISLED] = encode(Table(self.sid, MISLED, tuple(nodes), self.secret), self.sid)
+        return frames
 
-    monkeypatch.setattr(Session, "table_for", table_for)
+    monkeypatch.setattr(Session, "tables", tables)
 
 
 def _run(timeout: float) -> tuple[dict[int, Any], float]:
