@@ -6,7 +6,9 @@ share the connections' descriptors, :mod:`burncoll.transport.writer`) and their 
 socket (:mod:`burncoll.node.lanes`) -- its mappings of the host memory of the nodes of its host
 keep none (:mod:`burncoll.transport.host_files`); and :data:`BASE` more for everything else
 (its listener, the orchestrator's connection, the event loop, pipes, the process's own files).
-So 64 node processes of one host need about 253 each (they hold about 200).
+So 64 node processes of one host need about 253 each while they register (they hold about
+200 then, and 137 once registered: where the host mail carries every exchange, the caller
+sockets are closed after the join, :meth:`burncoll.node.lanes.Lanes.drop_sockets`).
 
 At registration, before it contacts the orchestrator, a node raises its soft limit towards
 the hard one as far as it needs (:func:`ensure_descriptors`; a process may always do that),

@@ -46,8 +46,11 @@ wake-up is lost; a word a node leaves set costs only a wake.
 :meth:`burncoll.node.lane_exchange.LaneExchange.trade`), and only as many bytes as this
 node's own call gives are read; a counter another node raises too far only makes this node
 read that slot early, to find a wrong header or that node's own contribution. While it waits,
-a node watches the lanes (:meth:`burncoll.node.lanes.Lanes.watch`): the deadline, a lost node
-(its lane closes: ``PeerLost`` at once), a failed session.
+a node watches the lanes (:meth:`burncoll.node.lanes.Lanes.watch`): the deadline and a failed
+session (the lanes' wake-up pipe). The lanes' sockets carried only the join's host-memory
+handshake and are closed once it gave every node the mail (``Lanes.drop_sockets``): a node
+lost meanwhile fails the session through its member connections (a connection that breaks
+without ``bye``) and the orchestrator (its connection closes), which wakes every wait.
 """
 
 from __future__ import annotations
@@ -141,7 +144,9 @@ class SharedMail:
         #: Every counter's address in this process (its low 32 bits are the futex word).
         self._addresses = {n: int(c.ctypes.data) for n, c in self._counters.items()}
         self._futex = Futex()
-        self._others = tuple(c for n, c in self._counters.items() if n != me)
+        self._other_lines = tuple(c for n, c in self._counters.items() if n != me)
+        #: The other nodes, whose mail this node reads.
+        self.others = tuple(n for n in maps if n != me)
         #: Acquired and released after a post: its locked instruction is the barrier.
         self._barrier = threading.Lock()
         self._slots = (at + _LINE, at + _LINE + SLOT_BYTES)
@@ -153,9 +158,10 @@ class SharedMail:
         """The lanes' exchange (:meth:`~burncoll.node.lanes.Lanes.exchange`) through the
         mail: this node's message is ``parts`` one after the other (``size`` bytes), and each
         other node's is read as a view of as many bytes in its slot, by ``deadline``. The
-        lanes are only watched: a lane that closes is the loss of its node, a message on it a
-        mismatch. ``parts`` ``None``: the host gather's root, which reads every node's next
-        message and posts nothing (its number: the root's result is the one after it)."""
+        lanes are only watched (where they still are: see :meth:`Lanes.drop_sockets`): a lane
+        that closes is the loss of its node, a message on it a mismatch. ``parts`` ``None``:
+        the host gather's root, which reads every node's next message and posts nothing (its
+        number: the root's result is the one after it)."""
         return lanes.alone(lambda wake: self._exchange(lanes, parts, size, deadline))
 
     def _exchange(self, lanes: Lanes, parts: Sequence[Buffer] | None, size: int,
@@ -163,8 +169,8 @@ class SharedMail:
         """(Alone on the lanes.) Post, wait for every other node's message of that number
         (:meth:`_await`), and read them all."""
         k = self.posted_count + 1 if parts is None else self.post(parts)
-        self._await(lanes, list(lanes.socks), k, deadline)
-        return self.read_all(lanes.socks, k, size)
+        self._await(lanes, list(self.others), k, deadline)
+        return self.read_all(self.others, k, size)
 
     def gather(self, lanes: Lanes, parts: Sequence[Buffer], size: int, root: int,
                deadline: float) -> memoryview:
@@ -178,7 +184,7 @@ class SharedMail:
             try:
                 self._await(lanes, [root], k, deadline, yields=False)
             except LaneTimeout:  # (the root waits for them: name who has not posted)
-                raise LaneTimeout(next(iter(self.missing(lanes.socks, k - 1)), root)) from None
+                raise LaneTimeout(next(iter(self.missing(self.others, k - 1)), root)) from None
             return self.read(root, k, size)
         return lanes.alone(run)
 
@@ -227,7 +233,7 @@ class SharedMail:
         with self._barrier:  # (the counter is out before the sleepers' words are read)
             pass
         named = self._me + 1
-        for line in self._others:
+        for line in self._other_lines:
             if line[1] == named:
                 self._futex.wake(self._addresses[self._me])
                 break

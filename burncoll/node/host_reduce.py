@@ -17,7 +17,8 @@ every node's in node order, into its result area, and says so; once every node h
 every node's result chunk into its output. A node writes its slot again only after every node
 reduced (the second round), and its result area only after every node finished copying (the
 next first round), so nothing is read while it is written. Every wait ends by the operation's
-deadline, and a process that dies closes its lanes (``PeerLost`` at once).
+deadline, and a process that dies fails the session (its member connections, the
+orchestrator), which wakes every wait.
 """
 
 from __future__ import annotations

@@ -167,6 +167,16 @@ class Lanes:
                     waiting[node] = head
         return waiting
 
+    def drop_sockets(self) -> None:
+        """(At join, no exchange running.) Close every lane's socket, keeping the wake-up
+        pipe: where the host mail carries every exchange, the lanes served only the join's
+        host-memory handshake, and a wait for mail watches the pipe and the deadline alone (a
+        lost node comes as the session's failure: its member connections, the orchestrator)."""
+        with self._using, self._state:
+            socks, self.socks = list(self.socks.values()), {}
+        for sock in socks:
+            sock.close()
+
     def close(self) -> None:
         """Close every lane and the wake-up pipe (at once, or as the running exchange
         ends: it is woken first)."""
@@ -251,7 +261,7 @@ class Lanes:
         poller = select.poll()
         assert self._pipe is not None  # (checked by exchange)
         poller.register(self._pipe[0], _IN)
-        node_of = {self.socks[n].fileno(): n for n in waiting}
+        node_of = {self.socks[n].fileno(): n for n in waiting if n in self.socks}
         for fd in node_of:
             poller.register(fd, _IN)
         for fd, _ in poller.poll(0):

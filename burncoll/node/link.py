@@ -112,13 +112,16 @@ class NodeLink:
         """(At join, from the registering thread, once the lanes are open.) Set up the host
         memory of node processes of one host (:meth:`HostMemory.set_up`), where a host runs
         2 of them or more: every node ends with the same ``host_memory`` (all on one host) and
-        ``host_mail``, before the first plan is chosen."""
+        ``host_mail``, before the first plan is chosen. With the mail, every exchange goes
+        there: the lanes' sockets are closed (2 descriptors per other node left, not 3)."""
         if self._lanes is None or len(set(self.hosts)) == len(self.hosts):
             return
         self._host_memory = HostMemory(self._lanes, self.hosts)
         op = _JoinOp(0, OpKind.BARRIER, None, None, (), -1, deadline, time.monotonic())
         self.host_memory = self._host_memory.set_up(op)
         self.host_mail = self._lanes.mail is not None
+        if self.host_mail:  # (every exchange in the mail: the lanes served the handshake)
+            self._service.lanes.drop_sockets()
 
     def attach(self, local: LocalPeers) -> None:
         """Route failures reported by other nodes to the ``local`` peers, and answer other
