@@ -210,9 +210,9 @@ class SharedMail:
             else:
                 lanes.watch(waiting, deadline, lambda n: self.posted(n, k))
                 self.sleep(waiting[0], k, min(MAIL_NAP, max(deadline - time.monotonic(), 0)))
-            if lanes.woken:
-                raise LaneWoken()
             waiting = self.missing(waiting, k)
+            if waiting and lanes.woken:  # (with every message in, they count)
+                raise LaneWoken()
 
     def post(self, parts: Sequence[Buffer], skip: int = 0) -> int:
         """Post the message ``parts`` make one after the other (at most a slot: the routes

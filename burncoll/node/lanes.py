@@ -266,6 +266,8 @@ class Lanes:
             poller.register(fd, _IN)
         for fd, _ in poller.poll(0):
             if fd not in node_of:
+                if all(posted(n) for n in waiting):
+                    return  # (woken with every message in: they count, as on the lanes)
                 raise LaneWoken()
             node = node_of[fd]
             if posted(node):  # (posted since ``waiting`` was taken: what its lane
@@ -317,7 +319,8 @@ class _SocketRound:
                 raise LaneTimeout(min(waiting or self.unsent))
             for fd, events in ready:
                 if fd == self.wake:
-                    raise LaneWoken()
+                    self._woken(waiting)
+                    break
                 node = self.node_of[fd]
                 if node in self.unsent and events & (_OUT | select.POLLERR | select.POLLHUP):
                     self._send(node)
@@ -325,6 +328,18 @@ class _SocketRound:
                     waiting.discard(node)
         spinning.waited(time.perf_counter() - began)
         return self.bufs
+
+    def _woken(self, waiting: set[int]) -> None:
+        """The session failed meanwhile: what has come in still counts. The round ends with
+        every message in (its failure is then the next operation's, as on the node that sent
+        last and left), else :class:`LaneWoken`."""
+        for node in list(self.unsent):
+            self._send(node)
+        for node in list(waiting):
+            if self._receive(node):
+                waiting.discard(node)
+        if waiting or self.unsent:
+            raise LaneWoken()
 
     def _spin(self, waiting: set[int], until: float) -> None:
         """Read what has come in without sleeping, until ``until`` or until all is in."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import mmap
+import os
 import select
 import signal
 import socket
@@ -31,7 +32,8 @@ import pytest
 
 import burncoll
 from burncoll.node.host_mail import SharedMail
-from burncoll.node.lanes import LaneClosed, LaneOdd, Lanes, LaneTimeout, LaneWoken
+from burncoll.node.lanes import LaneClosed, LaneOdd, Lanes, LaneTimeout, LaneWoken, _SocketRound
+from burncoll.node.spinning import Spinning
 from burncoll.protocol.wire import FIXED_HEADER_BYTES, decode_data_head, encode_data_header
 from tests.harness import run_nodes
 
@@ -154,6 +156,33 @@ def test_a_failure_of_the_session_wakes_the_waiting_thread(spin: bool) -> None:
         one.close()
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["in", "half"])
+def test_a_round_whose_messages_are_in_when_the_session_fails_completes(whole: bool) -> None:
+    """Node 1's message is in and the session has failed when node 0's round looks (the
+    orchestrator reported node 1 lost: it sent its last message and left; the wake-up is the
+    first thing the round sees): what has come in counts, and the round ends with it -- the
+    failure is the next operation's (before, the round raised ``LaneWoken``, and a barrier
+    every node had passed failed). Half a message is no round: ``LaneWoken``."""
+    zero, one = _pair()
+    m1 = _frame(b"last", src=1)
+    one.socks[0].sendall(m1 if whole else m1[:10])
+    select.select([zero.socks[1]], [], [], 5)
+    wake, woken = os.pipe()
+    os.write(woken, b"!")
+    round_ = _SocketRound(zero.socks, wake, _frame(b"mine"), len(m1))
+    try:
+        if whole:
+            assert bytes(round_.run(time.monotonic() + 10, Spinning())[1]) == m1
+        else:
+            with pytest.raises(LaneWoken):
+                round_.run(time.monotonic() + 10, Spinning())
+    finally:
+        zero.close()
+        one.close()
+        os.close(wake)
+        os.close(woken)
+
+
 @pytest.mark.parametrize(("shape", "announced"), [
     ((64,), 2**40),  # a huge size: nothing is allocated for it
     ((64,), 3),
@@ -248,6 +277,41 @@ class _LookedJustBefore(SharedMail):
             self.early = False
             return False
         return super().posted(node, k)
+
+
+class _WokenJustAfter(SharedMail):
+    """Node 0's shared mail, whose first look at the counters comes just before node 1's post
+    and the session fails just after it (a fault injected: the order of threads on a busy
+    host)."""
+
+    lanes: Lanes | None = None
+    first = True
+
+    def missing(self, nodes: Any, k: int) -> list[int]:
+        if self.first:
+            self.first = False
+            assert self.lanes is not None
+            self.lanes.wake()
+            return list(nodes)
+        return super().missing(nodes, k)
+
+
+def test_mail_that_is_in_when_the_session_fails_counts() -> None:
+    zero, one = _pair()
+    zero.drop_sockets()  # (the mail carries the exchange: the wake-up pipe stays)
+    maps = {n: mmap.mmap(-1, 2 << 20) for n in (0, 1)}
+    try:
+        mail = _WokenJustAfter(maps, 0, 0)
+        mail.lanes = zero
+        SharedMail(maps, 1, 0).post([b"node 1's"])
+        zero.yielding.sleeping = 1  # (it sleeps at once: its first step looks at the lanes)
+        got = mail.exchange(zero, [b"node 0's"], 8, time.monotonic() + 5.0)
+        assert bytes(got[1]) == b"node 1's"
+        with pytest.raises(LaneWoken):  # the next operation fails
+            mail.exchange(zero, [b"node 0's"], 8, time.monotonic() + 5.0)
+    finally:
+        zero.close()
+        one.close()
 
 
 def test_a_message_on_the_lane_of_a_node_whose_mail_is_in_is_no_mismatch() -> None:
