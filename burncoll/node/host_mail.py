@@ -17,8 +17,8 @@ node may still read it, with no acknowledgement but the counters.
 
 **The gather** (``levels.HostGather``, :meth:`SharedMail.gather`): every node but the root
 posts its message ``k``; the root reads them all and posts the result as ``k + 1`` (it posts
-no ``k``: its counter goes from ``k - 1`` to ``k + 1``); every other node
-reads that and only then posts its own ``k + 1`` (a header alone, which no one reads). A
+no ``k``: its counter goes from ``k - 1`` to ``k + 1``); every other node reads that and only
+then posts its own ``k + 1`` (a header alone, which no one reads). A
 node's ``k`` is read by the root alone, before the root posts ``k + 1``, which the node awaits
 before it writes that slot again; the root's ``k + 1`` is rewritten at ``k + 3``, once every
 node posted ``k + 2``, which each does only after it read it. So, with exchanges and gathers in
@@ -150,7 +150,8 @@ class SharedMail:
         #: Acquired and released after a post: its locked instruction is the barrier.
         self._barrier = threading.Lock()
         self._slots = (at + _LINE, at + _LINE + SLOT_BYTES)
-        #: Messages this node has posted (all of them read by every other node but the last).
+        #: The number of this node's last message: its counter (the messages it posted, and
+        #: the numbers it skipped as the host gather's root).
         self.posted_count = 0
 
     def exchange(self, lanes: Lanes, parts: Sequence[Buffer] | None, size: int,
