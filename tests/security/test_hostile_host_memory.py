@@ -294,7 +294,12 @@ def test_a_hostile_round_fails_every_node_naming_its_member(kind: str) -> None:
         assert record["host_memory"] is True, records
         assert len(record["results"]) <= 1, records  # (what completed is right:)
         assert all(result["error"] < 1e-12 for result in record["results"]), records
-        assert record["raised"].startswith(("ProtocolError", "MismatchError")), records
+        # found by this node, or by another before this node's next call (a node whose round
+        # had every message in when the failure woke it completes it: what came in counts)
+        raised = record["raised"]
+        assert raised.startswith(("ProtocolError", "MismatchError")) or (
+            raised.startswith("CollectiveAborted") and record["results"]
+            and ("(ProtocolError" in raised or "(MismatchError" in raised)), records
 
 
 def test_a_member_killed_between_the_rounds_is_lost_on_every_node() -> None:
