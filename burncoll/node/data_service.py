@@ -233,7 +233,9 @@ class DataService:
         except OSError as exc:
             sock.close()
             raise TransportError(f"the caller socket broke: {exc}") from exc
-        self.lanes.add(node, sock)
+        if not self.lanes.add(node, sock):
+            raise ProtocolError("a caller socket after the join (the host mail carries every "
+                                "exchange: the lanes' sockets were closed)")
         self._check_lanes()
 
     def _check_lanes(self) -> None:

@@ -119,15 +119,18 @@ class Lanes:
         self._pipe: tuple[int, int] | None = None  # made with the first lane
         self._woken = False
         self._closed = False
+        #: The sockets were dropped at join (:meth:`drop_sockets`): no lane is taken again.
+        self._dropped = False
         #: How long an exchange reads without sleeping first (the link allows it).
         self.spinning = Spinning()
         #: Whether a wait for shared mail yields its CPU before it sleeps.
         self.yielding = Yielding()
 
     def add(self, node: int, sock: socket.socket) -> bool:
-        """``node``'s lane; ``False`` (the socket closed) when it already has one."""
+        """``node``'s lane; ``False`` (the socket closed) when it already has one, or the
+        lanes are closed or their sockets dropped."""
         with self._state:
-            if node in self.socks or self._closed:
+            if node in self.socks or self._closed or self._dropped:
                 sock.close()
                 return False
             if self._pipe is None:
@@ -171,9 +174,10 @@ class Lanes:
         """(At join, no exchange running.) Close every lane's socket, keeping the wake-up
         pipe: where the host mail carries every exchange, the lanes served only the join's
         host-memory handshake, and a wait for mail watches the pipe and the deadline alone (a
-        lost node comes as the session's failure: its member connections, the orchestrator)."""
+        lost node comes as the session's failure: its member connections, the orchestrator).
+        A lane a member dials later is closed at once (:meth:`add`)."""
         with self._using, self._state:
-            socks, self.socks = list(self.socks.values()), {}
+            socks, self.socks, self._dropped = list(self.socks.values()), {}, True
         for sock in socks:
             sock.close()
 

@@ -242,16 +242,16 @@ class NodeLink:
                   route: Exchange | HostGather) -> None:
         """The one-round exchange of ``buf`` into ``out`` (separate arrays) on its medium, or
         the host gather."""
-        if route == Exchange(Medium.CONNECTIONS):
-            self._exchange_on_connections(op, buf, out, channel)
-            return
         lanes = self._lanes
-        assert lanes is not None, "choose gives the lanes only to sessions that have them"
-        if isinstance(route, HostGather):
-            assert lanes.mail is not None, "choose gives it only to sessions with host_mail"
-            lanes.gather(op, buf, out, lanes.mail)
-        else:
-            lanes.all_reduce(op, buf, out, lanes.mail if route.medium is Medium.HOST else None)
+        match route:
+            case Exchange(medium=Medium.CONNECTIONS):
+                self._exchange_on_connections(op, buf, out, channel)
+            case HostGather():
+                assert lanes is not None and lanes.mail is not None, "choose: host_mail only"
+                lanes.gather(op, buf, out, lanes.mail)
+            case Exchange(medium=medium):
+                assert lanes is not None, "choose gives the lanes only to sessions with them"
+                lanes.all_reduce(op, buf, out, lanes.mail if medium is Medium.HOST else None)
 
     def _exchange_on_connections(self, op: GlobalOp, buf: HostArray, out: HostArray,
                                  channel: int) -> None:

@@ -466,8 +466,12 @@ def test_lanes_are_used_only_when_every_node_offers_them(monkeypatch: pytest.Mon
         np.testing.assert_array_equal(out[rank][1], 2 * x)
 
 
+@pytest.mark.parametrize("mail", [False, True], ids=["lanes", "mail"])
 @pytest.mark.parametrize("who", [1, 0])  # 1: a second lane; 0: a lane dialed the wrong way
-def test_a_lane_the_node_did_not_expect_is_dropped_and_the_session_goes_on(who: int) -> None:
+def test_a_lane_the_node_did_not_expect_is_dropped_and_the_session_goes_on(who: int,
+                                                                           mail: bool) -> None:
+    """With the mail (the lanes' sockets closed after the join) any lane dialed later is
+    one the node did not expect: dropped, and no lane is watched or lost for it."""
     x = np.arange(8.0)
 
     def fn(comm: burncoll.Communicator) -> Any:
@@ -480,8 +484,11 @@ def test_a_lane_the_node_did_not_expect_is_dropped_and_the_session_goes_on(who: 
                                                         lane=True)).result(10)
             time.sleep(0.3)  # the other node drops it
             link._io.submit(conn.close()).result(10)
-        return comm.all_reduce(x.copy())
+        return comm.all_reduce(x.copy()), sorted(_lanes_of(comm).socks)
 
-    out = _two_nodes(fn)
+    out = _two_nodes(fn, shared_memory=mail)
     for rank in (0, 1):
-        np.testing.assert_array_equal(out[rank], 2 * x)
+        assert not isinstance(out[rank], BaseException), out
+        total, lanes = out[rank]
+        np.testing.assert_array_equal(total, 2 * x)
+        assert lanes == ([] if mail else [1 - rank])  # (the node's own lane, or none)

@@ -34,11 +34,12 @@ def _next_message_from_zero(comm: burncoll.Communicator) -> bytes:
     return sock.recv(1 << 16, socket.MSG_PEEK)
 
 
-def _tamper(message: bytes, kind: str) -> bytes:
-    """Node 0's message as node 1 (hostile) sends it back instead of its own."""
+def _tamper(message: bytes, kind: str, **fields: Any) -> bytes:
+    """Node 0's message as node 1 (hostile) sends it back instead of its own (its header's
+    ``fields`` changed too: ``src=1`` unless said)."""
     h, size = decode_data_head(memoryview(message))
     payload = message[len(message) - size:]
-    h = dataclasses.replace(h, src=1)
+    h = dataclasses.replace(h, **{"src": 1, **fields})
     if kind == "huge_size":
         return encode_data_header(dataclasses.replace(h, chunk_bytes=2**40), 2**40) + payload
     if kind == "another_operation":
@@ -47,6 +48,8 @@ def _tamper(message: bytes, kind: str) -> bytes:
         return encode_data_header(dataclasses.replace(h, dtype="int32"), size) + payload
     if kind == "another_session":
         return encode_data_header(dataclasses.replace(h, session=h.session + 1), size) + payload
+    if kind == "no_change":  # (the fields alone)
+        return encode_data_header(h, size) + payload
     assert kind == "no_frame"
     return b"\xff" * len(message)
 

@@ -115,16 +115,9 @@ WHY_RESULT = {**{k: WHY_MAIL[k] for k in ("huge_size", "another_operation", "ano
 
 def _forged(message: bytes, kind: str) -> bytes:
     """Node 1's message of the gather, as node 0 (hostile) posts it as its result."""
-    h, size = decode_data_head(memoryview(message))
-    payload = message[len(message) - size:]
-    h = dataclasses.replace(h, src=0, round=0 if kind == "a_contribution" else 1)
-    if kind == "no_frame":
-        return b"\xff" * len(message)
-    if kind == "huge_size":
-        return encode_data_header(dataclasses.replace(h, chunk_bytes=2**40), 2**40) + payload
-    changed = {"another_operation": {"seq": h.seq + 5}, "another_dtype": {"dtype": "int32"},
-               "another_session": {"session": h.session + 1}}.get(kind, {})
-    return encode_data_header(dataclasses.replace(h, **changed), size) + payload
+    if kind == "a_contribution":  # (round 0: node 1's message, as node 0's)
+        return _tamper(message, "no_change", src=0)
+    return _tamper(message, kind, src=0, round=1)
 
 
 @pytest.mark.parametrize("kind", list(WHY_RESULT))
